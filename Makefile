@@ -1,0 +1,68 @@
+# Two commands do everything on a fresh machine:
+#   make run    runs every notebook with papermill into runs/<timestamp>/ (charts beside them)
+#   make test   runs pytest, then nbval over every notebook
+# Each sets up .venv on first use. `make lab` opens JupyterLab on the notebooks.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# One source of truth for the SGLang pin: the `gpu` extra in pyproject.toml.
+SGLANG_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print(next(r for r in d['project']['optional-dependencies']['gpu'] if r.startswith('sglang')))")
+# torch is held at the `cpu` extra's version while the rest installs.
+TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print('\n'.join(d['project']['optional-dependencies']['cpu']))")
+RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+
+.PHONY: help setup run test test-cpu lab kernel-resources wheelhouse clean
+
+help:
+	@echo "make run      run the workbook (papermill) into runs/<timestamp>/"
+	@echo "make test     pytest + nbval over every notebook"
+	@echo "make lab      JupyterLab with widgets"
+	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
+	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1 .. .whl4)"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (the CPU torch wheel is for 3.11)"; exit 1; }
+	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
+	  || { echo "error: $(PYTHON) is older than 3.11; set PYTHON=/path/to/python3.11"; exit 1; }
+	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { echo "error: $(PYTHON) has no venv module (apt-get install python3-venv)"; exit 1; }
+	@command -v nvcc >/dev/null || echo "note: nvcc not found; kernel compile tests will skip (visibly)"
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	printf '%s\n' $(TORCH_PIN) > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[cpu,sglang-cpu-deps,test]'
+	$(PY) -m pip install -q --no-deps '$(SGLANG_PIN)'
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	$(PY) -c "import torch, sglang, sm120_workbook; print('env ok: torch', torch.__version__, 'sglang', sglang.__version__)"
+	@touch $@
+
+run: $(STAMP)
+	@mkdir -p $(RUN_DIR)
+	@for nb in $(NOTEBOOKS); do \
+	  name=$$(basename $$nb); echo "== $$name"; \
+	  $(VENV)/bin/papermill --cwd notebooks --log-level WARNING $$nb $(RUN_DIR)/$$name -p out_dir $(abspath $(RUN_DIR)) || exit 1; \
+	done
+	@echo "executed notebooks and charts: $(RUN_DIR)"
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest --nbval-lax -p no:cacheprovider notebooks
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks
+
+kernel-resources: $(STAMP)
+	$(PY) -m sm120_workbook.kernels.resources --write
+
+wheelhouse:
+	@test -x ../shared/device/wheelhouse.sh || { echo "error: ../shared/device/wheelhouse.sh not found"; exit 1; }
+	../shared/device/wheelhouse.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs

@@ -1,0 +1,23 @@
+"""Saving altair charts as PNG and SVG (through vl-convert), to the run's output folder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import project_root
+
+
+def chart_dir(out_dir: str | Path | None = None) -> Path:
+    """Where charts go: <out_dir>/charts for a papermill run, else runs/interactive/charts."""
+    base = Path(out_dir) if out_dir else project_root() / "runs" / "interactive"
+    d = base / "charts"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_chart(chart, name: str, out_dir: str | Path | None = None) -> list[Path]:
+    """Write <name>.png and <name>.svg; returns their paths."""
+    d = chart_dir(out_dir)
+    paths = [d / f"{name}.png", d / f"{name}.svg"]
+    chart.save(str(paths[0]), scale_factor=2)
+    chart.save(str(paths[1]))
+    return paths

@@ -1,0 +1,83 @@
+"""Building the kernel with torch.utils.cpp_extension.load_inline.
+
+The CUDA source stays in real files (mla_verify.cuh, mla_verify.cu) that load_inline reads,
+so nvcc, editors and diffs see ordinary CUDA. The build is cached under a name that hashes
+the sources, the flags and the target arch, and a file lock serialises it: eight TP
+workers starting at once build it once and load the same .so.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+from filelock import FileLock
+
+KERNEL_DIR = Path(__file__).resolve().parent
+SOURCES = ("mla_verify.cuh", "mla_verify.cu")
+NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+CPP_DECLS = """
+#include <torch/extension.h>
+void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at::Tensor& qo_indptr,
+                        const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                        const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
+                        const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
+                        at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
+                        int64_t num_splits);
+int64_t mla_verify_smem_bytes();
+"""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("SM120_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sm120_workbook", "torch_extensions")
+    return Path(base)
+
+
+def _arch_flags(capability: tuple[int, int]) -> list[str]:
+    major, minor = capability
+    # sm_120 and sm_90 get their arch-specific targets; the code uses no arch-only instruction,
+    # so this only lets ptxas tune for the chip.
+    suffix = "a" if (major, minor) in {(9, 0), (10, 0), (12, 0)} else ""
+    arch = f"{major}{minor}{suffix}"
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
+def build_key(capability: tuple[int, int]) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((KERNEL_DIR / name).read_bytes())
+    h.update(CPP_DECLS.encode())
+    h.update(" ".join(NVCC_FLAGS + _arch_flags(capability)).encode())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool = False):
+    """Compile (once, cached and locked) and import the extension for a GPU capability."""
+    import torch
+    from torch.utils.cpp_extension import load_inline
+
+    if capability is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the sm120_mla kernel needs a CUDA GPU; none is visible to torch")
+        capability = torch.cuda.get_device_capability()
+    if capability < (8, 0):
+        raise RuntimeError(f"the sm120_mla kernel needs sm_80 or newer (mma.sync bf16, cp.async); "
+                           f"this GPU is sm_{capability[0]}{capability[1]}")
+    name = f"sm120_mla_{build_key(capability)}"
+    build_dir = cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cu = (KERNEL_DIR / "mla_verify.cu").read_text()
+    with FileLock(str(build_dir) + ".lock"):
+        return load_inline(
+            name=name,
+            cpp_sources=[CPP_DECLS],
+            cuda_sources=[cu],
+            functions=["mla_verify_forward", "mla_verify_smem_bytes"],
+            extra_cuda_cflags=NVCC_FLAGS + _arch_flags(capability) + [f"-I{KERNEL_DIR}"],
+            extra_include_paths=[str(KERNEL_DIR)],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )

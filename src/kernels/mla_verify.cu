@@ -1,0 +1,78 @@
+// Torch launcher for the MLA verify kernels in mla_verify.cuh. Python (verify_attention.py)
+// validates every argument first and raises ValueErrors that name it; the checks here are
+// the last line of defence. Everything launches on torch's current stream, allocates
+// nothing and never syncs, so the call can be captured in a CUDA graph.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "mla_verify.cuh"
+
+namespace {
+
+void set_smem_limit_once(int device) {
+  static std::once_flag flags[64];
+  std::call_once(flags[device % 64], [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(sm120_mla::mla_verify_split_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, sm120_mla::kSmemBytes));
+  });
+}
+
+}  // namespace
+
+void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at::Tensor& qo_indptr,
+                        const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                        const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
+                        const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
+                        at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
+                        int64_t num_splits) {
+  using namespace sm120_mla;
+  TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == kDimQK &&
+                  q.is_contiguous(), "q must be a contiguous CUDA bf16 tensor [T, H, 576]");
+  TORCH_CHECK(kv_pool.scalar_type() == at::kBFloat16 && kv_pool.is_contiguous() &&
+                  kv_pool.size(-1) == kDimQK, "kv_pool must be contiguous bf16 [P, 576]");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits out of range");
+  TORCH_CHECK(max_q_len >= 1, "max_q_len must be >= 1");
+  const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
+  TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
+              "workspace too small");
+  if (T == 0 || B == 0) return;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int device = q.get_device();
+  set_smem_limit_once(device);
+
+  Params prm{};
+  prm.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
+  prm.kv_pool = reinterpret_cast<const __nv_bfloat16*>(kv_pool.data_ptr());
+  prm.k_extend = k_extend.has_value() ? reinterpret_cast<const __nv_bfloat16*>(k_extend->data_ptr()) : nullptr;
+  prm.qo_indptr = qo_indptr.data_ptr<int32_t>();
+  prm.kv_indptr = kv_indptr.data_ptr<int32_t>();
+  prm.kv_indices = kv_indices.data_ptr();
+  prm.kv_indices_64 = kv_indices.scalar_type() == at::kLong;
+  prm.custom_mask = custom_mask.has_value() ? reinterpret_cast<const uint8_t*>(custom_mask->data_ptr()) : nullptr;
+  prm.mask_indptr = mask_indptr.has_value() ? mask_indptr->data_ptr() : nullptr;
+  prm.mask_indptr_64 = mask_indptr.has_value() && mask_indptr->scalar_type() == at::kLong;
+  prm.ws_o = ws_o.data_ptr<float>();
+  prm.ws_lse = ws_lse.data_ptr<float>();
+  prm.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  prm.lse = lse.data_ptr<float>();
+  prm.heads = static_cast<int>(H);
+  prm.num_splits = static_cast<int>(num_splits);
+  prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
+
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>((max_q_len * H + kRowsPerCta - 1) / kRowsPerCta),
+                  static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
+  mla_verify_split_kernel<<<grid, kThreads, kSmemBytes, stream>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t rows = T * H;
+  mla_verify_combine_kernel<<<static_cast<unsigned>((rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta),
+                              kCombineRowsPerCta * 32, 0, stream>>>(prm, rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int64_t mla_verify_smem_bytes() { return sm120_mla::kSmemBytes; }

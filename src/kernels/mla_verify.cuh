@@ -1,0 +1,381 @@
+// MLA verify attention for sm_120 (RTX PRO 6000 Blackwell), written only with instructions
+// that sm_80 .. sm_120 share: mma.sync m16n8k16 (bf16), ldmatrix and cp.async. No wgmma,
+// TMA or tcgen05, and at most 99 KB of shared memory per block, so the code timed on an
+// H200 (sm_90) is the code that runs on sm_120.
+//
+// Absorbed MLA: every token has one 576-wide bf16 KV row (512 latent + 64 rope) shared by
+// all heads; V is the row's first 512 columns. A request's queries (q_len tokens x heads)
+// attend to its prefix (gathered through kv_indices, page size 1) and to the draft tokens'
+// own KV (k_extend), under a causal chain (DFlash) or a tree mask (SGLang custom_mask).
+//
+// Work split: one CTA owns 32 (token, head) rows of one request and one KV split. The KV of
+// a split streams through a 4-stage cp.async ring, 16 keys per stage; each key row is read
+// once from memory and used for both QK (576 dims) and PV (512 dims). Partial results per
+// split go to a workspace, and a second kernel merges the splits by their LSE.
+//
+// This file holds no torch code, so nvcc can compile it alone for resource reports.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace sm120_mla {
+
+constexpr int kDimQK = 576;              // 512 latent + 64 rope
+constexpr int kDimV = 512;
+constexpr int kRowsPerCta = 32;          // (token, head) rows: two m16 tiles
+constexpr int kKeysPerTile = 16;         // keys per pipeline stage = k of the PV mma
+constexpr int kStages = 4;               // cp.async ring depth
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kQkDimSplit = 4;           // QK: warps split the 576 dims four ways ...
+constexpr int kQkKeyHalves = 2;          // ... and the 16 keys two ways (8 warps)
+constexpr int kQkSteps = kDimQK / 16 / kQkDimSplit;   // 9 k-steps of 16 dims per warp
+constexpr int kVColsPerWarp = kDimV / kWarps;         // PV: 64 output columns per warp
+constexpr int kMinKeysPerSplit = 64;     // a split never gets fewer keys (short contexts)
+constexpr int kMaxSplits = 128;
+
+// Shared-memory rows are padded by 16 bytes so that the 8 row addresses of one ldmatrix
+// fall in different banks (1168 B stride = 292 words, 4 banks apart).
+constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
+constexpr int kStageElems = kKeysPerTile * kKvRowStride;
+constexpr int kPRowStride = kKeysPerTile + 8;         // bf16 elements (48 B: conflict-free)
+constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per key row
+
+struct SharedStorage {
+  __nv_bfloat16 kv[kStages][kStageElems];             // 74,752 B
+  float s_part[kQkDimSplit][kRowsPerCta][kKeysPerTile];  // 8,192 B: QK partial sums
+  __nv_bfloat16 p[kRowsPerCta][kPRowStride];          // 1,536 B: probabilities (bf16)
+  float row_max[kRowsPerCta];                         // running max (log2 domain)
+  float row_sum[kRowsPerCta];                         // running sum of exp2
+  float row_scale[kRowsPerCta];                       // this tile's rescale of O
+};
+constexpr int kSmemBytes = sizeof(SharedStorage);
+static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
+static_assert(kRowsPerCta == 2 * 16 && kWarps == kQkDimSplit * kQkKeyHalves, "warp layout");
+
+struct Params {
+  const __nv_bfloat16* q;          // [T, H, 576]
+  const __nv_bfloat16* kv_pool;    // [P, 576]
+  const __nv_bfloat16* k_extend;   // [T, 576] or nullptr (decode: queries' keys are in the pool)
+  const int32_t* qo_indptr;        // [B+1]
+  const int32_t* kv_indptr;        // [B+1]
+  const void* kv_indices;          // int32 or int64
+  const uint8_t* custom_mask;      // flat bool, or nullptr for a causal chain
+  const void* mask_indptr;         // int32 or int64, [B+1]
+  float* ws_o;                     // [T*H*num_splits, 512]: each split's normalised output
+  float* ws_lse;                   // [T*H*num_splits]: each split's LSE (log2 domain)
+  __nv_bfloat16* out;              // [T, H, 512]
+  float* lse;                      // [T, H] natural-log LSE of sm_scale * q.k
+  int heads;
+  int num_splits;
+  int kv_indices_64;
+  int mask_indptr_64;
+  float scale_log2;                // sm_scale * log2(e)
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  // src-size 0 zero-fills: keys past the split's end become 0, never stale or NaN data.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+// D = A(16x16, row) * B(16x8, col) + D, bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// grid: (row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
+__global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
+  const int b = blockIdx.z, split = blockIdx.y;
+  const int H = prm.heads;
+
+  const int q_start = prm.qo_indptr[b];
+  const int q_len = prm.qo_indptr[b + 1] - q_start;
+  const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
+  const int rows = q_len * H;
+  if (row0 >= rows) return;                        // request shorter than max_q_len
+
+  const int64_t kv_start = prm.kv_indptr[b];
+  const int prefix_len = prm.kv_indptr[b + 1] - static_cast<int>(kv_start);
+  const int num_keys = prefix_len + (prm.k_extend ? q_len : 0);
+  const int draft0 = num_keys - q_len;             // first draft key; before it all is visible
+
+  // This split's key range: equal chunks, whole tiles, never below kMinKeysPerSplit.
+  int chunk = (num_keys + prm.num_splits - 1) / prm.num_splits;
+  chunk = max(kMinKeysPerSplit, (chunk + kKeysPerTile - 1) / kKeysPerTile * kKeysPerTile);
+  const int key_begin = split * chunk;
+  const int key_end = min(num_keys, key_begin + chunk);
+  const int num_tiles = key_begin < key_end ? (key_end - key_begin + kKeysPerTile - 1) / kKeysPerTile : 0;
+
+  auto partial_index = [&](int r) {  // workspace slot of local row r, or -1 for padding
+    const int gr = row0 + r;
+    if (gr >= rows) return int64_t(-1);
+    const int tok = q_start + gr / H, head = gr % H;
+    return (static_cast<int64_t>(tok) * H + head) * prm.num_splits + split;
+  };
+
+  if (num_tiles == 0) {  // empty split: the combine step gives it zero weight
+    if (tid < kRowsPerCta) {
+      const int64_t pi = partial_index(tid);
+      if (pi >= 0) prm.ws_lse[pi] = -INFINITY;
+    }
+    return;
+  }
+
+  // Gather one 16-key tile into a ring stage: prefix keys through kv_indices, draft keys
+  // from k_extend, keys past key_end zero-filled.
+  auto load_tile = [&](int tile, int stage) {
+    const int key0 = key_begin + tile * kKeysPerTile;
+    for (int c = tid; c < kKeysPerTile * kChunksPerKey; c += kThreads) {
+      const int k = c / kChunksPerKey, part = c % kChunksPerKey;
+      const int key = key0 + k;
+      const __nv_bfloat16* src = prm.kv_pool;
+      if (key < key_end) {
+        src = key < prefix_len
+                  ? prm.kv_pool + load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64) * kDimQK
+                  : prm.k_extend + static_cast<int64_t>(q_start + key - prefix_len) * kDimQK;
+      }
+      cp_async_16(&sm.kv[stage][k * kKvRowStride + part * 8], src + part * 8, key < key_end);
+    }
+  };
+
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  // Q fragments stay in registers for the whole split: this warp's 144 dims x 32 rows.
+  const int key_half = warp & 1, dim_part = warp >> 1;
+  uint32_t qf[2][kQkSteps][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int gr = row0 + mt * 16 + g + hi * 8;
+      const uint32_t* qrow = nullptr;
+      if (gr < rows)
+        qrow = reinterpret_cast<const uint32_t*>(
+            prm.q + (static_cast<int64_t>(q_start + gr / H) * H + gr % H) * kDimQK + dim_part * (kQkSteps * 16));
+#pragma unroll
+      for (int ks = 0; ks < kQkSteps; ++ks) {
+        qf[mt][ks][hi] = qrow ? qrow[ks * 8 + t4] : 0u;          // dims 2*t4, +1
+        qf[mt][ks][hi + 2] = qrow ? qrow[ks * 8 + 4 + t4] : 0u;  // dims 8 + 2*t4, +1
+      }
+    }
+  }
+
+  if (tid < kRowsPerCta) {
+    sm.row_max[tid] = -INFINITY;
+    sm.row_sum[tid] = 0.f;
+  }
+
+  float o[2][kVColsPerWarp / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
+
+  // Softmax-stage thread layout: 8 threads per row, two keys each.
+  const int sm_row = tid >> 3, sm_key = (tid & 7) * 2;
+  const int sm_gr = row0 + sm_row;
+  const int sm_tok = sm_gr < rows ? sm_gr / H : 0;  // query token within the request
+  const bool sm_row_valid = sm_gr < rows;
+  int64_t mask_row = 0;
+  if (prm.custom_mask) mask_row = load_index(prm.mask_indptr, b, prm.mask_indptr_64) + int64_t(sm_tok) * num_keys;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile is in smem for everyone; the stage loaded next is free
+    if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
+    cp_async_commit();
+    const __nv_bfloat16* kv = sm.kv[tile % kStages];
+
+    // S partial = Q[32 rows, this warp's 144 dims] . K[this warp's 8 keys]^T
+    {
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const __nv_bfloat16* kbase =
+          kv + (key_half * 8 + (lane & 7)) * kKvRowStride + dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < kQkSteps; ++ks) {
+        uint32_t b0, b1;
+        ldmatrix_x2(b0, b1, kbase + ks * 16);
+        mma_16816(s[0], qf[0][ks], b0, b1);
+        mma_16816(s[1], qf[1][ks], b0, b1);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        float* dst = &sm.s_part[dim_part][mt * 16 + g][key_half * 8 + 2 * t4];
+        *reinterpret_cast<float2*>(dst) = make_float2(s[mt][0], s[mt][1]);
+        *reinterpret_cast<float2*>(dst + 8 * kKeysPerTile) = make_float2(s[mt][2], s[mt][3]);
+      }
+    }
+    __syncthreads();
+
+    // Online softmax over this tile, in the log2 domain.
+    {
+      float sc[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float acc = 0.f;
+#pragma unroll
+        for (int d = 0; d < kQkDimSplit; ++d) acc += sm.s_part[d][sm_row][sm_key + j];
+        const int key = key_begin + tile * kKeysPerTile + sm_key + j;
+        bool visible = sm_row_valid && key < key_end;
+        if (visible && key >= draft0) {
+          const int draft = key - draft0;
+          visible = prm.custom_mask ? prm.custom_mask[mask_row + key] != 0 : draft <= sm_tok;
+        }
+        sc[j] = visible ? acc * prm.scale_log2 : -INFINITY;
+      }
+      float tile_max = fmaxf(sc[0], sc[1]);
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+      const float m_old = sm.row_max[sm_row];
+      const float m_new = fmaxf(m_old, tile_max);
+      // A row with nothing visible yet keeps max -inf: use 0 as the base so exp2 gives 0, not NaN.
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      const float p0 = exp2f(sc[0] - base), p1 = exp2f(sc[1] - base);
+      float psum = p0 + p1;
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.p[sm_row][sm_key]) = __floats2bfloat162_rn(p0, p1);
+      __syncwarp();
+      if ((tid & 7) == 0) {
+        const float alpha = exp2f(m_old - base);  // 0 when m_old is -inf
+        sm.row_scale[sm_row] = alpha;
+        sm.row_sum[sm_row] = sm.row_sum[sm_row] * alpha + psum;
+        sm.row_max[sm_row] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // O[32 rows, this warp's 64 columns] = O * scale + P[32, 16] . V[16, 64 columns]
+    {
+      uint32_t pa[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const float a0 = sm.row_scale[mt * 16 + g], a1 = sm.row_scale[mt * 16 + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
+          o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
+          o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
+        }
+        ldmatrix_x4(pa[mt], &sm.p[mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][((lane >> 4) & 1) * 8]);
+      }
+      const __nv_bfloat16* vbase =
+          kv + ((lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + warp * kVColsPerWarp + ((lane >> 4) & 1) * 8;
+#pragma unroll
+      for (int np = 0; np < kVColsPerWarp / 16; ++np) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vbase + np * 16);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
+          mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Normalised partial output and LSE for each row of this split.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int r = mt * 16 + g + hi * 8;
+      const int64_t pi = partial_index(r);
+      if (pi < 0) continue;
+      const float l = sm.row_sum[r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float* dst = prm.ws_o + pi * kDimV + warp * kVColsPerWarp + 2 * t4;
+#pragma unroll
+      for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
+        *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+    }
+  }
+  if (tid < kRowsPerCta) {
+    const int64_t pi = partial_index(tid);
+    if (pi >= 0) {
+      const float l = sm.row_sum[tid];
+      prm.ws_lse[pi] = l > 0.f ? sm.row_max[tid] + log2f(l) : -INFINITY;
+    }
+  }
+}
+
+constexpr int kCombineRowsPerCta = 4;  // one warp per (token, head) row
+
+// Merge the splits of each row by their LSE: out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max).
+__global__ void __launch_bounds__(kCombineRowsPerCta * 32) mla_verify_combine_kernel(const Params prm,
+                                                                                    int64_t total_rows) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineRowsPerCta + (threadIdx.x >> 5);
+  if (row >= total_rows) return;
+  const int S = prm.num_splits;
+  const float* lse = prm.ws_lse + row * S;
+  float m = -INFINITY;
+  for (int s = 0; s < S; ++s) m = fmaxf(m, lse[s]);
+  float4 acc[kDimV / 128];
+#pragma unroll
+  for (int i = 0; i < kDimV / 128; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < S; ++s) {
+      const float w = exp2f(lse[s] - m);
+      if (w == 0.f) continue;  // also skips splits that had no keys (never read their o)
+      wsum += w;
+      const float4* src = reinterpret_cast<const float4*>(prm.ws_o + (row * S + s) * kDimV);
+#pragma unroll
+      for (int i = 0; i < kDimV / 128; ++i) {
+        const float4 v = src[i * 32 + lane];
+        acc[i].x += w * v.x; acc[i].y += w * v.y; acc[i].z += w * v.z; acc[i].w += w * v.w;
+      }
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  __nv_bfloat16* dst = prm.out + row * kDimV;
+#pragma unroll
+  for (int i = 0; i < kDimV / 128; ++i) {
+    const int col = (i * 32 + lane) * 4;
+    *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[i].x * inv, acc[i].y * inv);
+    *reinterpret_cast<__nv_bfloat162*>(dst + col + 2) = __floats2bfloat162_rn(acc[i].z * inv, acc[i].w * inv);
+  }
+  if (lane == 0) prm.lse[row] = wsum > 0.f ? (m + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+}
+
+}  // namespace sm120_mla

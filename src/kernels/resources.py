@@ -1,0 +1,115 @@
+"""What the kernel costs in registers, shared memory and spills, per target arch, from nvcc.
+
+Needs nvcc only (no GPU, no torch headers): mla_verify.cuh is plain CUDA. ptxas reports
+registers, spills and static shared memory; the kernel's shared memory is dynamic, so its
+size comes from a tiny host program that prints sizeof(SharedStorage).
+
+    python -m sm120_workbook.kernels.resources [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .build import KERNEL_DIR
+
+ARCHS = ("sm_120a", "sm_90")
+SM120_SMEM_LIMIT = 101_376   # 99 KB opt-in per block on sm_120
+_FUNC = re.compile(r"Function properties for (\S+)")
+_USED = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def _nvcc() -> str:
+    exe = shutil.which("nvcc")
+    if not exe:
+        raise RuntimeError("nvcc is not on PATH; install the CUDA toolkit to build or inspect the kernel")
+    return exe
+
+
+def _kernel_label(mangled: str) -> str:
+    for name in ("mla_verify_split_kernel", "mla_verify_combine_kernel"):
+        if name in mangled:
+            return name
+    return mangled
+
+
+def ptxas_report(arch: str) -> dict[str, dict]:
+    """Per-kernel registers, spill bytes and static shared memory for one arch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "resources.cu"
+        src.write_text('#include "mla_verify.cuh"\n')
+        proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
+                               f"-I{KERNEL_DIR}", "-o", str(Path(tmp) / "k.cubin"), str(src)],
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-4000:]}")
+    report, current = {}, None
+    for line in proc.stderr.splitlines():
+        if m := _FUNC.search(line):
+            current = _kernel_label(m.group(1))
+            report[current] = {}
+        elif current and (m := _SPILL.search(line)):
+            report[current].update(stack_bytes=int(m[1]), spill_store_bytes=int(m[2]), spill_load_bytes=int(m[3]))
+        elif current and (m := _USED.search(line)):
+            report[current]["registers"] = int(m[1])
+            s = _SMEM.search(line)
+            report[current]["static_smem_bytes"] = int(s[1]) if s else 0
+    return report
+
+
+def dynamic_smem_bytes() -> int:
+    """sizeof(SharedStorage), from a host-only program (runs without a GPU)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "smem.cu"
+        src.write_text('#include <cstdio>\n#include "mla_verify.cuh"\n'
+                       'int main() { std::printf("%d\\n", sm120_mla::kSmemBytes); }\n')
+        exe = Path(tmp) / "smem"
+        subprocess.run([_nvcc(), "-std=c++17", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
+                       check=True, capture_output=True, text=True)
+        return int(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
+
+
+def resource_report(archs=ARCHS) -> dict:
+    """{arch: {kernel: {registers, spill bytes, smem bytes}}} plus the budget verdict."""
+    from ..provenance import nvcc_version
+
+    smem = dynamic_smem_bytes()
+    out = {"nvcc": nvcc_version(), "smem_limit_sm120": SM120_SMEM_LIMIT, "archs": {}}
+    for arch in archs:
+        rep = ptxas_report(arch)
+        rep["mla_verify_split_kernel"]["dynamic_smem_bytes"] = smem
+        for k in rep.values():
+            k.setdefault("dynamic_smem_bytes", 0)
+            k["smem_bytes"] = k["static_smem_bytes"] + k["dynamic_smem_bytes"]
+        out["archs"][arch] = rep
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="write data/results/kernel_resources.json")
+    args = ap.parse_args(argv)
+    rep = resource_report()
+    for arch, kernels in rep["archs"].items():
+        for name, k in kernels.items():
+            print(f"{arch:8s} {name:28s} regs={k['registers']:3d} smem={k['smem_bytes']:6d} B "
+                  f"spill={k['spill_store_bytes'] + k['spill_load_bytes']} B")
+    if args.write:
+        from ..provenance import provenance
+        from ..results import results_dir
+
+        path = results_dir() / "kernel_resources.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**rep, "provenance": provenance()}, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

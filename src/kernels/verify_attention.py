@@ -1,0 +1,201 @@
+"""The Python face of the sm120_mla kernel: argument checks, the workspace, the split policy.
+
+`mla_verify_attention` takes SGLang's Triton-backend metadata as it is (qo_indptr,
+kv_indptr, kv_indices into a page-size-1 pool, custom_mask and mask_indptr), so the SGLang
+backend passes its buffers straight through. All checks read shapes, dtypes and devices
+only, never tensor values, so a call costs no host sync and can be captured in a graph.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .build import load_kernel_module
+
+DIM_QK = 576   # 512 latent + 64 rope
+DIM_V = 512
+ROWS_PER_CTA = 32
+MAX_SPLITS = 128
+MAX_Q_LEN = 16
+
+
+def _fail(arg: str, msg: str):
+    raise ValueError(f"{arg}: {msg}")
+
+
+def _check(arg: str, t, *, dtypes, dim=None, device=None, contiguous=True):
+    if not isinstance(t, torch.Tensor):
+        _fail(arg, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        _fail(arg, f"dtype {t.dtype} not in {[str(d) for d in dtypes]}")
+    if dim is not None and t.dim() not in (dim if isinstance(dim, tuple) else (dim,)):
+        _fail(arg, f"expected {dim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(arg, f"on {t.device}, expected {device} (same device as q)")
+    if contiguous and not t.is_contiguous():
+        _fail(arg, "must be contiguous")
+
+
+def kernel_available() -> tuple[bool, str]:
+    """Whether the kernel can build and run here, and if not, why."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU is visible to torch"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        return False, f"GPU is sm_{cap[0]}{cap[1]}; the kernel needs sm_80 or newer"
+    try:
+        load_kernel_module()
+    except Exception as e:  # a failed nvcc build: say so, with the compiler's own words
+        return False, f"kernel build failed: {e}"
+    return True, f"sm_{cap[0]}{cap[1]}"
+
+
+def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int) -> int:
+    """KV splits per request: enough CTAs to fill every SM once, from static shapes only.
+
+    The grid must not depend on sequence lengths (a captured graph replays for any), so
+    short contexts are handled inside the kernel, which gives each split at least 64 keys
+    and leaves the rest empty.
+    """
+    row_ctas = batch * math.ceil(max_q_len * heads / ROWS_PER_CTA)
+    return max(1, min(MAX_SPLITS, math.ceil(num_sms / row_ctas)))
+
+
+class MlaVerifyWorkspace:
+    """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
+
+    With num_splits=None the split count follows `choose_num_splits` for each call's
+    batch; the buffer is sized so that any batch up to max_tokens fits.
+    """
+
+    def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            _fail("max_tokens", f"must be a positive int, got {max_tokens!r}")
+        if not isinstance(heads, int) or not 1 <= heads <= 128:
+            _fail("heads", f"must be an int in 1..128, got {heads!r}")
+        if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+            _fail("num_splits", f"must be in 1..{MAX_SPLITS}, got {num_splits!r}")
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.heads, self.max_tokens, self.fixed_splits = heads, max_tokens, num_splits
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 1)
+        if num_splits is None:
+            # T*H*ceil(S/rc) <= 32*S + T*H for the policy above (rows <= 32 per row CTA).
+            rows = ROWS_PER_CTA * self.num_sms + max_tokens * heads
+        else:
+            rows = max_tokens * heads * num_splits
+        self.capacity_rows = rows
+        self.partial_o = torch.empty(rows * DIM_V, dtype=torch.float32, device=self.device)
+        self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+
+    def num_splits_for(self, batch: int, max_q_len: int) -> int:
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        return choose_num_splits(batch, self.heads, max_q_len, self.num_sms)
+
+    @property
+    def nbytes(self) -> int:
+        return self.partial_o.numel() * 4 + self.partial_lse.numel() * 4
+
+
+def _as_rows(arg: str, t, device):
+    """[N, 576] or [N, 1, 576] bf16 -> [N, 576] view (SGLang's MLA pool is [P, 1, 576])."""
+    _check(arg, t, dtypes=(torch.bfloat16,), dim=(2, 3), device=device)
+    if t.dim() == 3:
+        if t.shape[1] != 1:
+            _fail(arg, f"expected [N, 576] or [N, 1, 576], got {tuple(t.shape)}")
+        t = t.view(t.shape[0], t.shape[2])
+    if t.shape[1] != DIM_QK:
+        _fail(arg, f"last dim must be {DIM_QK} (512 latent + 64 rope), got {t.shape[1]}")
+    return t
+
+
+def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, lse, workspace,
+                         sm_scale: float, max_q_len: int, k_extend=None, custom_mask=None,
+                         mask_indptr=None):
+    """Absorbed MLA attention for speculative verify (q_len 1..16) and decode (q_len 1).
+
+    Args:
+        q: [T, H, 576] bf16, the queries of all requests back to back (T = qo_indptr[-1]).
+        kv_pool: [P, 576] or [P, 1, 576] bf16, one KV row per token (page size 1); V is
+            each row's first 512 columns.
+        qo_indptr: [B+1] int32, request b's queries are q[qo_indptr[b]:qo_indptr[b+1]].
+        kv_indptr: [B+1] int32, and kv_indices: int32|int64, request b's prefix rows are
+            kv_pool[kv_indices[kv_indptr[b]:kv_indptr[b+1]]].
+        k_extend: [T, 576] or [T, 1, 576] bf16, the draft tokens' own KV, appended after the
+            prefix (SGLang's target verify). None for decode, where each query's own token
+            is already the last entry of its prefix.
+        custom_mask: flat bool/uint8 and mask_indptr [B+1] int32|int64, SGLang's verify
+            format: request b's [q_len, L_b] mask starts at mask_indptr[b], L_b = its key
+            count. Only the draft columns are read; the prefix is always visible. Without a
+            mask the draft tokens form a causal chain (DFlash).
+        out: [T, H, 512] bf16 and lse: [T, H] float32, written in full (lse is the natural
+            log of sum exp(sm_scale * q.k)).
+        workspace: an MlaVerifyWorkspace for this device and head count.
+        max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
+
+    Returns out. Launches on the current stream, with no allocation and no host sync.
+    Preconditions that would need a sync to check: qo_indptr[-1] == T, every q_len <=
+    max_q_len, kv_indices in range of the pool.
+    """
+    _check("q", q, dtypes=(torch.bfloat16,), dim=3)
+    if q.device.type != "cuda":
+        _fail("q", f"must be a CUDA tensor, got {q.device}")
+    dev = q.device
+    T, H, D = q.shape
+    if D != DIM_QK:
+        _fail("q", f"last dim must be {DIM_QK} (512 latent + 64 rope), got {D}")
+    if not 1 <= H <= 128:
+        _fail("q", f"heads must be in 1..128, got {H}")
+    kv_rows = _as_rows("kv_pool", kv_pool, dev)
+    _check("qo_indptr", qo_indptr, dtypes=(torch.int32,), dim=1, device=dev)
+    _check("kv_indptr", kv_indptr, dtypes=(torch.int32,), dim=1, device=dev)
+    _check("kv_indices", kv_indices, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
+    if qo_indptr.numel() < 2 or kv_indptr.numel() != qo_indptr.numel():
+        _fail("kv_indptr", f"qo_indptr and kv_indptr must both be [B+1] with B >= 1, got "
+              f"{qo_indptr.numel()} and {kv_indptr.numel()}")
+    batch = qo_indptr.numel() - 1
+    if not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
+        _fail("max_q_len", f"must be an int in 1..{MAX_Q_LEN}, got {max_q_len!r}")
+    if T > batch * max_q_len:
+        _fail("q", f"{T} tokens exceed batch {batch} x max_q_len {max_q_len}")
+    ke_rows = None
+    if k_extend is not None:
+        ke_rows = _as_rows("k_extend", k_extend, dev)
+        if ke_rows.shape[0] != T:
+            _fail("k_extend", f"needs one row per query token ({T}), got {ke_rows.shape[0]}")
+    if (custom_mask is None) != (mask_indptr is None):
+        _fail("mask_indptr", "custom_mask and mask_indptr come together")
+    if custom_mask is not None:
+        _check("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), dim=1, device=dev)
+        _check("mask_indptr", mask_indptr, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
+        if mask_indptr.numel() != batch + 1:
+            _fail("mask_indptr", f"must be [B+1] = [{batch + 1}], got {mask_indptr.numel()}")
+        custom_mask = custom_mask.view(torch.uint8)
+    _check("out", out, dtypes=(torch.bfloat16,), dim=3, device=dev)
+    if tuple(out.shape) != (T, H, DIM_V):
+        _fail("out", f"expected shape {(T, H, DIM_V)}, got {tuple(out.shape)}")
+    _check("lse", lse, dtypes=(torch.float32,), dim=2, device=dev)
+    if tuple(lse.shape) != (T, H):
+        _fail("lse", f"expected shape {(T, H)}, got {tuple(lse.shape)}")
+    if not isinstance(workspace, MlaVerifyWorkspace):
+        _fail("workspace", f"expected an MlaVerifyWorkspace, got {type(workspace).__name__}")
+    if workspace.device != dev:
+        _fail("workspace", f"allocated on {workspace.device}, q is on {dev}")
+    if workspace.heads != H:
+        _fail("workspace", f"allocated for {workspace.heads} heads, q has {H}")
+    splits = workspace.num_splits_for(batch, max_q_len)
+    if T * H * splits > workspace.capacity_rows:
+        _fail("workspace", f"too small: {T} tokens x {H} heads x {splits} splits > "
+              f"{workspace.capacity_rows} rows (allocated for max_tokens={workspace.max_tokens})")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        _fail("sm_scale", f"must be a positive finite float, got {sm_scale!r}")
+
+    mod = load_kernel_module(torch.cuda.get_device_capability(dev))
+    mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
+                           mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
+                           float(sm_scale), max_q_len, splits)
+    return out

@@ -1,0 +1,92 @@
+"""Where a measurement came from: GPU, driver, library versions, commit, date, command.
+
+Every record written to data/results/ carries this dict, so a chart drawn on a machine
+without a GPU can still say exactly what produced its numbers.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import importlib.metadata as md
+import shutil
+import subprocess
+import sys
+
+from . import project_root
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """Short commit of the checkout, with '+dirty' when tracked files differ from it."""
+    try:
+        root = project_root()
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def nvcc_version() -> str | None:
+    exe = shutil.which("nvcc")
+    if not exe:
+        return None
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if "release" in line:
+            return line.split("release", 1)[1].split(",")[0].strip()
+    return None
+
+
+def gpu_info() -> dict:
+    """The GPU torch sees (device 0), or {'gpu': None} on a CPU-only machine."""
+    try:
+        import torch
+    except ImportError:
+        return {"gpu": None}
+    if not torch.cuda.is_available():
+        return {"gpu": None}
+    p = torch.cuda.get_device_properties(0)
+    info = {
+        "gpu": p.name,
+        "gpu_count": torch.cuda.device_count(),
+        "sm_arch": f"sm_{p.major}{p.minor}",
+        "sm_count": p.multi_processor_count,
+        "gpu_mem_gib": round(p.total_memory / 2**30, 1),
+        "cuda_runtime": torch.version.cuda,
+    }
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or not permitted: the driver stays unknown, not guessed
+        info["driver"] = None
+    return info
+
+
+def provenance(command: str | None = None) -> dict:
+    """The provenance fields every result record carries."""
+    rec = dict(gpu_info())
+    rec.update({
+        "torch": _version("torch"),
+        "sglang": _version("sglang"),
+        "triton": _version("triton"),
+        "nvcc": nvcc_version(),
+        "python": sys.version.split()[0],
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command if command is not None else " ".join(sys.argv),
+    })
+    return rec

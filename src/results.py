@@ -1,0 +1,58 @@
+"""Result records: one JSON object per line in data/results/<name>.jsonl, with provenance."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from . import project_root
+from .provenance import provenance
+
+PROVENANCE_KEYS = ("gpu", "driver", "torch", "sglang", "triton", "commit", "date", "command")
+
+
+def results_dir() -> Path:
+    return project_root() / "data" / "results"
+
+
+def append_records(name: str, records: Iterable[dict], command: str | None = None,
+                   path: Path | None = None) -> Path:
+    """Append measurement dicts to data/results/<name>.jsonl, each stamped with provenance.
+
+    Fields already in a record win over the provenance defaults (a record made on the GPU
+    machine and merged here keeps its own GPU and date).
+    """
+    path = path or results_dir() / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prov = provenance(command)
+    with path.open("a") as f:
+        for r in records:
+            f.write(json.dumps({**prov, **r}, sort_keys=True) + "\n")
+    return path
+
+
+def load_records(name: str, path: Path | None = None):
+    """The records of data/results/<name>.jsonl as a pandas DataFrame (empty if none)."""
+    import pandas as pd
+
+    path = path or results_dir() / f"{name}.jsonl"
+    if not path.exists():
+        return pd.DataFrame()
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return pd.DataFrame(rows)
+
+
+def describe_provenance(df) -> str:
+    """One line naming where recorded results came from, for a notebook to print."""
+    if df is None or len(df) == 0:
+        return "no recorded results"
+    parts = []
+    for key in ("gpu", "driver", "torch", "sglang", "triton", "commit"):
+        if key in df:
+            vals = sorted({str(v) for v in df[key].dropna()})
+            if vals:
+                parts.append(f"{key}={','.join(vals)}")
+    dates = sorted(str(v)[:10] for v in df.get("date", []))
+    if dates:
+        parts.append(f"dates={dates[0]}..{dates[-1]}")
+    return "recorded results: " + "; ".join(parts)

@@ -1,0 +1,36 @@
+"""Shared test switches: GPU and nvcc tests skip visibly, with the reason, where they can't run."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+
+def _gpu_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_reason = _gpu_reason()
+    nvcc_reason = None if shutil.which("nvcc") else "nvcc is not on PATH"
+    for item in items:
+        if gpu_reason and "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=f"GPU test skipped: {gpu_reason}"))
+        if nvcc_reason and "nvcc" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=f"nvcc test skipped: {nvcc_reason}"))
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test, printed so a failure can be replayed."""
+    import random
+
+    s = random.SystemRandom().randrange(2**31)
+    print(f"seed={s}")
+    return s

@@ -1,0 +1,44 @@
+"""Every notebook runs under papermill with non-default parameters (nbval covers the defaults)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+
+# Non-default parameters per notebook: small and quick, but not the defaults.
+NOTEBOOK_PARAMS: dict[str, dict] = {
+}
+
+
+def _notebooks():
+    return sorted(p.name for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+def _parameter_cells(nb: dict) -> list[dict]:
+    return [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+
+
+@pytest.mark.parametrize("name", _notebooks())
+def test_notebook_has_one_parameters_cell(name):
+    nb = json.loads((NOTEBOOK_DIR / name).read_text())
+    cells = _parameter_cells(nb)
+    assert len(cells) == 1, f"{name}: {len(cells)} cells tagged 'parameters'"
+    assert "out_dir" in "".join(cells[0]["source"]), f"{name}: parameters cell lacks out_dir"
+    errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{name}: stored error outputs"
+
+
+@pytest.mark.parametrize("name", _notebooks())
+def test_notebook_runs_with_papermill(name, tmp_path):
+    papermill = pytest.importorskip("papermill")
+    params = dict(NOTEBOOK_PARAMS.get(name, {}))
+    assert params, f"{name}: add non-default parameters to NOTEBOOK_PARAMS"
+    params["out_dir"] = str(tmp_path)
+    papermill.execute_notebook(str(NOTEBOOK_DIR / name), str(tmp_path / name),
+                               parameters=params, cwd=str(NOTEBOOK_DIR), kernel_name="python3",
+                               progress_bar=False)
+    charts = list((tmp_path / "charts").glob("*.png")) if (tmp_path / "charts").exists() else []
+    print(f"{name}: {len(charts)} PNG charts")
