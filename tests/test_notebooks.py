@@ -10,6 +10,9 @@ NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 # Non-default parameters per notebook: small and quick, but not the defaults.
 NOTEBOOK_PARAMS: dict[str, dict] = {
+    "00_environment.ipynb": {"copy_mib": 64, "matmul_n": 1024, "repeats": 3, "record_results": False},
+    "01_mla_verify_reference.ipynb": {"heads": 8, "q_len": 5, "ctx_list": [2048, 32768], "check_heads": 3,
+                                      "check_ctx": [7, 0, 19], "demo_prefix": 2, "demo_q_len": 6, "seed": 11},
 }
 
 

@@ -70,8 +70,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   mla_verify_split_kernel<<<grid, kThreads, kSmemBytes, stream>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
-  mla_verify_combine_kernel<<<static_cast<unsigned>((rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta),
-                              kCombineRowsPerCta * 32, 0, stream>>>(prm, rows);
+  mla_verify_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

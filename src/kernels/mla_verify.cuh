@@ -52,6 +52,7 @@ struct SharedStorage {
 };
 constexpr int kSmemBytes = sizeof(SharedStorage);
 static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
+static_assert(kThreads == 16 * kKeysPerTile, "tile loads use 16 threads per key row");
 static_assert(kRowsPerCta == 2 * 16 && kWarps == kQkDimSplit * kQkKeyHalves, "warp layout");
 
 struct Params {
@@ -108,6 +109,11 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Pull a line into L2 without waiting for it (no register result, so nothing stalls).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
@@ -155,27 +161,43 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     return;
   }
 
-  // Gather one 16-key tile into a ring stage: prefix keys through kv_indices, draft keys
-  // from k_extend, keys past key_end zero-filled.
-  auto load_tile = [&](int tile, int stage) {
-    const int key0 = key_begin + tile * kKeysPerTile;
-    for (int c = tid; c < kKeysPerTile * kChunksPerKey; c += kThreads) {
-      const int k = c / kChunksPerKey, part = c % kChunksPerKey;
-      const int key = key0 + k;
-      const __nv_bfloat16* src = prm.kv_pool;
-      if (key < key_end) {
-        src = key < prefix_len
-                  ? prm.kv_pool + load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64) * kDimQK
-                  : prm.k_extend + static_cast<int64_t>(q_start + key - prefix_len) * kDimQK;
-      }
-      cp_async_16(&sm.kv[stage][k * kKvRowStride + part * 8], src + part * 8, key < key_end);
+  // Gather one 16-key tile into a ring stage: 16 threads per key row, 16 B each per step.
+  // Where a row comes from is resolved one tile ahead (`fetch_row`), so the index load's
+  // latency overlaps compute instead of stalling the cp.async issue. A row reference is
+  // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
+  const int ld_key = tid >> 4, ld_part = tid & 15;
+  auto fetch_row = [&](int tile) -> int64_t {
+    const int key = key_begin + tile * kKeysPerTile + ld_key;
+    if (tile >= num_tiles || key >= key_end) return -1;
+    if (key < prefix_len) return load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+    return -2 - static_cast<int64_t>(q_start + key - prefix_len);
+  };
+  auto load_tile = [&](int64_t row, int stage) {
+    const __nv_bfloat16* src = row >= 0 ? prm.kv_pool + row * kDimQK
+                               : row <= -2 ? prm.k_extend + (-2 - row) * kDimQK : prm.kv_pool;
+    __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride];
+#pragma unroll
+    for (int j = 0; j < (kChunksPerKey + 15) / 16; ++j) {
+      const int part = ld_part + 16 * j;
+      if (part < kChunksPerKey) cp_async_16(dst + part * 8, src + (row != -1 ? part * 8 : 0), row != -1);
     }
   };
 
+  // The split's slice of kv_indices (a few KB) goes to L2 up front: each fetch_row then
+  // waits on an L2 hit rather than an HBM miss, which would serialise every tile.
+  {
+    const int prefix_keys = max(0, min(key_end, prefix_len) - key_begin);
+    const int elem = prm.kv_indices_64 ? 8 : 4;
+    const char* first = static_cast<const char*>(prm.kv_indices) + (kv_start + key_begin) * elem;
+    for (int64_t off = int64_t(tid) * 128; off < int64_t(prefix_keys) * elem; off += int64_t(kThreads) * 128)
+      prefetch_l2(first + off);
+  }
+
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s);
+    if (s < num_tiles) load_tile(fetch_row(s), s);
     cp_async_commit();
   }
+  int64_t next_row = fetch_row(kStages - 1);
 
   // Q fragments stay in registers for the whole split: this warp's 144 dims x 32 rows.
   const int key_half = warp & 1, dim_part = warp >> 1;
@@ -221,8 +243,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // tile is in smem for everyone; the stage loaded next is free
-    if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
+    if (tile + kStages - 1 < num_tiles) load_tile(next_row, (tile + kStages - 1) % kStages);
     cp_async_commit();
+    next_row = fetch_row(tile + kStages);
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
 
     // S partial = Q[32 rows, this warp's 144 dims] . K[this warp's 8 keys]^T
@@ -338,44 +361,47 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   }
 }
 
-constexpr int kCombineRowsPerCta = 4;  // one warp per (token, head) row
+constexpr int kCombineThreads = kDimV / 4;  // one CTA per (token, head) row, 4 columns a thread
 
 // Merge the splits of each row by their LSE: out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max).
-__global__ void __launch_bounds__(kCombineRowsPerCta * 32) mla_verify_combine_kernel(const Params prm,
-                                                                                    int64_t total_rows) {
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineRowsPerCta + (threadIdx.x >> 5);
-  if (row >= total_rows) return;
-  const int S = prm.num_splits;
-  const float* lse = prm.ws_lse + row * S;
-  float m = -INFINITY;
-  for (int s = 0; s < S; ++s) m = fmaxf(m, lse[s]);
-  float4 acc[kDimV / 128];
+__global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float total[2];
+  const int64_t row = blockIdx.x;
+  const int S = prm.num_splits, tid = threadIdx.x, lane = tid & 31;
+  if (tid < 32) {
+    const float* lse = prm.ws_lse + row * S;
+    float m = -INFINITY;
+    for (int s = lane; s < S; s += 32) m = fmaxf(m, lse[s]);
 #pragma unroll
-  for (int i = 0; i < kDimV / 128; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
-  if (m != -INFINITY) {
-    for (int s = 0; s < S; ++s) {
-      const float w = exp2f(lse[s] - m);
-      if (w == 0.f) continue;  // also skips splits that had no keys (never read their o)
-      wsum += w;
-      const float4* src = reinterpret_cast<const float4*>(prm.ws_o + (row * S + s) * kDimV);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float sum = 0.f;
+    for (int s = lane; s < S; s += 32) {
+      const float w = m == -INFINITY ? 0.f : exp2f(lse[s] - m);  // 0 for splits with no keys
+      weight[s] = w;
+      sum += w;
+    }
 #pragma unroll
-      for (int i = 0; i < kDimV / 128; ++i) {
-        const float4 v = src[i * 32 + lane];
-        acc[i].x += w * v.x; acc[i].y += w * v.y; acc[i].z += w * v.z; acc[i].w += w * v.w;
-      }
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) { total[0] = m; total[1] = sum; }
+  }
+  __syncthreads();
+  const float wsum = total[1];
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4* src = reinterpret_cast<const float4*>(prm.ws_o + row * S * kDimV) + tid;
+#pragma unroll 8
+  for (int s = 0; s < S; ++s) {
+    const float w = weight[s];
+    if (w != 0.f) {  // never read the output of a split that had no keys
+      const float4 v = src[s * (kDimV / 4)];
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  __nv_bfloat16* dst = prm.out + row * kDimV;
-#pragma unroll
-  for (int i = 0; i < kDimV / 128; ++i) {
-    const int col = (i * 32 + lane) * 4;
-    *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[i].x * inv, acc[i].y * inv);
-    *reinterpret_cast<__nv_bfloat162*>(dst + col + 2) = __floats2bfloat162_rn(acc[i].z * inv, acc[i].w * inv);
-  }
-  if (lane == 0) prm.lse[row] = wsum > 0.f ? (m + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+  __nv_bfloat16* dst = prm.out + row * kDimV + tid * 4;
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  if (tid == 0) prm.lse[row] = wsum > 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
 }
 
 }  // namespace sm120_mla

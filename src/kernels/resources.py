@@ -71,7 +71,7 @@ def dynamic_smem_bytes() -> int:
         src.write_text('#include <cstdio>\n#include "mla_verify.cuh"\n'
                        'int main() { std::printf("%d\\n", sm120_mla::kSmemBytes); }\n')
         exe = Path(tmp) / "smem"
-        subprocess.run([_nvcc(), "-std=c++17", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
+        subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
                        check=True, capture_output=True, text=True)
         return int(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
 

@@ -142,8 +142,6 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     max_q_len, kv_indices in range of the pool.
     """
     _check("q", q, dtypes=(torch.bfloat16,), dim=3)
-    if q.device.type != "cuda":
-        _fail("q", f"must be a CUDA tensor, got {q.device}")
     dev = q.device
     T, H, D = q.shape
     if D != DIM_QK:
@@ -193,6 +191,8 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
               f"{workspace.capacity_rows} rows (allocated for max_tokens={workspace.max_tokens})")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         _fail("sm_scale", f"must be a positive finite float, got {sm_scale!r}")
+    if dev.type != "cuda":
+        _fail("q", f"must be a CUDA tensor, got {dev}")
 
     mod = load_kernel_module(torch.cuda.get_device_capability(dev))
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,

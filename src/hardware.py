@@ -1,0 +1,184 @@
+"""The machine a notebook runs on, and the two ceilings later notebooks divide by.
+
+`measure_copy_bandwidth` (device-to-device copy, GB/s counting bytes read + written) and
+`measure_bf16_matmul_tflops` are the practical memory and tensor-core ceilings of *this*
+GPU; `target_hardware_table` lists the GPUs the workbook targets (from roofline.TARGET_GPUS).
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+
+from .provenance import provenance
+from .roofline import TARGET_GPUS
+
+
+class NoGPUError(RuntimeError):
+    """A measurement that needs a CUDA GPU was asked for on a machine without one."""
+
+
+def _require_cuda(what: str):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoGPUError(f"{what} needs a CUDA GPU; torch.cuda.is_available() is False on this machine")
+    return torch
+
+
+def describe_machine() -> dict:
+    """GPUs (name, sm arch, SM count, memory), driver and library versions, host basics."""
+    prov = provenance(command="")
+    gpus = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                gpus.append({"index": i, "name": p.name, "sm_arch": f"sm_{p.major}{p.minor}",
+                             "sm_count": p.multi_processor_count,
+                             "mem_gib": round(p.total_memory / 2**30, 1)})
+    except ImportError:
+        pass
+    return {
+        "gpus": gpus,
+        "driver": prov.get("driver"),
+        "cuda_runtime": prov.get("cuda_runtime"),
+        "torch": prov.get("torch"),
+        "sglang": prov.get("sglang"),
+        "triton": prov.get("triton"),
+        "nvcc": prov.get("nvcc"),
+        "python": prov.get("python"),
+        "commit": prov.get("commit"),
+        "host": platform.node(),
+        "cpu_count": _cpu_count(),
+        "platform": platform.platform(),
+    }
+
+
+def _cpu_count() -> int | None:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _time_ms(torch, fn, repeats: int, warmup: int) -> list[float]:
+    """Per-call times in ms, each bracketed by CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _check_repeats(repeats, warmup):
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive int, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup: expected a non-negative int, got {warmup!r}")
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20, warmup: int = 3,
+                           device: int = 0) -> dict:
+    """Device-to-device copy of `nbytes`; GB/s counts bytes read plus bytes written.
+
+    Returns dict(copy_gbps (median), copy_gbps_max, ms_median, nbytes, bytes_moved, repeats).
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1 << 20:
+        raise ValueError(f"nbytes: expected an int >= 1 MiB, got {nbytes!r}")
+    _check_repeats(repeats, warmup)
+    torch = _require_cuda("measure_copy_bandwidth")
+    n = nbytes // 4
+    with torch.cuda.device(device):
+        src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
+        dst = torch.empty_like(src)
+        times = _time_ms(torch, lambda: dst.copy_(src), repeats, warmup)
+        del src, dst
+    moved = 2 * n * 4
+    med = statistics.median(times)
+    return {"copy_gbps": moved / (med * 1e6), "copy_gbps_max": moved / (min(times) * 1e6),
+            "ms_median": med, "nbytes": n * 4, "bytes_moved": moved, "repeats": repeats}
+
+
+def measure_bf16_matmul_tflops(n: int = 8192, repeats: int = 20, warmup: int = 3,
+                               device: int = 0) -> dict:
+    """An n x n x n bf16 matmul (random data); TFLOP/s = 2 n^3 / median time.
+
+    Returns dict(bf16_tflops (median), bf16_tflops_max, ms_median, n, repeats).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 64:
+        raise ValueError(f"n: expected an int >= 64, got {n!r}")
+    _check_repeats(repeats, warmup)
+    torch = _require_cuda("measure_bf16_matmul_tflops")
+    with torch.cuda.device(device):
+        a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        c = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
+        times = _time_ms(torch, lambda: torch.matmul(a, b, out=c), repeats, warmup)
+        del a, b, c
+    flops = 2 * n**3
+    med = statistics.median(times)
+    return {"bf16_tflops": flops / (med * 1e9), "bf16_tflops_max": flops / (min(times) * 1e9),
+            "ms_median": med, "n": n, "repeats": repeats}
+
+
+def target_hardware_table():
+    """The target GPUs as a DataFrame (SMs, bandwidth, bf16 rate, smem/block, wgmma)."""
+    import pandas as pd
+
+    rows = []
+    for name, g in TARGET_GPUS.items():
+        rows.append({
+            "gpu": name,
+            "arch": g["sm_arch"],
+            "SMs": g["sms"],
+            "mem GB/s (spec)": g["mem_gbps_spec"],
+            "mem GB/s (roofline)": g["mem_gbps"],
+            "bf16 TFLOP/s": g["bf16_tflops"],
+            "smem/block (B)": g["smem_per_block_optin"],
+            "wgmma": "yes" if g["wgmma"] else "no",
+        })
+    return pd.DataFrame(rows).set_index("gpu")
+
+
+def ceilings_frame(records=None):
+    """Tidy frame of ceilings: the target table's numbers plus any measured records.
+
+    `records` is `results.load_records("ceilings")` (or None): columns gpu, copy_gbps,
+    bf16_tflops, date. Returns columns gpu, metric, value, source.
+    """
+    import pandas as pd
+
+    rows = []
+    for name, g in TARGET_GPUS.items():
+        rows.append({"gpu": name, "metric": "memory GB/s", "value": g["mem_gbps"], "source": "target table"})
+        rows.append({"gpu": name, "metric": "bf16 TFLOP/s", "value": g["bf16_tflops"], "source": "target table"})
+    if records is not None and len(records):
+        for _, r in records.iterrows():
+            src = f"measured {str(r.get('date', ''))[:10]}".strip()
+            rows.append({"gpu": r["gpu"], "metric": "memory GB/s", "value": r["copy_gbps"], "source": src})
+            rows.append({"gpu": r["gpu"], "metric": "bf16 TFLOP/s", "value": r["bf16_tflops"], "source": src})
+    return pd.DataFrame(rows)
+
+
+def ceilings_chart(frame):
+    """Altair bars: memory and bf16 ceilings per GPU, target-table vs measured."""
+    import altair as alt
+
+    return (
+        alt.Chart(frame)
+        .mark_bar()
+        .encode(y=alt.Y("gpu:N", title=None), x=alt.X("value:Q", title=None),
+                color=alt.Color("source:N"), yOffset="source:N",
+                tooltip=["gpu", "metric", alt.Tooltip("value:Q", format=",.0f"), "source"])
+        .properties(width=300, height=120)
+        .facet(column=alt.Column("metric:N", title=None))
+        .resolve_scale(x="independent")
+    )

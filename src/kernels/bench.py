@@ -1,0 +1,289 @@
+"""Benchmark the sm120_mla kernel against the attention paths SGLang users have, in one run.
+
+Every implementation is timed the way a serving step runs it: the call is captured in a
+CUDA graph, each replay is timed with CUDA events after an L2 flush, and the median is
+kept. The copy bandwidth and bf16 matmul rate are measured in the same run, so achieved
+GB/s and the roofline use this GPU's own ceilings.
+
+    python -m sm120_workbook.kernels.bench [--quick] [--out data/results/kernel_bench.jsonl]
+
+Impls: sm120_mla (this kernel), triton_decode (SGLang's Triton decode, q_len 1),
+triton_verify (SGLang's Triton extend kernel with a custom mask: the target-verify path),
+flashmla (sgl_kernel's FlashMLA, page 64, causal) and flashinfer_mla, where they run.
+An implementation that cannot run here is reported with its reason, never timed as zero.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from .verify_attention import DIM_QK, DIM_V, MlaVerifyWorkspace, mla_verify_attention
+
+SM_SCALE = 192 ** -0.5   # DeepSeek-V3 / Kimi K2: qk_nope 128 + rope 64
+L2_FLUSH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    q_len: int
+    ctx: int       # committed context per request (prefix keys); the draft adds q_len keys
+
+
+class Inputs:
+    """One verify step's tensors, shared by every implementation (random, never zeros)."""
+
+    def __init__(self, s: Shape, device="cuda", seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.shape = s
+        T = s.batch * s.q_len
+        keys = s.ctx + s.q_len                      # per request, draft included
+        self.q = torch.randn(T, s.heads, DIM_QK, device=device, generator=g).to(torch.bfloat16)
+        # The pool holds every request's context and draft rows back to back (a sorted,
+        # defragmented allocator); notebook 04 measures what scattering costs.
+        self.pool = torch.randn(s.batch * keys, 1, DIM_QK, device=device, generator=g).to(torch.bfloat16)
+        base = torch.arange(s.batch, device=device, dtype=torch.int64) * keys
+        self.kv_indices_full = (base[:, None] + torch.arange(keys, device=device)).reshape(-1)
+        self.prefix_indices = (base[:, None] + torch.arange(s.ctx, device=device)).reshape(-1)
+        draft_rows = (base[:, None] + s.ctx + torch.arange(s.q_len, device=device)).reshape(-1)
+        self.k_extend = self.pool[draft_rows].contiguous()             # the drafts' own KV
+        self.qo_indptr = torch.arange(0, T + 1, s.q_len, device=device, dtype=torch.int32)
+        self.kv_indptr = torch.arange(0, s.batch * s.ctx + 1, s.ctx, device=device, dtype=torch.int32)
+        self.kv_indptr_full = torch.arange(0, s.batch * keys + 1, keys, device=device, dtype=torch.int32)
+        tri = torch.ones(s.q_len, s.q_len, dtype=torch.bool, device=device).tril()
+        blk = torch.cat([torch.ones(s.q_len, s.ctx, dtype=torch.bool, device=device), tri], dim=1)
+        self.custom_mask = blk.reshape(-1).repeat(s.batch)
+        self.mask_indptr = torch.arange(0, s.batch * blk.numel() + 1, blk.numel(), device=device, dtype=torch.int64)
+
+    @property
+    def kv_bytes(self) -> int:
+        s = self.shape
+        return s.batch * (s.ctx + s.q_len) * DIM_QK * 2
+
+
+# Each builder returns a zero-argument callable that runs one step on preallocated buffers.
+
+def build_sm120_mla(x: Inputs, num_splits: int | None = None):
+    s = x.shape
+    T = s.batch * s.q_len
+    out = torch.empty(T, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
+    lse = torch.empty(T, s.heads, device=x.q.device, dtype=torch.float32)
+    ws = MlaVerifyWorkspace(T, s.heads, x.q.device, num_splits=num_splits)
+    if s.q_len == 1:   # decode: the token is already in the pool, no k_extend
+        args = (x.q, x.pool, x.qo_indptr, x.kv_indptr_full, x.kv_indices_full)
+        kw = {}
+    else:
+        args = (x.q, x.pool, x.qo_indptr, x.kv_indptr, x.prefix_indices)
+        kw = {"k_extend": x.k_extend}
+    fn = lambda: mla_verify_attention(*args, out=out, lse=lse, workspace=ws, sm_scale=SM_SCALE,
+                                      max_q_len=s.q_len, **kw)
+    fn.num_splits = ws.num_splits_for(s.batch, s.q_len)
+    return fn
+
+
+def build_triton_verify(x: Inputs):
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    s = x.shape
+    out = torch.empty(s.batch * s.q_len, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
+    ke = x.k_extend
+    return lambda: extend_attention_fwd(
+        x.q, ke, ke[..., :DIM_V], out, x.pool, x.pool[..., :DIM_V], x.qo_indptr, x.kv_indptr,
+        x.prefix_indices, x.custom_mask, True, x.mask_indptr, s.q_len, 1.0, 1.0, SM_SCALE)
+
+
+def build_triton_decode(x: Inputs, max_kv_splits: int = 8):
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    s = x.shape
+    if s.q_len != 1:
+        raise ValueError("triton_decode is the q_len 1 path")
+    dev = x.q.device
+    out = torch.empty(s.batch, s.heads, DIM_V, device=dev, dtype=torch.bfloat16)
+    logits = torch.empty(s.batch, s.heads, max_kv_splits, DIM_V, device=dev, dtype=torch.float32)
+    lse = torch.empty(s.batch, s.heads, max_kv_splits, device=dev, dtype=torch.float32)
+    # SGLang's server default (--triton-attention-num-kv-splits 8); long contexts use all of them.
+    splits = torch.full((s.batch,), max_kv_splits, device=dev, dtype=torch.int32)
+    return lambda: decode_attention_fwd(
+        x.q, x.pool, x.pool[..., :DIM_V], out, x.kv_indptr_full, x.kv_indices_full, logits, lse,
+        splits, max_kv_splits, SM_SCALE, 1.0, 1.0)
+
+
+def build_flashmla(x: Inputs, page: int = 64):
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    s = x.shape
+    dev = x.q.device
+    keys = s.ctx + s.q_len
+    blocks = -(-keys // page)
+    cache = torch.zeros(s.batch * blocks * page, 1, DIM_QK, device=dev, dtype=torch.bfloat16)
+    for b in range(s.batch):   # same rows as the pool, laid out in 64-token pages
+        cache[b * blocks * page:b * blocks * page + keys] = x.pool[b * keys:(b + 1) * keys]
+    cache = cache.view(s.batch * blocks, page, 1, DIM_QK)
+    table = torch.arange(s.batch * blocks, device=dev, dtype=torch.int32).view(s.batch, blocks)
+    seqlens = torch.full((s.batch,), keys, device=dev, dtype=torch.int32)
+    meta, splits = get_mla_metadata(seqlens, s.q_len * s.heads, 1)
+    q = x.q.view(s.batch, s.q_len, s.heads, DIM_QK)
+    return lambda: flash_mla_with_kvcache(q, cache, table, seqlens, DIM_V, meta, splits,
+                                          softmax_scale=SM_SCALE, causal=True)
+
+
+def build_flashinfer_mla(x: Inputs):
+    import flashinfer
+
+    s = x.shape
+    dev = x.q.device
+    keys = s.ctx + s.q_len
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="auto")
+    kv_lens = torch.full((s.batch,), keys, device=dev, dtype=torch.int32)
+    wrapper.plan(x.qo_indptr, x.kv_indptr_full, x.kv_indices_full.to(torch.int32), kv_lens, s.heads,
+                 DIM_V, DIM_QK - DIM_V, 1, True, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    q_nope, q_pe = x.q[..., :DIM_V].contiguous(), x.q[..., DIM_V:].contiguous()
+    ckv, kpe = x.pool[:, :, :DIM_V], x.pool[:, :, DIM_V:]
+    out = torch.empty(s.batch * s.q_len, s.heads, DIM_V, device=dev, dtype=torch.bfloat16)
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+
+
+BUILDERS = {
+    "sm120_mla": build_sm120_mla,
+    "triton_decode": build_triton_decode,
+    "triton_verify": build_triton_verify,
+    "flashmla": build_flashmla,
+    "flashinfer_mla": build_flashinfer_mla,
+}
+
+
+def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
+    """Median µs of CUDA-graph replays of fn, each after an L2 flush, timed with CUDA events."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up compiles / autotunes outside the capture
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    del graph, flush
+    return {"time_us": statistics.median(times), "time_us_min": min(times),
+            "time_us_iqr": statistics.quantiles(times, n=4)[2] - statistics.quantiles(times, n=4)[0],
+            "reps": reps}
+
+
+def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
+    """(impl, shape, builder kwargs) for one run. Contexts span decode sizes to 128k."""
+    ctxs = [4096, 16384, 65536] if quick else [4096, 16384, 32768, 65536, 131072]
+    grid = []
+    for heads in (8, 16):
+        for ctx in ctxs:
+            v = Shape(1, heads, 16, ctx)
+            for impl in ("sm120_mla", "flashmla", "flashinfer_mla"):
+                grid.append((impl, v, {}))
+            if ctx <= 65536:
+                grid.append(("triton_verify", v, {}))
+            d = Shape(1, heads, 1, ctx)
+            for impl in ("sm120_mla", "triton_decode", "flashmla"):
+                grid.append((impl, d, {}))
+        for impl in ("sm120_mla", "flashmla"):
+            grid.append((impl, Shape(32, heads, 16, 16384), {}))
+    for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
+        grid.append(("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits}))
+    return grid
+
+
+def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
+    """Time every (impl, shape) of the grid; returns (records, ceilings)."""
+    from tqdm.auto import tqdm
+
+    from ..hardware import measure_bf16_matmul_tflops, measure_copy_bandwidth
+    from ..roofline import roofline_time_us, verify_cost
+
+    copy = measure_copy_bandwidth(1 << 30)
+    mm = measure_bf16_matmul_tflops(8192)
+    ceilings = {"copy_gbps": copy["copy_gbps"], "matmul_tflops": mm["bf16_tflops"]}
+    records, cache = [], {}
+    for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
+        rec = {"impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits")}
+        try:
+            if shape not in cache:
+                cache.clear()
+                torch.cuda.empty_cache()
+                cache[shape] = Inputs(shape)
+            x = cache[shape]
+            fn = BUILDERS[impl](x, **kw)
+            if impl == "sm120_mla":
+                rec["num_splits"] = fn.num_splits
+            t = time_graph_us(fn, reps=reps if impl != "triton_verify" else max(5, reps // 5))
+            rec.update(t)
+            rec["gbps"] = x.kv_bytes / (t["time_us"] * 1e3)
+            cost = verify_cost(shape.heads, shape.q_len, shape.ctx + shape.q_len, batch=shape.batch)
+            rec["roofline_us"] = roofline_time_us(cost, ceilings["copy_gbps"], ceilings["matmul_tflops"])
+            rec["status"] = "ok"
+        except Exception as e:  # record why an alternative can't run here; never a fake number
+            rec["status"] = "error"
+            rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc(limit=2, file=sys.stderr)
+        records.append(rec)
+    return records, ceilings
+
+
+def summary_table(records) -> str:
+    rows = ["impl            b  h  q    ctx  splits   time_us    GB/s  roof_us  status"]
+    for r in records:
+        rows.append(f"{r['impl']:14s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {r['ctx']:7d} "
+                    f"{str(r.get('num_splits') or ''):>6s} {r.get('time_us', float('nan')):9.1f} "
+                    f"{r.get('gbps', float('nan')):7.0f} {r.get('roofline_us', float('nan')):8.1f}  "
+                    f"{r['status'] if r['status'] == 'ok' else r.get('error', '')[:60]}")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Benchmark sm120_mla against SGLang's attention paths")
+    ap.add_argument("--quick", action="store_true", help="fewer contexts")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_bench.jsonl)")
+    ap.add_argument("--impls", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("kernel bench needs a CUDA GPU; none is visible to torch")
+    impls = set(args.impls.split(","))
+    unknown = impls - set(BUILDERS)
+    if unknown:
+        sys.exit(f"--impls: unknown {sorted(unknown)}; choose from {list(BUILDERS)}")
+    records, ceil = run([g for g in default_grid(args.quick) if g[0] in impls], reps=args.reps)
+    print(f"copy {ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
+    print(summary_table(records))
+    if not args.no_record:
+        from pathlib import Path
+
+        from ..results import append_records
+
+        path = append_records("kernel_bench", [r for r in records if r["status"] == "ok"],
+                              command="python -m sm120_workbook.kernels.bench " + " ".join(argv or sys.argv[1:]),
+                              path=Path(args.out) if args.out else None)
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

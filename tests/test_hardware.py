@@ -1,0 +1,64 @@
+"""Machine description, the target table, and the GPU ceilings (which refuse to run on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sm120_workbook.hardware import (NoGPUError, describe_machine, measure_bf16_matmul_tflops,
+                                     measure_copy_bandwidth, target_hardware_table)
+from sm120_workbook.roofline import TARGET_GPUS
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU; the CPU error path can't be shown")
+
+
+def test_describe_machine():
+    m = describe_machine()
+    for key in ("gpus", "driver", "torch", "sglang", "triton", "nvcc", "python", "cpu_count"):
+        assert key in m
+    assert m["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert len(m["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_target_hardware_table():
+    df = target_hardware_table()
+    assert list(df.index) == list(TARGET_GPUS)
+    rtx = df.loc["RTX PRO 6000 Blackwell"]
+    assert (rtx["arch"], rtx["SMs"], rtx["mem GB/s (spec)"], rtx["smem/block (B)"], rtx["wgmma"]) == \
+        ("sm_120", 188, 1792.0, 101376, "no")
+    h200 = df.loc["H200"]
+    assert (h200["arch"], h200["SMs"], h200["mem GB/s (spec)"], h200["wgmma"]) == ("sm_90", 132, 4800.0, "yes")
+
+
+@no_gpu
+def test_copy_bandwidth_raises_on_cpu():
+    with pytest.raises(NoGPUError, match="CUDA GPU"):
+        measure_copy_bandwidth(nbytes=1 << 20, repeats=1)
+
+
+@no_gpu
+def test_matmul_rate_raises_on_cpu():
+    with pytest.raises(NoGPUError, match="CUDA GPU"):
+        measure_bf16_matmul_tflops(n=256, repeats=1)
+
+
+def test_no_gpu_error_is_a_runtime_error():
+    assert issubclass(NoGPUError, RuntimeError)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: measure_copy_bandwidth(nbytes=10), "nbytes"),
+    (lambda: measure_copy_bandwidth(repeats=0), "repeats"),
+    (lambda: measure_bf16_matmul_tflops(n=8), "n"),
+    (lambda: measure_bf16_matmul_tflops(warmup=-1), "warmup"),
+])
+def test_bad_arguments_are_named(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+@pytest.mark.gpu
+def test_ceilings_on_gpu():
+    copy = measure_copy_bandwidth(nbytes=256 << 20, repeats=5)
+    assert copy["bytes_moved"] == 2 * (256 << 20) and 10 < copy["copy_gbps"] < 20_000
+    mm = measure_bf16_matmul_tflops(n=2048, repeats=5)
+    assert 1 < mm["bf16_tflops"] < 5_000

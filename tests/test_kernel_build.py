@@ -1,0 +1,80 @@
+"""What CI can check of the kernel without a GPU: it compiles for sm_120a and sm_90 within
+the sm_120 budget, and bad arguments are refused with errors that name them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sm120_workbook.kernels import MlaVerifyWorkspace, choose_num_splits, mla_verify_attention
+from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
+
+
+@pytest.mark.nvcc
+def test_resource_budget_sm120a_and_sm90():
+    rep = resource_report()
+    for arch in ("sm_120a", "sm_90"):
+        k = rep["archs"][arch]["mla_verify_split_kernel"]
+        print(arch, k)
+        assert k["smem_bytes"] <= SM120_SMEM_LIMIT, f"{arch}: {k['smem_bytes']} B of shared memory"
+        assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, f"{arch}: spills"
+        assert k["stack_bytes"] == 0, f"{arch}: local-memory stack frame"
+        # 8 warps x 255 registers is the hardware ceiling for one CTA per SM
+        assert k["registers"] <= 255
+
+
+def test_split_policy_fills_the_gpu_from_static_shapes():
+    assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=132) == 33   # 4 row CTAs
+    assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=188) == 47
+    assert choose_num_splits(batch=32, heads=8, max_q_len=16, num_sms=132) == 2
+    assert choose_num_splits(batch=256, heads=128, max_q_len=16, num_sms=132) == 1
+    assert choose_num_splits(batch=1, heads=1, max_q_len=1, num_sms=10_000) == 128  # capped
+
+
+def _cpu_case(T=4, H=8, ctx=16):
+    q = torch.randn(T, H, 576).bfloat16()
+    pool = torch.randn(64, 1, 576).bfloat16()
+    return dict(q=q, pool=pool, qo=torch.tensor([0, T], dtype=torch.int32),
+                kv=torch.tensor([0, ctx], dtype=torch.int32), idx=torch.arange(ctx),
+                out=torch.empty(T, H, 512, dtype=torch.bfloat16), lse=torch.empty(T, H),
+                ws=MlaVerifyWorkspace(T, H, "cpu"))
+
+
+@pytest.mark.parametrize("arg,change", [
+    ("q", lambda c: c.update(q=c["q"].float())),
+    ("q", lambda c: c.update(q=c["q"][..., :512])),
+    ("kv_pool", lambda c: c.update(pool=c["pool"].view(64, 576)[:, :512])),
+    ("kv_pool", lambda c: c.update(pool=c["pool"].expand(64, 2, 576))),
+    ("qo_indptr", lambda c: c.update(qo=c["qo"].long())),
+    ("kv_indptr", lambda c: c.update(kv=torch.tensor([0, 4, 8], dtype=torch.int32))),
+    ("kv_indices", lambda c: c.update(idx=c["idx"].float())),
+    ("out", lambda c: c.update(out=c["out"][:2])),
+    ("lse", lambda c: c.update(lse=c["lse"].double())),
+    ("workspace", lambda c: c.update(ws=MlaVerifyWorkspace(4, 16, "cpu"))),
+    ("q", lambda c: None),   # everything else valid: a CPU q is refused last, by name
+])
+def test_bad_arguments_name_themselves(arg, change):
+    c = _cpu_case()
+    change(c)
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        mla_verify_attention(c["q"], c["pool"], c["qo"], c["kv"], c["idx"], out=c["out"], lse=c["lse"],
+                             workspace=c["ws"], sm_scale=0.07, max_q_len=4)
+
+
+@pytest.mark.parametrize("kwargs,arg", [
+    (dict(max_q_len=0), "max_q_len"), (dict(max_q_len=17), "max_q_len"), (dict(sm_scale=float("nan")), "sm_scale"),
+    (dict(custom_mask=torch.ones(8, dtype=torch.bool)), "mask_indptr"),
+    (dict(k_extend=torch.randn(3, 576).bfloat16()), "k_extend"),
+])
+def test_bad_options_name_themselves(kwargs, arg):
+    c = _cpu_case()
+    kw = dict(out=c["out"], lse=c["lse"], workspace=c["ws"], sm_scale=0.07, max_q_len=4)
+    kw.update(kwargs)
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        mla_verify_attention(c["q"], c["pool"], c["qo"], c["kv"], c["idx"], **kw)
+
+
+def test_workspace_rejects_bad_sizes():
+    for kw, arg in [(dict(max_tokens=0, heads=8), "max_tokens"), (dict(max_tokens=4, heads=129), "heads"),
+                    (dict(max_tokens=4, heads=8, num_splits=0), "num_splits")]:
+        with pytest.raises(ValueError, match=rf"^{arg}:"):
+            MlaVerifyWorkspace(device="cpu", **kw)

@@ -1,0 +1,222 @@
+"""The sm120_mla kernel against the float64 reference, on a GPU (skips visibly elsewhere).
+
+Tolerance: ||out - ref|| / ||ref|| < 1e-2 and max |out - ref| < 5e-2 (outputs are O(1)).
+bf16 output rounding alone gives ~2e-3 relative; the probabilities enter the PV product as
+bf16 (another ~2e-3); QK and PV accumulate in fp32. LSE comes from fp32 scores of bf16
+inputs that the reference also sees exactly: |lse - ref| < 1e-3 (scores are O(1)).
+Every check draws fresh random inputs, NaN-poisons unused pool rows, the output and the
+LSE, and checks that every element was written.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sm120_workbook.reference import make_verify_case, mla_verify_reference
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL, ABS_TOL, LSE_TOL = 1e-2, 5e-2, 1e-3
+
+
+def run_kernel(case, max_q_len, num_splits=None):
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    q = case["q"]
+    T, H, _ = q.shape
+    out = torch.full((T, H, 512), float("nan"), device=q.device, dtype=torch.bfloat16)
+    lse = torch.full((T, H), float("nan"), device=q.device, dtype=torch.float32)
+    ws = MlaVerifyWorkspace(T, H, q.device, num_splits=num_splits)
+    mla_verify_attention(q, case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
+                         out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=max_q_len,
+                         k_extend=case["k_extend"], custom_mask=case["custom_mask"],
+                         mask_indptr=case["mask_indptr"])
+    return out, lse
+
+
+def assert_matches_reference(case, out, lse, label=""):
+    ref, ref_lse = mla_verify_reference(case["q"], case["kv_pool"], case["qo_indptr"], case["kv_indptr"],
+                                        case["kv_indices"], case["sm_scale"], k_extend=case["k_extend"],
+                                        custom_mask=case["custom_mask"], mask_indptr=case["mask_indptr"],
+                                        return_lse=True)
+    assert not torch.isnan(out).any(), f"{label}: output has unwritten (NaN) elements"
+    assert not torch.isnan(lse).any(), f"{label}: lse has unwritten (NaN) elements"
+    o = out.double()
+    rel = ((o - ref).norm() / ref.norm()).item()
+    mx = (o - ref).abs().max().item()
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    assert rel < REL_TOL and mx < ABS_TOL, f"{label}: rel {rel:.2e}, max abs {mx:.2e}"
+    assert lse_err < LSE_TOL, f"{label}: lse max abs err {lse_err:.2e}"
+    return rel
+
+
+# (batch, heads, q_len, ctx_lens, mask, with_k_extend): odd sizes, mixed lengths, both layouts.
+CASES = [
+    (1, 8, 16, 4096, None, True),          # DFlash block, implicit causal chain
+    (1, 16, 16, 1, "causal", True),        # ctx 1
+    (1, 3, 7, 127, "tree", True),
+    (1, 5, 16, 129, "tree", True),
+    (1, 1, 1, 127, None, False),           # decode, one head
+    (2, 128, 1, [129, 1000], None, False), # decode, 128 heads, mixed lengths
+    (3, 8, 16, [1, 700, 65537], "tree", True),
+    (4, 16, 4, [5000, 17, 129, 3000], "causal", True),
+    (2, 64, 16, [2048, 333], "tree", True),
+    (5, 8, 1, [1, 2, 3, 64, 65], None, False),
+]
+
+
+@pytest.mark.parametrize("batch,heads,q_len,ctx,mask,with_ext", CASES)
+def test_kernel_matches_reference(batch, heads, q_len, ctx, mask, with_ext, seed):
+    case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
+                            with_k_extend=with_ext, seed=seed, device="cuda", pool_extra=257)
+    out, lse = run_kernel(case, max_q_len=q_len)
+    assert_matches_reference(case, out, lse, f"b{batch} h{heads} q{q_len} ctx{ctx} {mask}")
+
+
+def test_random_shapes(seed):
+    """Twenty random shapes: heads 1..128, q_len 1..16, per-request contexts up to 20k."""
+    rng = random.Random(seed)
+    for i in range(20):
+        batch, heads, q_len = rng.randint(1, 4), rng.choice([1, 2, 3, 5, 8, 16, 24, 64, 128]), rng.randint(1, 16)
+        ctx = [rng.choice([1, rng.randint(1, 300), rng.randint(1, 20000)]) for _ in range(batch)]
+        mask = rng.choice([None, "causal", "tree"])
+        case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
+                                seed=rng.randrange(2**31), device="cuda")
+        out, lse = run_kernel(case, max_q_len=q_len)
+        assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 33, 128])
+def test_any_split_count(num_splits, seed):
+    case = make_verify_case(batch=2, heads=8, q_len=16, ctx_lens=[9000, 300], mask="tree", seed=seed,
+                            device="cuda")
+    out, lse = run_kernel(case, max_q_len=16, num_splits=num_splits)
+    assert_matches_reference(case, out, lse, f"splits={num_splits}")
+
+
+def test_max_q_len_above_actual(seed):
+    """A grid sized for 16 draft tokens serves requests with fewer (padding CTAs exit)."""
+    case = make_verify_case(batch=3, heads=8, q_len=[16, 3, 9], ctx_lens=[100, 2000, 5], mask="tree",
+                            seed=seed, device="cuda")
+    out, lse = run_kernel(case, max_q_len=16)
+    assert_matches_reference(case, out, lse, "mixed q_len")
+
+
+def test_cuda_graph_replay_with_changed_lengths(seed):
+    """One graph captured at the largest lengths replays correctly for shorter ones."""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    B, H, Q, MAX_CTX = 3, 16, 16, 6000
+    dev = "cuda"
+    big = make_verify_case(batch=B, heads=H, q_len=Q, ctx_lens=MAX_CTX, mask="tree", seed=seed, device=dev)
+    # Static buffers, as SGLang's graph runner keeps them.
+    st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in big.items()}
+    mask_buf = torch.zeros(B * Q * (MAX_CTX + Q), dtype=torch.bool, device=dev)
+    mask_buf[:st["custom_mask"].numel()] = st["custom_mask"]
+    idx_buf = torch.zeros(B * MAX_CTX, dtype=torch.int64, device=dev)
+    idx_buf[:st["kv_indices"].numel()] = st["kv_indices"]
+    out = torch.empty(B * Q, H, 512, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(B * Q, H, device=dev, dtype=torch.float32)
+    ws = MlaVerifyWorkspace(B * Q, H, dev)
+
+    def step():
+        mla_verify_attention(st["q"], st["kv_pool"], st["qo_indptr"], st["kv_indptr"], idx_buf, out=out,
+                             lse=lse, workspace=ws, sm_scale=st["sm_scale"], max_q_len=Q,
+                             k_extend=st["k_extend"], custom_mask=mask_buf, mask_indptr=st["mask_indptr"])
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+
+    rng = random.Random(seed)
+    for trial in range(4):
+        ctx = [rng.randint(1, MAX_CTX) for _ in range(B)]
+        case = make_verify_case(batch=B, heads=H, q_len=Q, ctx_lens=ctx, mask="tree",
+                                seed=rng.randrange(2**31), device=dev,
+                                pool_extra=st["kv_pool"].shape[0] - sum(ctx))
+        # Same shapes as captured: copy the new step's values into the static buffers.
+        st["q"].copy_(case["q"])
+        st["k_extend"].copy_(case["k_extend"])
+        st["kv_pool"].copy_(case["kv_pool"])
+        st["kv_indptr"].copy_(case["kv_indptr"])
+        st["mask_indptr"].copy_(case["mask_indptr"])
+        idx_buf.zero_()
+        idx_buf[:case["kv_indices"].numel()] = case["kv_indices"]
+        mask_buf.zero_()
+        mask_buf[:case["custom_mask"].numel()] = case["custom_mask"]
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        graph_out, graph_lse = out.clone(), lse.clone()
+        ref_case = dict(case, kv_pool=st["kv_pool"])
+        assert_matches_reference(ref_case, graph_out, graph_lse, f"replay {trial} ctx={ctx}")
+        eager_out, eager_lse = run_kernel(ref_case, max_q_len=Q)
+        assert torch.equal(graph_out, eager_out), "graph replay differs from eager"
+
+
+def test_bad_inputs_raise_before_launch():
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    case = make_verify_case(batch=1, heads=8, q_len=4, ctx_lens=64, mask=None, device="cuda")
+    T, H = 4, 8
+    ws = MlaVerifyWorkspace(T, H, "cuda")
+    out = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(T, H, device="cuda", dtype=torch.float32)
+    kw = dict(out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=4, k_extend=case["k_extend"])
+    args = [case["q"], case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"]]
+
+    def expect(arg, *a, **k):
+        with pytest.raises(ValueError, match=arg):
+            mla_verify_attention(*a, **{**kw, **k})
+
+    expect("q", case["q"].float(), *args[1:])
+    expect("q", case["q"][:, :, :512].contiguous(), *args[1:])
+    expect("q", case["q"].transpose(0, 1), *args[1:])
+    expect("kv_pool", args[0], case["kv_pool"].cpu(), *args[2:])
+    expect("qo_indptr", args[0], args[1], case["qo_indptr"].long(), *args[3:])
+    expect("kv_indices", *args[:4], case["kv_indices"].float())
+    expect("out", *args, out=out[:, :, :256])
+    expect("lse", *args, lse=lse.double())
+    expect("workspace", *args, workspace=MlaVerifyWorkspace(T, 16, "cuda"))
+    expect("workspace", *args, workspace=MlaVerifyWorkspace(1, H, "cuda", num_splits=4))
+    expect("max_q_len", *args, max_q_len=17)
+    expect("k_extend", *args, k_extend=case["k_extend"][:2])
+    expect("mask_indptr", *args, custom_mask=torch.ones(10, dtype=torch.bool, device="cuda"))
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tool):
+    script = (
+        "import torch\n"
+        "from sm120_workbook.reference import make_verify_case\n"
+        "from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention\n"
+        "c = make_verify_case(batch=2, heads=5, q_len=7, ctx_lens=[129, 40], mask='tree', device='cuda')\n"
+        "o = torch.empty(14, 5, 512, device='cuda', dtype=torch.bfloat16)\n"
+        "l = torch.empty(14, 5, device='cuda')\n"
+        "mla_verify_attention(c['q'], c['kv_pool'], c['qo_indptr'], c['kv_indptr'], c['kv_indices'], out=o,"
+        " lse=l, workspace=MlaVerifyWorkspace(14, 5, 'cuda', num_splits=3), sm_scale=c['sm_scale'], max_q_len=7,"
+        " k_extend=c['k_extend'], custom_mask=c['custom_mask'], mask_indptr=c['mask_indptr'])\n"
+        "torch.cuda.synchronize(); print('ran')\n")
+    # Build first, outside the sanitizer (nvcc under it would take minutes).
+    subprocess.run([sys.executable, "-c", "from sm120_workbook.kernels.build import load_kernel_module as l; l()"],
+                   check=True)
+    proc = subprocess.run(["compute-sanitizer", f"--tool={tool}", "--error-exitcode=3",
+                           sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0 and "ran" in proc.stdout, f"{tool} reported errors"
+    report = proc.stdout + proc.stderr
+    assert ("ERROR SUMMARY: 0 errors" in report) or ("RACECHECK SUMMARY: 0 hazards" in report), report[-2000:]
