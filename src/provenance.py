@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import os
 import importlib.metadata as md
 import shutil
 import subprocess
@@ -24,7 +25,13 @@ def _version(dist: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
-    """Short commit of the checkout, with '+dirty' when tracked files differ from it."""
+    """Short commit of the checkout, with '+dirty' when tracked files differ from it.
+
+    $SM120_COMMIT wins: the GPU machine runs a copy of the tree without .git, so the
+    command that ships the tree there passes the commit along.
+    """
+    if os.environ.get("SM120_COMMIT"):
+        return os.environ["SM120_COMMIT"]
     try:
         root = project_root()
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,

@@ -263,6 +263,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_bench.jsonl)")
     ap.add_argument("--impls", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
+    ap.add_argument("--tag", default=None, help="kernel version label stored in each record (see NOTES.md)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -279,7 +280,8 @@ def main(argv=None):
 
         from ..results import append_records
 
-        path = append_records("kernel_bench", [r for r in records if r["status"] == "ok"],
+        ok = [dict(r, kernel_version=args.tag) for r in records if r["status"] == "ok"]
+        path = append_records("kernel_bench", ok,
                               command="python -m sm120_workbook.kernels.bench " + " ".join(argv or sys.argv[1:]),
                               path=Path(args.out) if args.out else None)
         print(f"appended to {path}")
