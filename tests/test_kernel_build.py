@@ -13,13 +13,14 @@ from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
 def test_resource_budget_sm120a_and_sm90():
     rep = resource_report()
     for arch in ("sm_120a", "sm_90"):
-        k = rep["archs"][arch]["mla_verify_split_kernel"]
-        print(arch, k)
-        assert k["smem_bytes"] <= SM120_SMEM_LIMIT, f"{arch}: {k['smem_bytes']} B of shared memory"
-        assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, f"{arch}: spills"
-        assert k["stack_bytes"] == 0, f"{arch}: local-memory stack frame"
-        # 8 warps x 255 registers is the hardware ceiling for one CTA per SM
-        assert k["registers"] <= 255
+        for variant in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<32>"):
+            k = rep["archs"][arch][variant]
+            print(arch, variant, k)
+            assert k["smem_bytes"] <= SM120_SMEM_LIMIT, f"{arch} {variant}: {k['smem_bytes']} B of shared memory"
+            assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, f"{arch} {variant}: spills"
+            assert k["stack_bytes"] == 0, f"{arch} {variant}: local-memory stack frame"
+            # 8 warps x 255 registers is the hardware ceiling for one CTA per SM
+            assert k["registers"] <= 255
 
 
 def test_split_policy_fills_the_gpu_from_static_shapes():

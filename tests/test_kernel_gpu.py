@@ -25,14 +25,14 @@ pytestmark = pytest.mark.gpu
 REL_TOL, ABS_TOL, LSE_TOL = 1e-2, 5e-2, 1e-3
 
 
-def run_kernel(case, max_q_len, num_splits=None):
+def run_kernel(case, max_q_len, num_splits=None, tile_keys=32):
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
 
     q = case["q"]
     T, H, _ = q.shape
     out = torch.full((T, H, 512), float("nan"), device=q.device, dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"), device=q.device, dtype=torch.float32)
-    ws = MlaVerifyWorkspace(T, H, q.device, num_splits=num_splits)
+    ws = MlaVerifyWorkspace(T, H, q.device, num_splits=num_splits, tile_keys=tile_keys)
     mla_verify_attention(q, case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
                          out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=max_q_len,
                          k_extend=case["k_extend"], custom_mask=case["custom_mask"],
@@ -71,12 +71,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("tile_keys", [16, 32])
 @pytest.mark.parametrize("batch,heads,q_len,ctx,mask,with_ext", CASES)
-def test_kernel_matches_reference(batch, heads, q_len, ctx, mask, with_ext, seed):
+def test_kernel_matches_reference(batch, heads, q_len, ctx, mask, with_ext, tile_keys, seed):
     case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                             with_k_extend=with_ext, seed=seed, device="cuda", pool_extra=257)
-    out, lse = run_kernel(case, max_q_len=q_len)
-    assert_matches_reference(case, out, lse, f"b{batch} h{heads} q{q_len} ctx{ctx} {mask}")
+    out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tile_keys)
+    assert_matches_reference(case, out, lse, f"b{batch} h{heads} q{q_len} ctx{ctx} {mask} tk{tile_keys}")
 
 
 def test_random_shapes(seed):
@@ -88,15 +89,17 @@ def test_random_shapes(seed):
         mask = rng.choice([None, "causal", "tree"])
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                                 seed=rng.randrange(2**31), device="cuda")
-        out, lse = run_kernel(case, max_q_len=q_len)
-        assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask}")
+        tk = (16, 32)[i % 2]
+        out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tk)
+        assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} tk{tk}")
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 33, 128])
-def test_any_split_count(num_splits, seed):
+@pytest.mark.parametrize("tile_keys", [16, 32])
+def test_any_split_count(num_splits, tile_keys, seed):
     case = make_verify_case(batch=2, heads=8, q_len=16, ctx_lens=[9000, 300], mask="tree", seed=seed,
                             device="cuda")
-    out, lse = run_kernel(case, max_q_len=16, num_splits=num_splits)
+    out, lse = run_kernel(case, max_q_len=16, num_splits=num_splits, tile_keys=tile_keys)
     assert_matches_reference(case, out, lse, f"splits={num_splits}")
 
 
@@ -206,9 +209,10 @@ def test_compute_sanitizer_clean(tool):
         "c = make_verify_case(batch=2, heads=5, q_len=7, ctx_lens=[129, 40], mask='tree', device='cuda')\n"
         "o = torch.empty(14, 5, 512, device='cuda', dtype=torch.bfloat16)\n"
         "l = torch.empty(14, 5, device='cuda')\n"
-        "mla_verify_attention(c['q'], c['kv_pool'], c['qo_indptr'], c['kv_indptr'], c['kv_indices'], out=o,"
-        " lse=l, workspace=MlaVerifyWorkspace(14, 5, 'cuda', num_splits=3), sm_scale=c['sm_scale'], max_q_len=7,"
-        " k_extend=c['k_extend'], custom_mask=c['custom_mask'], mask_indptr=c['mask_indptr'])\n"
+        "for tk in (16, 32):\n"
+        "    mla_verify_attention(c['q'], c['kv_pool'], c['qo_indptr'], c['kv_indptr'], c['kv_indices'], out=o,"
+        " lse=l, workspace=MlaVerifyWorkspace(14, 5, 'cuda', num_splits=3, tile_keys=tk), sm_scale=c['sm_scale'],"
+        " max_q_len=7, k_extend=c['k_extend'], custom_mask=c['custom_mask'], mask_indptr=c['mask_indptr'])\n"
         "torch.cuda.synchronize(); print('ran')\n")
     # Build first, outside the sanitizer (nvcc under it would take minutes).
     subprocess.run([sys.executable, "-c", "from sm120_workbook.kernels.build import load_kernel_module as l; l()"],

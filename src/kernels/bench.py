@@ -69,12 +69,13 @@ class Inputs:
 
 # Each builder returns a zero-argument callable that runs one step on preallocated buffers.
 
-def build_sm120_mla(x: Inputs, num_splits: int | None = None):
+def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None):
     s = x.shape
     T = s.batch * s.q_len
     out = torch.empty(T, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
     lse = torch.empty(T, s.heads, device=x.q.device, dtype=torch.float32)
-    ws = MlaVerifyWorkspace(T, s.heads, x.q.device, num_splits=num_splits)
+    ws = MlaVerifyWorkspace(T, s.heads, x.q.device, num_splits=num_splits,
+                            **({"tile_keys": tile_keys} if tile_keys else {}))
     if s.q_len == 1:   # decode: the token is already in the pool, no k_extend
         args = (x.q, x.pool, x.qo_indptr, x.kv_indptr_full, x.kv_indices_full)
         kw = {}
@@ -84,6 +85,7 @@ def build_sm120_mla(x: Inputs, num_splits: int | None = None):
     fn = lambda: mla_verify_attention(*args, out=out, lse=lse, workspace=ws, sm_scale=SM_SCALE,
                                       max_q_len=s.q_len, **kw)
     fn.num_splits = ws.num_splits_for(s.batch, s.q_len)
+    fn.tile_keys = ws.tile_keys
     return fn
 
 
@@ -197,17 +199,19 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
     for heads in (8, 16):
         for ctx in ctxs:
             v = Shape(1, heads, 16, ctx)
-            for impl in ("sm120_mla", "flashmla", "flashinfer_mla"):
+            grid += [("sm120_mla", v, {"tile_keys": k}) for k in (16, 32)]
+            for impl in ("flashmla", "flashinfer_mla"):
                 grid.append((impl, v, {}))
             if ctx <= 65536:
                 grid.append(("triton_verify", v, {}))
             d = Shape(1, heads, 1, ctx)
-            for impl in ("sm120_mla", "triton_decode", "flashmla"):
+            grid += [("sm120_mla", d, {"tile_keys": k}) for k in (16, 32)]
+            for impl in ("triton_decode", "flashmla"):
                 grid.append((impl, d, {}))
-        for impl in ("sm120_mla", "flashmla"):
-            grid.append((impl, Shape(32, heads, 16, 16384), {}))
+        b32 = Shape(32, heads, 16, 16384)
+        grid += [("sm120_mla", b32, {"tile_keys": k}) for k in (16, 32)] + [("flashmla", b32, {})]
     for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
-        grid.append(("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits}))
+        grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "tile_keys": k}) for k in (16, 32)]
     return grid
 
 
@@ -232,7 +236,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
             x = cache[shape]
             fn = BUILDERS[impl](x, **kw)
             if impl == "sm120_mla":
-                rec["num_splits"] = fn.num_splits
+                rec["num_splits"], rec["tile_keys"] = fn.num_splits, fn.tile_keys
             t = time_graph_us(fn, reps=reps if impl != "triton_verify" else max(5, reps // 5))
             rec.update(t)
             rec["gbps"] = x.kv_bytes / (t["time_us"] * 1e3)
@@ -248,9 +252,9 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
 
 
 def summary_table(records) -> str:
-    rows = ["impl            b  h  q    ctx  splits   time_us    GB/s  roof_us  status"]
+    rows = ["impl           tk  b   h  q     ctx splits   time_us    GB/s  roof_us  status"]
     for r in records:
-        rows.append(f"{r['impl']:14s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {r['ctx']:7d} "
+        rows.append(f"{r['impl']:14s} {str(r.get('tile_keys') or ''):>2s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {r['ctx']:7d} "
                     f"{str(r.get('num_splits') or ''):>6s} {r.get('time_us', float('nan')):9.1f} "
                     f"{r.get('gbps', float('nan')):7.0f} {r.get('roofline_us', float('nan')):8.1f}  "
                     f"{r['status'] if r['status'] == 'ok' else r.get('error', '')[:60]}")

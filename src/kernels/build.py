@@ -24,7 +24,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
                         at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
-                        int64_t num_splits);
+                        int64_t num_splits, int64_t tile_keys);
 int64_t mla_verify_smem_bytes();
 """
 

@@ -13,12 +13,16 @@
 
 namespace {
 
-void set_smem_limit_once(int device) {
+template <int KEYS>
+void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
+  using Cfg = sm120_mla::TileConfig<KEYS>;
+  // Above 48 KB a kernel must opt in to its dynamic shared memory, once per device.
   static std::once_flag flags[64];
   std::call_once(flags[device % 64], [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(sm120_mla::mla_verify_split_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, sm120_mla::kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(sm120_mla::mla_verify_split_kernel<KEYS>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   });
+  sm120_mla::mla_verify_split_kernel<KEYS><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
 }
 
 }  // namespace
@@ -28,7 +32,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
                         at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
-                        int64_t num_splits) {
+                        int64_t num_splits, int64_t tile_keys) {
   using namespace sm120_mla;
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == kDimQK &&
                   q.is_contiguous(), "q must be a contiguous CUDA bf16 tensor [T, H, 576]");
@@ -36,6 +40,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                   kv_pool.size(-1) == kDimQK, "kv_pool must be contiguous bf16 [P, 576]");
   TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits out of range");
   TORCH_CHECK(max_q_len >= 1, "max_q_len must be >= 1");
+  TORCH_CHECK(tile_keys == 16 || tile_keys == 32, "tile_keys must be 16 or 32");
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
   TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
               "workspace too small");
@@ -43,7 +48,6 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
 
   const c10::cuda::CUDAGuard guard(q.device());
   const int device = q.get_device();
-  set_smem_limit_once(device);
 
   Params prm{};
   prm.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
@@ -67,7 +71,10 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((max_q_len * H + kRowsPerCta - 1) / kRowsPerCta),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
-  mla_verify_split_kernel<<<grid, kThreads, kSmemBytes, stream>>>(prm);
+  if (tile_keys == 32)
+    launch_split<32>(prm, grid, stream, device);
+  else
+    launch_split<16>(prm, grid, stream, device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
   mla_verify_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(prm);

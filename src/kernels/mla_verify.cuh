@@ -24,36 +24,48 @@ namespace sm120_mla {
 constexpr int kDimQK = 576;              // 512 latent + 64 rope
 constexpr int kDimV = 512;
 constexpr int kRowsPerCta = 32;          // (token, head) rows: two m16 tiles
-constexpr int kKeysPerTile = 16;         // keys per pipeline stage = k of the PV mma
-constexpr int kStages = 4;               // cp.async ring depth
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kQkDimSplit = 4;           // QK: warps split the 576 dims four ways ...
-constexpr int kQkKeyHalves = 2;          // ... and the 16 keys two ways (8 warps)
+constexpr int kQkKeyHalves = 2;          // ... and the tile's keys two ways (8 warps)
 constexpr int kQkSteps = kDimQK / 16 / kQkDimSplit;   // 9 k-steps of 16 dims per warp
 constexpr int kVColsPerWarp = kDimV / kWarps;         // PV: 64 output columns per warp
 constexpr int kMinKeysPerSplit = 64;     // a split never gets fewer keys (short contexts)
 constexpr int kMaxSplits = 128;
-
+constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per key row
 // Shared-memory rows are padded by 16 bytes so that the 8 row addresses of one ldmatrix
 // fall in different banks (1168 B stride = 292 words, 4 banks apart).
 constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
-constexpr int kStageElems = kKeysPerTile * kKvRowStride;
-constexpr int kPRowStride = kKeysPerTile + 8;         // bf16 elements (48 B: conflict-free)
-constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per key row
 
-struct SharedStorage {
-  __nv_bfloat16 kv[kStages][kStageElems];             // 74,752 B
-  float s_part[kQkDimSplit][kRowsPerCta][kKeysPerTile];  // 8,192 B: QK partial sums
-  __nv_bfloat16 p[kRowsPerCta][kPRowStride];          // 1,536 B: probabilities (bf16)
-  float row_max[kRowsPerCta];                         // running max (log2 domain)
-  float row_sum[kRowsPerCta];                         // running sum of exp2
-  float row_scale[kRowsPerCta];                       // this tile's rescale of O
+// Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
+// the same 74,752 B ring; 32 halves the barriers and shuffles per key, 16 keeps more
+// loads in flight. Both stay under sm_120's 99 KB.
+template <int KEYS>
+struct TileConfig {
+  static constexpr int kKeys = KEYS;
+  static constexpr int kStages = KEYS == 16 ? 4 : 2;
+  static constexpr int kStageElems = KEYS * kKvRowStride;
+  static constexpr int kPRowStride = KEYS + 8;        // bf16 elements: conflict-free ldmatrix rows
+  static constexpr int kLoadThreadsPerKey = kThreads / KEYS;
+  static constexpr int kLoadSteps = (kChunksPerKey + kLoadThreadsPerKey - 1) / kLoadThreadsPerKey;
+  static constexpr int kQkNTiles = KEYS / kQkKeyHalves / 8;   // n8 tiles of keys per QK warp
+  static constexpr int kSoftmaxKeys = KEYS / 8;               // keys per thread (8 threads a row)
+  static constexpr int kPvKSteps = KEYS / 16;
+  struct Shared {
+    __nv_bfloat16 kv[kStages][kStageElems];
+    float s_part[kQkDimSplit][kRowsPerCta][KEYS];      // QK partial sums
+    __nv_bfloat16 p[kRowsPerCta][kPRowStride];         // probabilities (bf16)
+    float row_max[kRowsPerCta];                        // running max (log2 domain)
+    float row_sum[kRowsPerCta];                        // running sum of exp2
+    float row_scale[kRowsPerCta];                      // this tile's rescale of O
+  };
+  static constexpr int kSmemBytes = sizeof(Shared);
+  static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
+  static_assert(kThreads % KEYS == 0 && KEYS % 16 == 0, "tile shape");
 };
-constexpr int kSmemBytes = sizeof(SharedStorage);
-static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
-static_assert(kThreads == 16 * kKeysPerTile, "tile loads use 16 threads per key row");
 static_assert(kRowsPerCta == 2 * 16 && kWarps == kQkDimSplit * kQkKeyHalves, "warp layout");
+constexpr int kSmemBytes = TileConfig<16>::kSmemBytes > TileConfig<32>::kSmemBytes ? TileConfig<16>::kSmemBytes
+                                                                                    : TileConfig<32>::kSmemBytes;
 
 struct Params {
   const __nv_bfloat16* q;          // [T, H, 576]
@@ -119,9 +131,12 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64
 }
 
 // grid: (row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
+template <int KEYS>
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
+  using Cfg = TileConfig<KEYS>;
+  constexpr int kKeysPerTile = Cfg::kKeys, kStages = Cfg::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+  typename Cfg::Shared& sm = *reinterpret_cast<typename Cfg::Shared*>(smem_raw);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
@@ -161,11 +176,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     return;
   }
 
-  // Gather one 16-key tile into a ring stage: 16 threads per key row, 16 B each per step.
+  // Gather one tile into a ring stage: kLoadThreadsPerKey threads per key row, 16 B each per step.
   // Where a row comes from is resolved one tile ahead (`fetch_row`), so the index load's
   // latency overlaps compute instead of stalling the cp.async issue. A row reference is
   // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
-  const int ld_key = tid >> 4, ld_part = tid & 15;
+  const int ld_key = tid / Cfg::kLoadThreadsPerKey, ld_part = tid % Cfg::kLoadThreadsPerKey;
   auto fetch_row = [&](int tile) -> int64_t {
     const int key = key_begin + tile * kKeysPerTile + ld_key;
     if (tile >= num_tiles || key >= key_end) return -1;
@@ -177,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
                                : row <= -2 ? prm.k_extend + (-2 - row) * kDimQK : prm.kv_pool;
     __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride];
 #pragma unroll
-    for (int j = 0; j < (kChunksPerKey + 15) / 16; ++j) {
-      const int part = ld_part + 16 * j;
+    for (int j = 0; j < Cfg::kLoadSteps; ++j) {
+      const int part = ld_part + Cfg::kLoadThreadsPerKey * j;
       if (part < kChunksPerKey) cp_async_16(dst + part * 8, src + (row != -1 ? part * 8 : 0), row != -1);
     }
   };
@@ -233,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
 
   // Softmax-stage thread layout: 8 threads per row, two keys each.
-  const int sm_row = tid >> 3, sm_key = (tid & 7) * 2;
+  const int sm_row = tid >> 3, sm_key = (tid & 7) * Cfg::kSoftmaxKeys;
   const int sm_gr = row0 + sm_row;
   const int sm_tok = sm_gr < rows ? sm_gr / H : 0;  // query token within the request
   const bool sm_row_valid = sm_gr < rows;
@@ -248,32 +263,45 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     next_row = fetch_row(tile + kStages);
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
 
-    // S partial = Q[32 rows, this warp's 144 dims] . K[this warp's 8 keys]^T
+    // S partial = Q[32 rows, this warp's 144 dims] . K[this warp's KEYS/2 keys]^T
     {
-      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      const __nv_bfloat16* kbase =
-          kv + (key_half * 8 + (lane & 7)) * kKvRowStride + dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+      float sacc[2][Cfg::kQkNTiles][4] = {};
+      const __nv_bfloat16* kbase = kv + (key_half * (KEYS / 2) + (lane & 7)) * kKvRowStride +
+                                   dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int ks = 0; ks < kQkSteps; ++ks) {
-        uint32_t b0, b1;
-        ldmatrix_x2(b0, b1, kbase + ks * 16);
-        mma_16816(s[0], qf[0][ks], b0, b1);
-        mma_16816(s[1], qf[1][ks], b0, b1);
+        if constexpr (Cfg::kQkNTiles == 1) {
+          uint32_t b0, b1;
+          ldmatrix_x2(b0, b1, kbase + ks * 16);
+          mma_16816(sacc[0][0], qf[0][ks], b0, b1);
+          mma_16816(sacc[1][0], qf[1][ks], b0, b1);
+        } else {
+          uint32_t b[4];   // lanes 16-31 address keys 8-15: n-tile 1 in b[2], b[3]
+          ldmatrix_x4(b, kbase + ((lane >> 4) & 1) * 8 * kKvRowStride + ks * 16);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            mma_16816(sacc[mt][0], qf[mt][ks], b[0], b[1]);
+            mma_16816(sacc[mt][1], qf[mt][ks], b[2], b[3]);
+          }
+        }
       }
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        float* dst = &sm.s_part[dim_part][mt * 16 + g][key_half * 8 + 2 * t4];
-        *reinterpret_cast<float2*>(dst) = make_float2(s[mt][0], s[mt][1]);
-        *reinterpret_cast<float2*>(dst + 8 * kKeysPerTile) = make_float2(s[mt][2], s[mt][3]);
-      }
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kQkNTiles; ++nt) {
+          float* dst = &sm.s_part[dim_part][mt * 16 + g][key_half * (KEYS / 2) + nt * 8 + 2 * t4];
+          *reinterpret_cast<float2*>(dst) = make_float2(sacc[mt][nt][0], sacc[mt][nt][1]);
+          *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(sacc[mt][nt][2], sacc[mt][nt][3]);
+        }
     }
     __syncthreads();
 
-    // Online softmax over this tile, in the log2 domain.
+    // Online softmax over this tile, in the log2 domain: 8 threads per row.
     {
-      float sc[2];
+      constexpr int NK = Cfg::kSoftmaxKeys;
+      float sc[NK];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < NK; ++j) {
         float acc = 0.f;
 #pragma unroll
         for (int d = 0; d < kQkDimSplit; ++d) acc += sm.s_part[d][sm_row][sm_key + j];
@@ -285,18 +313,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         }
         sc[j] = visible ? acc * prm.scale_log2 : -INFINITY;
       }
-      float tile_max = fmaxf(sc[0], sc[1]);
+      float tile_max = sc[0];
+#pragma unroll
+      for (int j = 1; j < NK; ++j) tile_max = fmaxf(tile_max, sc[j]);
 #pragma unroll
       for (int off = 1; off < 8; off <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
       const float m_old = sm.row_max[sm_row];
       const float m_new = fmaxf(m_old, tile_max);
       // A row with nothing visible yet keeps max -inf: use 0 as the base so exp2 gives 0, not NaN.
       const float base = m_new == -INFINITY ? 0.f : m_new;
-      const float p0 = exp2f(sc[0] - base), p1 = exp2f(sc[1] - base);
-      float psum = p0 + p1;
+      float p[NK], psum = 0.f;
+#pragma unroll
+      for (int j = 0; j < NK; ++j) {
+        p[j] = exp2f(sc[j] - base);
+        psum += p[j];
+      }
 #pragma unroll
       for (int off = 1; off < 8; off <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.p[sm_row][sm_key]) = __floats2bfloat162_rn(p0, p1);
+#pragma unroll
+      for (int j = 0; j < NK; j += 2)
+        *reinterpret_cast<__nv_bfloat162*>(&sm.p[sm_row][sm_key + j]) = __floats2bfloat162_rn(p[j], p[j + 1]);
       __syncwarp();
       if ((tid & 7) == 0) {
         const float alpha = exp2f(m_old - base);  // 0 when m_old is -inf
@@ -307,9 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     }
     __syncthreads();
 
-    // O[32 rows, this warp's 64 columns] = O * scale + P[32, 16] . V[16, 64 columns]
+    // O[32 rows, this warp's 64 columns] = O * scale + P[32, KEYS] . V[KEYS, 64 columns]
     {
-      uint32_t pa[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const float a0 = sm.row_scale[mt * 16 + g], a1 = sm.row_scale[mt * 16 + g + 8];
@@ -318,18 +353,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
           o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
           o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
         }
-        ldmatrix_x4(pa[mt], &sm.p[mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][((lane >> 4) & 1) * 8]);
       }
-      const __nv_bfloat16* vbase =
-          kv + ((lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + warp * kVColsPerWarp + ((lane >> 4) & 1) * 8;
 #pragma unroll
-      for (int np = 0; np < kVColsPerWarp / 16; ++np) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, vbase + np * 16);
+      for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
+        uint32_t pa[2][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
-          mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+        for (int mt = 0; mt < 2; ++mt)
+          ldmatrix_x4(pa[mt], &sm.p[mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + ((lane >> 4) & 1) * 8]);
+        const __nv_bfloat16* vbase = kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride +
+                                     warp * kVColsPerWarp + ((lane >> 4) & 1) * 8;
+#pragma unroll
+        for (int np = 0; np < kVColsPerWarp / 16; ++np) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, vbase + np * 16);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
+            mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+          }
         }
       }
     }

@@ -34,9 +34,13 @@ def _nvcc() -> str:
 
 
 def _kernel_label(mangled: str) -> str:
-    for name in ("mla_verify_split_kernel", "mla_verify_combine_kernel"):
-        if name in mangled:
-            return name
+    """Readable names: mla_verify_split_kernel<16> mangles to ...ILi16E..."""
+    if "mla_verify_split_kernel" in mangled:
+        for keys in (16, 32):
+            if f"ILi{keys}E" in mangled:
+                return f"mla_verify_split_kernel<{keys}>"
+    if "mla_verify_combine_kernel" in mangled:
+        return "mla_verify_combine_kernel"
     return mangled
 
 
@@ -44,7 +48,9 @@ def ptxas_report(arch: str) -> dict[str, dict]:
     """Per-kernel registers, spill bytes and static shared memory for one arch."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "resources.cu"
-        src.write_text('#include "mla_verify.cuh"\n')
+        src.write_text('#include "mla_verify.cuh"\n'
+                       'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
+                       'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n')
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
                                f"-I{KERNEL_DIR}", "-o", str(Path(tmp) / "k.cubin"), str(src)],
                               capture_output=True, text=True)
@@ -64,16 +70,19 @@ def ptxas_report(arch: str) -> dict[str, dict]:
     return report
 
 
-def dynamic_smem_bytes() -> int:
-    """sizeof(SharedStorage), from a host-only program (runs without a GPU)."""
+def dynamic_smem_bytes() -> dict[str, int]:
+    """sizeof(TileConfig<KEYS>::Shared) per split-kernel variant, from a host-only program
+    (it runs without a GPU)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "smem.cu"
         src.write_text('#include <cstdio>\n#include "mla_verify.cuh"\n'
-                       'int main() { std::printf("%d\\n", sm120_mla::kSmemBytes); }\n')
+                       'int main() { std::printf("%d %d\\n", sm120_mla::TileConfig<16>::kSmemBytes,'
+                       ' sm120_mla::TileConfig<32>::kSmemBytes); }\n')
         exe = Path(tmp) / "smem"
         subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
                        check=True, capture_output=True, text=True)
-        return int(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
+        sizes = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+        return {f"mla_verify_split_kernel<{k}>": int(v) for k, v in zip((16, 32), sizes)}
 
 
 def resource_report(archs=ARCHS) -> dict:
@@ -84,7 +93,8 @@ def resource_report(archs=ARCHS) -> dict:
     out = {"nvcc": nvcc_version(), "smem_limit_sm120": SM120_SMEM_LIMIT, "archs": {}}
     for arch in archs:
         rep = ptxas_report(arch)
-        rep["mla_verify_split_kernel"]["dynamic_smem_bytes"] = smem
+        for name, nbytes in smem.items():
+            rep[name]["dynamic_smem_bytes"] = nbytes
         for k in rep.values():
             k.setdefault("dynamic_smem_bytes", 0)
             k["smem_bytes"] = k["static_smem_bytes"] + k["dynamic_smem_bytes"]

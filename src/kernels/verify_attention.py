@@ -18,6 +18,8 @@ DIM_V = 512
 ROWS_PER_CTA = 32
 MAX_SPLITS = 128
 MAX_Q_LEN = 16
+TILE_KEYS = (16, 32)      # keys per softmax round: the two compiled variants
+DEFAULT_TILE_KEYS = 32
 
 
 def _fail(arg: str, msg: str):
@@ -69,13 +71,17 @@ class MlaVerifyWorkspace:
     batch; the buffer is sized so that any batch up to max_tokens fits.
     """
 
-    def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None):
+    def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None,
+                 tile_keys: int = DEFAULT_TILE_KEYS):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             _fail("max_tokens", f"must be a positive int, got {max_tokens!r}")
         if not isinstance(heads, int) or not 1 <= heads <= 128:
             _fail("heads", f"must be an int in 1..128, got {heads!r}")
         if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
             _fail("num_splits", f"must be in 1..{MAX_SPLITS}, got {num_splits!r}")
+        if tile_keys not in TILE_KEYS:
+            _fail("tile_keys", f"must be one of {TILE_KEYS}, got {tile_keys!r}")
+        self.tile_keys = tile_keys
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -197,5 +203,5 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     mod = load_kernel_module(torch.cuda.get_device_capability(dev))
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
                            mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
-                           float(sm_scale), max_q_len, splits)
+                           float(sm_scale), max_q_len, splits, workspace.tile_keys)
     return out
