@@ -32,6 +32,7 @@ constexpr int kQkSteps = kDimQK / 16 / kQkDimSplit;   // 9 k-steps of 16 dims pe
 constexpr int kVColsPerWarp = kDimV / kWarps;         // PV: 64 output columns per warp
 constexpr int kMinKeysPerSplit = 64;     // a split never gets fewer keys (short contexts)
 constexpr int kMaxSplits = 128;
+constexpr float kRescaleThreshold = 8.f;  // log2 units: see the softmax step
 constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per key row
 // Shared-memory rows are padded by 16 bytes so that the 8 row addresses of one ldmatrix
 // fall in different banks (1168 B stride = 292 words, 4 banks apart).
@@ -318,8 +319,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       for (int j = 1; j < NK; ++j) tile_max = fmaxf(tile_max, sc[j]);
 #pragma unroll
       for (int off = 1; off < 8; off <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+      // Lazy rescaling: keep the running max unless this tile exceeds it by more than 2^8.
+      // p then stays <= 256 (exact in bf16's range, fp32 sums stay far from overflow), the
+      // result is unchanged, and most tiles skip the O rescale entirely.
       const float m_old = sm.row_max[sm_row];
-      const float m_new = fmaxf(m_old, tile_max);
+      const float m_new = tile_max > m_old + kRescaleThreshold ? tile_max : m_old;
       // A row with nothing visible yet keeps max -inf: use 0 as the base so exp2 gives 0, not NaN.
       const float base = m_new == -INFINITY ? 0.f : m_new;
       float p[NK], psum = 0.f;
@@ -348,10 +352,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const float a0 = sm.row_scale[mt * 16 + g], a1 = sm.row_scale[mt * 16 + g + 8];
+        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {  // warp-uniform: usually skipped
 #pragma unroll
-        for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
-          o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
-          o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
+          for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
+            o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
+            o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
+          }
         }
       }
 #pragma unroll
