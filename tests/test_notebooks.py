@@ -13,6 +13,17 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
     "00_environment.ipynb": {"copy_mib": 64, "matmul_n": 1024, "repeats": 3, "record_results": False},
     "01_mla_verify_reference.ipynb": {"heads": 8, "q_len": 5, "ctx_list": [2048, 32768], "check_heads": 3,
                                       "check_ctx": [7, 0, 19], "demo_prefix": 2, "demo_q_len": 6, "seed": 11},
+    "02_build_kernel.ipynb": {"archs": ["sm_120a"], "check_seed": 7, "check_cases": 2},
+    "03_benchmark_kernel.ipynb": {"run_live": False, "quick": True, "reps": 10, "record": False,
+                                  "explore_heads": 16, "explore_ctx": 16384},
+    "04_patch_sglang.ipynb": {"capacity_tokens": 8192, "num_requests": 80, "max_running": 12,
+                              "prompt_len_range": [16, 1024], "output_len_range": [8, 256],
+                              "tokens_per_step_list": [3], "probe_prompt_len": 512,
+                              "probe_output_len": 32, "page_bytes": 2048, "seed": 5,
+                              "gpu_batch": 2, "gpu_heads": 8, "gpu_q_len": 3, "gpu_reps": 5,
+                              "record": False},
+    "05_live_service.ipynb": {"tp": 1, "layers": 3, "backends": ["triton", "sm120_mla"], "contexts": [2048, 65536],
+                              "spec": ["none", "ngram"], "decode_tokens": 64, "repeats": 2, "record": False},
 }
 
 

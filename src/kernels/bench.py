@@ -15,6 +15,7 @@ An implementation that cannot run here is reported with its reason, never timed 
 from __future__ import annotations
 
 import argparse
+import datetime
 import statistics
 import sys
 import traceback
@@ -225,9 +226,11 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
     copy = measure_copy_bandwidth(1 << 30)
     mm = measure_bf16_matmul_tflops(8192)
     ceilings = {"copy_gbps": copy["copy_gbps"], "matmul_tflops": mm["bf16_tflops"]}
+    run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, cache = [], {}
     for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
-        rec = {"impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits")}
+        rec = {"impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"), "run_id": run_id,
+               "num_splits_forced": "num_splits" in kw}
         try:
             if shape not in cache:
                 cache.clear()
@@ -288,6 +291,10 @@ def main(argv=None):
         path = append_records("kernel_bench", ok,
                               command="python -m sm120_workbook.kernels.bench " + " ".join(argv or sys.argv[1:]),
                               path=Path(args.out) if args.out else None)
+        append_records("ceilings", [{"copy_gbps": ceil["copy_gbps"], "bf16_tflops": ceil["matmul_tflops"],
+                                     "matmul_n": 8192, "copy_nbytes": 1 << 30}],
+                       command="python -m sm120_workbook.kernels.bench (ceilings measured in the same run)",
+                       path=Path(args.out).with_name("ceilings.jsonl") if args.out else None)
         print(f"appended to {path}")
 
 

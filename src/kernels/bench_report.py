@@ -1,0 +1,147 @@
+"""Reading kernel benchmark records: comparisons, the issue's targets, and sm_120 projections.
+
+Works on recorded data (data/results/kernel_bench.jsonl), so a machine without a GPU shows
+the measured results, and on the records of a live `bench.run` alike.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from ..results import load_records
+from ..roofline import TARGET_GPUS, roofline_time_us, verify_cost
+
+IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "triton_verify", "triton_decode"]
+RTX = "RTX PRO 6000 Blackwell"
+
+
+def load_bench(path=None) -> pd.DataFrame:
+    df = load_records("kernel_bench", path=path)
+    if len(df) and "status" in df:
+        df = df[df["status"] == "ok"]
+    return df
+
+
+def latest_run(df: pd.DataFrame) -> pd.DataFrame:
+    """The records of the newest benchmark run (one run = one GPU, one set of ceilings)."""
+    if df.empty:
+        return df
+    return df[df["run_id"] == sorted(df["run_id"].unique())[-1]].copy()
+
+
+def default_rows(df: pd.DataFrame, tile_keys: int | None = None) -> pd.DataFrame:
+    """One row per (impl, shape): sm120_mla at its automatic split count and the given (or,
+    when None, the faster) tile size; other impls as they are."""
+    if df.empty:
+        return df
+    sm = df[(df["impl"] == "sm120_mla") & (df["num_splits"].notna())]
+    auto = sm[~sm.duplicated(["batch", "heads", "q_len", "ctx", "tile_keys"], keep="first")]
+    if "num_splits_forced" in df:
+        auto = auto[~auto["num_splits_forced"].fillna(False)]
+    if tile_keys is not None:
+        auto = auto[auto["tile_keys"] == tile_keys]
+    else:
+        auto = auto.sort_values("time_us").drop_duplicates(["batch", "heads", "q_len", "ctx"])
+    return pd.concat([auto, df[df["impl"] != "sm120_mla"]], ignore_index=True)
+
+
+def comparison_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFrame:
+    """time_us per context (rows) and impl (columns) for one batch/heads/q_len."""
+    sel = df[(df["batch"] == batch) & (df["heads"] == heads) & (df["q_len"] == q_len)]
+    t = sel.pivot_table(index="ctx", columns="impl", values="time_us", aggfunc="min")
+    return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
+
+
+def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.DataFrame:
+    """sm120_mla's projected time on an RTX PRO 6000: its roofline there, divided by the
+    fraction of the roofline the kernel reached on the measured GPU (same code, same
+    efficiency assumed; a projection, not a measurement)."""
+    g = TARGET_GPUS[RTX]
+    tflops = rtx_tflops or g["bf16_tflops"]
+    rows = []
+    for r in df[df["impl"] == "sm120_mla"].itertuples():
+        cost = verify_cost(int(r.heads), int(r.q_len), int(r.ctx) + int(r.q_len), batch=int(r.batch))
+        rtx_roof = roofline_time_us(cost, g["mem_gbps"], tflops)
+        eff = r.roofline_us / r.time_us
+        rows.append({"batch": r.batch, "heads": r.heads, "q_len": r.q_len, "ctx": r.ctx,
+                     "h200_us": round(r.time_us, 1), "h200_roofline_us": round(r.roofline_us, 1),
+                     "efficiency": round(eff, 3), "rtx_roofline_us": round(rtx_roof, 1),
+                     "rtx_projected_us": round(rtx_roof / eff, 1)})
+    return pd.DataFrame(rows)
+
+
+def targets_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The kernel issue's targets, each with the measured value and whether it is met."""
+    rows = []
+
+    def t(impl, **shape):
+        sel = df[(df["impl"] == impl)]
+        for k, v in shape.items():
+            sel = sel[sel[k] == v]
+        return float(sel["time_us"].min()) if len(sel) else float("nan")
+
+    for heads in (8, 16):
+        for ctx in sorted(df[(df["q_len"] == 16) & (df["batch"] == 1)]["ctx"].unique()):
+            if ctx < 16384:
+                continue
+            ours, fm = t("sm120_mla", batch=1, heads=heads, q_len=16, ctx=ctx), t("flashmla", batch=1, heads=heads, q_len=16, ctx=ctx)
+            rows.append({"target": f"q16 h{heads} {ctx // 1024}k: <= FlashMLA", "measured": f"{ours:.1f} vs {fm:.1f} us",
+                         "ratio": round(fm / ours, 2), "met": bool(ours <= fm)})
+        ours, tv = t("sm120_mla", batch=1, heads=heads, q_len=16, ctx=65536), t("triton_verify", batch=1, heads=heads, q_len=16, ctx=65536)
+        rows.append({"target": f"q16 h{heads} 64k: >= 100x Triton verify", "measured": f"{ours:.1f} vs {tv:.1f} us",
+                     "ratio": round(tv / ours, 1), "met": bool(tv / ours >= 100)})
+        sel = df[(df["impl"] == "sm120_mla") & (df["batch"] == 1) & (df["heads"] == heads) & (df["q_len"] == 16) & (df["ctx"] >= 65536)]
+        for r in sel.sort_values("time_us").drop_duplicates("ctx").itertuples():
+            rows.append({"target": f"q16 h{heads} {r.ctx // 1024}k: within 1.3x roofline",
+                         "measured": f"{r.time_us:.1f} vs {r.roofline_us:.1f} us",
+                         "ratio": round(r.time_us / r.roofline_us, 2), "met": bool(r.time_us <= 1.3 * r.roofline_us)})
+        ours, fm = t("sm120_mla", batch=32, heads=heads, q_len=16, ctx=16384), t("flashmla", batch=32, heads=heads, q_len=16, ctx=16384)
+        rows.append({"target": f"b32 q16 h{heads} 16k: within 10% of FlashMLA", "measured": f"{ours:.1f} vs {fm:.1f} us",
+                     "ratio": round(ours / fm, 2), "met": bool(ours <= 1.1 * fm)})
+    dec = df[(df["q_len"] == 1) & (df["batch"] == 1)]
+    for heads in sorted(dec["heads"].unique()):
+        for ctx in sorted(dec["ctx"].unique()):
+            ours, td = t("sm120_mla", batch=1, heads=heads, q_len=1, ctx=ctx), t("triton_decode", batch=1, heads=heads, q_len=1, ctx=ctx)
+            need = 3.0 if ctx == 65536 else 1.0
+            rows.append({"target": f"decode h{heads} {ctx // 1024}k: >= {need:g}x Triton decode",
+                         "measured": f"{ours:.1f} vs {td:.1f} us", "ratio": round(td / ours, 2), "met": bool(td / ours >= need)})
+    return pd.DataFrame(rows)
+
+
+def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: int = 1):
+    import altair as alt
+
+    sel = df[(df["batch"] == batch) & (df["heads"] == heads) & (df["q_len"] == q_len)]
+    sel = sel.groupby(["impl", "ctx"], as_index=False)["time_us"].min()
+    return alt.Chart(sel).mark_line(point=True).encode(
+        x=alt.X("ctx:Q", scale=alt.Scale(type="log", base=2), title="context (tokens)"),
+        y=alt.Y("time_us:Q", scale=alt.Scale(type="log"), title="time per layer call (µs)"),
+        color=alt.Color("impl:N", sort=IMPL_ORDER),
+        tooltip=["impl", "ctx", alt.Tooltip("time_us:Q", format=".1f")],
+    ).properties(title=f"MLA attention, batch {batch}, {heads} heads, q_len {q_len}", width=420, height=280)
+
+
+def speedup_chart(df: pd.DataFrame, baseline: str, heads: int = 8, q_len: int = 16):
+    import altair as alt
+
+    sel = df[(df["batch"] == 1) & (df["heads"] == heads) & (df["q_len"] == q_len)]
+    piv = sel.pivot_table(index="ctx", columns="impl", values="time_us", aggfunc="min")
+    if baseline not in piv or "sm120_mla" not in piv:
+        return alt.Chart(pd.DataFrame({"x": []})).mark_point().properties(title=f"no {baseline} records")
+    sp = (piv[baseline] / piv["sm120_mla"]).rename("speedup").reset_index().dropna()
+    return alt.Chart(sp).mark_bar().encode(
+        x=alt.X("ctx:O", title="context (tokens)"), y=alt.Y("speedup:Q", title=f"{baseline} time / sm120_mla time"),
+        tooltip=["ctx", alt.Tooltip("speedup:Q", format=".1f")],
+    ).properties(title=f"sm120_mla speed-up over {baseline} ({heads} heads, q_len {q_len})", width=420, height=240)
+
+
+def nsplit_chart(df: pd.DataFrame):
+    import altair as alt
+
+    sel = df[(df["impl"] == "sm120_mla") & (df["batch"] == 1) & (df["heads"] == 8) & (df["q_len"] == 16)
+             & (df["ctx"] == 65536)]
+    sel = sel.groupby(["num_splits", "tile_keys"], as_index=False)["time_us"].min()
+    return alt.Chart(sel).mark_line(point=True).encode(
+        x=alt.X("num_splits:Q", scale=alt.Scale(type="log", base=2), title="KV splits per request"),
+        y=alt.Y("time_us:Q", title="time (µs)"), color="tile_keys:N",
+        tooltip=["num_splits", "tile_keys", alt.Tooltip("time_us:Q", format=".1f")],
+    ).properties(title="NSPLIT at batch 1, 8 heads, q_len 16, 64k context", width=420, height=240)

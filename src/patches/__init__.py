@@ -1,0 +1,236 @@
+"""The SGLang 0.5.17 general plugin: the `sm120_mla` attention backend and the KV sort override.
+
+SGLang's `sglang.srt.plugins.load_plugins()` finds `load_plugin` through the entry point
+(group `sglang.srt.plugins`, name `sm120_workbook`, value `sm120_workbook.patches:load_plugin`)
+and calls it once per process: in the launcher (`sglang serve`, `python -m
+sglang.launch_server`, `Engine.__init__`) before the server arguments are parsed, and in
+every scheduler / TP worker (`run_scheduler_process`) before the model is built.
+
+What it does in each process:
+- registers the backend name `sm120_mla` with SGLang's own `register_attention_backend`
+  (sglang/srt/layers/attention/attention_registry.py) and adds it to the CLI choices with
+  `add_attention_backend_choices` (sglang/srt/server_args.py). A new name changes no run
+  that does not select it.
+- installs the need_sort override (`kv_sort`) when $SM120_KV_SORT=1, and nothing otherwise.
+- when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
+  the name wherever they accept `triton` (`install_spec_compat`). The backend's factory
+  installs the same patches when it first builds the backend, so an in-process `Engine`
+  gets the draft-worker ones too; only DFLASH's draft choice is made in the launcher, before
+  any backend exists, so an in-process Engine with DFLASH should pass
+  `speculative_draft_attention_backend="triton"` itself.
+
+Importing this package changes nothing; `load_plugin()` is idempotent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from . import kv_sort
+
+BACKEND_NAME = "sm120_mla"
+_BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
+                  "--prefill-attention-backend", "--speculative-draft-attention-backend")
+
+logger = logging.getLogger(__name__)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (Jupyter and pytest swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _ensure_log_handler() -> None:
+    """Give the plugin's logger its own stderr handler.
+
+    The launcher and `run_scheduler_process` call load_plugins() before SGLang's
+    configure_logger(), so INFO lines through the (still unconfigured) root logger would be
+    dropped; our own handler makes the plugin's lines show in every rank's log, once.
+    """
+    if any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+# ---------------------------------------------------------------- backend registration
+def _create_backend(runner):
+    """The registered factory; SGLang calls it with the ModelRunner (as for `triton`)."""
+    from .backend import create_backend
+
+    return create_backend(runner)
+
+
+def register_backend() -> bool:
+    """Register `sm120_mla` in SGLang's backend registry and CLI choices (idempotent).
+
+    Returns True if this call added anything.
+    """
+    from sglang.srt.layers.attention.attention_registry import (ATTENTION_BACKENDS,
+                                                                register_attention_backend)
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    changed = False
+    if ATTENTION_BACKENDS.get(BACKEND_NAME) is not _create_backend:
+        register_attention_backend(BACKEND_NAME)(_create_backend)
+        changed = True
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+        changed = True
+    return changed
+
+
+def is_registered() -> bool:
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    return ATTENTION_BACKENDS.get(BACKEND_NAME) is _create_backend and \
+        BACKEND_NAME in ATTENTION_BACKEND_CHOICES
+
+
+def unregister_backend() -> None:
+    """Take the name out of SGLang's registry and choices again (for tests)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    if ATTENTION_BACKENDS.get(BACKEND_NAME) is _create_backend:
+        del ATTENTION_BACKENDS[BACKEND_NAME]
+    while BACKEND_NAME in ATTENTION_BACKEND_CHOICES:
+        ATTENTION_BACKEND_CHOICES.remove(BACKEND_NAME)
+
+
+def backend_selected_in_argv(argv: list[str] | None = None) -> bool:
+    """Whether the command line names `sm120_mla` for an attention-backend flag.
+
+    Scheduler processes are spawned with the launcher's sys.argv, so this holds there too.
+    """
+    argv = sys.argv if argv is None else argv
+    for i, arg in enumerate(argv):
+        for flag in _BACKEND_FLAGS:
+            if arg == f"{flag}={BACKEND_NAME}":
+                return True
+            if arg == flag and i + 1 < len(argv) and argv[i + 1] == BACKEND_NAME:
+                return True
+    return False
+
+
+# ---------------------------------------------------------------- speculative-decoding name patches
+_compat_originals: list[tuple[object, str, object]] = []
+
+
+def _patch(owner, name: str, value) -> None:
+    _compat_originals.append((owner, name, owner.__dict__[name] if isinstance(owner, type)
+                              else getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def spec_compat_installed() -> bool:
+    return bool(_compat_originals)
+
+
+def install_spec_compat() -> bool:
+    """Let the draft-side backend choices accept `sm120_mla` wherever they accept `triton`.
+
+    Three places in SGLang 0.5.17 check draft backends by name:
+    - `DraftBackendFactory._create_backend` (sglang/srt/speculative/draft_utils.py): the
+      EAGLE / MTP multi-step draft-decode and draft-extend backends. `sm120_mla` gets the
+      `triton` entries (TritonMultiStepDraftBackend, TritonAttnBackend).
+    - `_resolve_dflash_draft_attention_backend` (sglang/srt/arg_groups/speculative_hook.py):
+      DFLASH's draft backend, by default the prefill backend; when that is `sm120_mla` and no
+      draft backend is given, the draft gets `triton` instead of the flashinfer fallback.
+    - `_SUPPORTED_DRAFT_BACKENDS` (sglang/srt/speculative/draft_worker_common.py): the
+      separate draft workers (DSpark); the name is added to the tuple.
+    Each patch only changes what happens when the name `sm120_mla` reaches it. Returns True
+    if this call installed them.
+    """
+    if _compat_originals:
+        return False
+    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.speculative import draft_worker_common
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    create_backend = DraftBackendFactory.__dict__["_create_backend"]
+
+    def _create_backend_accepting_sm120(self, backend_name, backend_map, error_template):
+        if "triton" in backend_map and BACKEND_NAME not in backend_map:
+            backend_map = {**backend_map, BACKEND_NAME: backend_map["triton"]}
+        return create_backend(self, backend_name, backend_map, error_template)
+
+    resolve_dflash = speculative_hook._resolve_dflash_draft_attention_backend
+
+    def _resolve_dflash_accepting_sm120(server_args):
+        if server_args.speculative_draft_attention_backend is None:
+            from sglang.srt.arg_groups.overrides import attention_backends_of, resolved_view
+
+            prefill_backend, _ = attention_backends_of(resolved_view(server_args))
+            if prefill_backend == BACKEND_NAME:
+                server_args.speculative_draft_attention_backend = "triton"
+                logger.info("sm120_workbook (pid %d): DFLASH draft attention backend set to "
+                            "triton (the target uses %s)", os.getpid(), BACKEND_NAME)
+        return resolve_dflash(server_args)
+
+    _patch(DraftBackendFactory, "_create_backend", _create_backend_accepting_sm120)
+    _patch(speculative_hook, "_resolve_dflash_draft_attention_backend",
+           _resolve_dflash_accepting_sm120)
+    if BACKEND_NAME not in draft_worker_common._SUPPORTED_DRAFT_BACKENDS:
+        _patch(draft_worker_common, "_SUPPORTED_DRAFT_BACKENDS",
+               (*draft_worker_common._SUPPORTED_DRAFT_BACKENDS, BACKEND_NAME))
+    logger.info("sm120_workbook (pid %d): speculative draft paths accept %s like triton "
+                "(DraftBackendFactory._create_backend, _resolve_dflash_draft_attention_backend, "
+                "draft_worker_common._SUPPORTED_DRAFT_BACKENDS)", os.getpid(), BACKEND_NAME)
+    return True
+
+
+def _install_spec_compat_or_warn() -> None:
+    # A failure here must not stop the server: only speculative runs need these names.
+    try:
+        install_spec_compat()
+    except Exception as e:
+        logger.warning("sm120_workbook (pid %d): could not patch the speculative draft paths "
+                       "for %s (%r); EAGLE/DFLASH drafts may refuse the name", os.getpid(),
+                       BACKEND_NAME, e)
+
+
+def uninstall_spec_compat() -> None:
+    """Restore the patched SGLang attributes (for tests)."""
+    while _compat_originals:
+        owner, name, original = _compat_originals.pop()
+        setattr(owner, name, original)
+
+
+# ---------------------------------------------------------------- the entry point
+def load_plugin() -> None:
+    """SGLang's general-plugin entry point; runs in the launcher and in every TP worker."""
+    _ensure_log_handler()
+    register_backend()
+    kv_sort.install_from_env()
+    selected = backend_selected_in_argv()
+    if selected:
+        _install_spec_compat_or_warn()
+    message = (f"sm120_workbook plugin (pid {os.getpid()}): attention backend {BACKEND_NAME!r} "
+               f"registered{' and selected' if selected else ''}; KV sort override "
+               + (f"on ({kv_sort.ENV_VAR}=1)" if kv_sort.is_installed()
+                  else f"off (set {kv_sort.ENV_VAR}=1 to enable)"))
+    global _last_message
+    if message != _last_message:  # a second call with nothing new stays quiet
+        logger.info(message)
+        _last_message = message
+
+
+_last_message: str | None = None
+
+
+__all__ = ["BACKEND_NAME", "load_plugin", "register_backend", "is_registered",
+           "unregister_backend", "backend_selected_in_argv", "install_spec_compat",
+           "uninstall_spec_compat", "spec_compat_installed", "kv_sort"]

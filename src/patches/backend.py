@@ -1,0 +1,250 @@
+"""`Sm120MlaAttnBackend`: SGLang's Triton backend with the sm_120 MLA kernel on decode and verify.
+
+The class subclasses `TritonAttnBackend` (sglang/srt/layers/attention/triton_backend.py)
+and keeps all of its metadata: kv_indptr (int32), kv_indices (int64, one entry per token),
+qo_indptr, custom_mask and mask_indptr (int64), built per batch in `init_forward_metadata`
+or, under CUDA graphs, written into the buffers of `init_cuda_graph_state` by
+`init_forward_metadata_out_graph` before capture and before every replay. Only the
+attention call of two phases of an MLA model changes:
+
+- decode (`forward_decode`): one query per request; the new token's KV is saved to the pool
+  first, exactly as the parent does, and is the last entry of the request's kv_indices;
+- target verify (`forward_extend` in TARGET_VERIFY): the draft tokens' KV (`k`) goes to the
+  kernel as `k_extend`, beside the prefix rows, with SGLang's tree mask as it is.
+
+Prefill, extend, draft-extend and every non-MLA model run the parent's Triton kernels.
+
+The kernel's buffers (lse, workspace, the decode qo_indptr, an int32 copy of the graph's
+verify qo_indptr) are allocated once per backend and sliced per call, so decode and verify
+can be captured in CUDA graphs. If the kernel cannot build or run here, the constructor
+raises (the server fails at start, naming the cause): this backend never serves quietly on
+another kernel.
+
+Use `--attention-backend sm120_mla` (one backend for prefill and decode: with a hybrid
+prefill/decode split SGLang sends target verify to the prefill backend) with the default
+page size 1 and a bf16 KV cache (`--kv-cache-dtype auto` on a bf16/fp8-weight model).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+logger = logging.getLogger(__name__)
+
+DIM_QK = 576  # kv_lora_rank 512 + rope 64 (DeepSeek-V3, Kimi K2)
+DIM_V = 512
+DEFAULT_MAX_Q_LEN = 16
+
+
+def load_kernel_ops():
+    """The kernel package, or a RuntimeError that says why it cannot run here."""
+    try:
+        from sm120_workbook import kernels
+    except Exception as e:  # an import error is a cause worth showing as it is
+        raise RuntimeError(f"sm120_mla: cannot import sm120_workbook.kernels ({e!r}); "
+                           "choose another --attention-backend, e.g. triton") from e
+    ok, why = kernels.kernel_available()
+    if not ok:
+        raise RuntimeError(f"sm120_mla: the MLA kernel cannot run here: {why}; "
+                           "choose another --attention-backend, e.g. triton")
+    return kernels
+
+
+class Sm120MlaAttnBackend(TritonAttnBackend):
+    """TritonAttnBackend whose MLA decode and target verify run `mla_verify_attention`.
+
+    `kernel_ops` defaults to `sm120_workbook.kernels` (imported here, at construction); a
+    test may pass another object with the same `mla_verify_attention`,
+    `MlaVerifyWorkspace` and `kernel_available` (and optional `KV_DTYPE`, `MAX_Q_LEN`).
+    """
+
+    def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None, *,
+                 kernel_ops=None):
+        super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
+        self.kernel_ops = None
+        if not self.use_mla:
+            logger.info("sm120_mla (pid %d): not an MLA model; every phase runs the Triton "
+                        "backend", os.getpid())
+            return
+        if kernel_ops is None:
+            kernel_ops = load_kernel_ops()
+        else:
+            ok, why = kernel_ops.kernel_available()
+            if not ok:
+                raise RuntimeError(f"sm120_mla: the MLA kernel cannot run here: {why}")
+        self.kernel_ops = kernel_ops
+        self._check_runner(model_runner)
+        self.kernel_heads = self.num_head
+        # Verify puts num_draft_tokens queries per request, decode one.
+        self.tokens_per_request = max(1, self.num_draft_tokens or 1)
+        max_requests = model_runner.req_to_token_pool.size
+        self._alloc_kernel_buffers(max_requests * self.tokens_per_request, max_requests)
+        logger.info("sm120_mla (pid %d): MLA decode and target verify on the sm120 kernel "
+                    "(%d heads, up to %d tokens, workspace %.1f MiB); prefill, extend and "
+                    "draft-extend on Triton", os.getpid(), self.kernel_heads,
+                    self.kernel_max_tokens, self.kernel_workspace_bytes / 2**20)
+
+    # ------------------------------------------------------------------ setup
+    def _check_runner(self, model_runner) -> None:
+        ops = self.kernel_ops
+        if self.dcp_size > 1:
+            raise ValueError(f"sm120_mla: decode context parallelism (dcp_size={self.dcp_size}) "
+                             "is not supported by the kernel; use --attention-backend triton")
+        if self.sliding_window_size is not None and self.sliding_window_size > 0:
+            raise ValueError("sm120_mla: sliding-window attention is not supported")
+        pool = self.token_to_kv_pool
+        key = pool.get_key_buffer(getattr(pool, "start_layer", 0) or 0)
+        kv_dtype = getattr(ops, "KV_DTYPE", torch.bfloat16)
+        dim_qk = getattr(ops, "DIM_QK", DIM_QK)
+        if key.dtype != kv_dtype or key.shape[-1] != dim_qk:
+            raise ValueError(f"sm120_mla: needs a {kv_dtype} MLA KV cache with {dim_qk}-wide rows "
+                             f"(kv_lora_rank 512 + rope 64); this pool has {key.dtype} rows of "
+                             f"{key.shape[-1]} (use --kv-cache-dtype auto)")
+        max_q_len = getattr(ops, "MAX_Q_LEN", DEFAULT_MAX_Q_LEN)
+        if self.num_draft_tokens and self.num_draft_tokens > max_q_len:
+            raise ValueError(f"sm120_mla: speculative_num_draft_tokens={self.num_draft_tokens} "
+                             f"exceeds the kernel's {max_q_len} queries per request")
+        if not 1 <= self.num_head <= 128:
+            raise ValueError(f"sm120_mla: {self.num_head} query heads per rank; the kernel "
+                             "takes 1..128")
+
+    def _alloc_kernel_buffers(self, max_tokens: int, max_requests: int) -> None:
+        device = self.device
+        self.kernel_max_tokens = max_tokens
+        self.kernel_lse = torch.empty((max_tokens, self.kernel_heads), dtype=torch.float32,
+                                      device=device)
+        self.kernel_workspace = self.kernel_ops.MlaVerifyWorkspace(max_tokens, self.kernel_heads,
+                                                                   device)
+        # Decode: request i's query is token i.
+        self.decode_qo_indptr = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)
+        # The graph path's qo_indptr buffer is int64; the kernel takes int32.
+        self.verify_qo_indptr = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
+
+    @property
+    def kernel_workspace_bytes(self) -> int:
+        ws = self.kernel_workspace
+        return getattr(ws, "nbytes", 0) + self.kernel_lse.numel() * 4
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, kv_indices_buf=None,
+                              cuda_graph_num_kv_splits_buf=None):
+        super().init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=kv_indices_buf,
+                                      cuda_graph_num_kv_splits_buf=cuda_graph_num_kv_splits_buf)
+        if self.kernel_ops is None:
+            return
+        # Grow once, before any capture, if the graphs outsize the constructor's bound.
+        if (max_num_tokens > self.kernel_max_tokens
+                or max_bs + 1 > self.verify_qo_indptr.numel()):
+            self._alloc_kernel_buffers(max(max_num_tokens, self.kernel_max_tokens),
+                                       max(max_bs, self.verify_qo_indptr.numel() - 1))
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if self.kernel_ops is not None and forward_batch.forward_mode.is_target_verify():
+            # Once per forward, outside the graph: the parent refilled its int64 qo_indptr.
+            bs = len(forward_batch.req_pool_indices)
+            self.verify_qo_indptr[: bs + 1].copy_(self.qo_indptr[: bs + 1])
+
+    # ------------------------------------------------------------------ forward
+    def _check_layer(self, layer, sinks, score_mod) -> None:
+        if layer.qk_head_dim != DIM_QK or layer.v_head_dim != DIM_V:
+            raise ValueError(f"sm120_mla: layer {layer.layer_id} has head dims "
+                             f"{layer.qk_head_dim}/{layer.v_head_dim}; the kernel takes "
+                             f"{DIM_QK}/{DIM_V}")
+        if layer.tp_q_head_num != self.kernel_heads:
+            raise ValueError(f"sm120_mla: layer {layer.layer_id} has {layer.tp_q_head_num} "
+                             f"heads, the workspace {self.kernel_heads}")
+        if sinks is not None or score_mod is not None:
+            raise ValueError("sm120_mla: attention sinks and score_mod are not supported")
+        if layer.logit_cap and layer.logit_cap > 0:
+            raise ValueError("sm120_mla: logit capping is not supported")
+        if layer.xai_temperature_len is not None and layer.xai_temperature_len > 0:
+            raise ValueError("sm120_mla: xai temperature scaling is not supported")
+        for name in ("k_scale_float", "v_scale_float"):
+            scale = getattr(layer, name, None)
+            if scale is not None and scale != 1.0:
+                raise ValueError(f"sm120_mla: layer {layer.layer_id} has {name}={scale}; the "
+                                 "kernel reads the cache unscaled")
+
+    def _write_loc(self, forward_batch) -> KVWriteLoc:
+        return KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc,
+                          full_loc=self.forward_metadata.out_cache_loc_full_physical)
+
+    def _attend(self, q, layer, out, *, qo_indptr, max_q_len, k_extend=None, custom_mask=None,
+                mask_indptr=None):
+        tokens = q.shape[0]
+        meta = self.forward_metadata
+        self.kernel_ops.mla_verify_attention(
+            q.view(tokens, layer.tp_q_head_num, DIM_QK),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            qo_indptr, meta.kv_indptr, meta.kv_indices,
+            out=out.view(tokens, layer.tp_q_head_num, DIM_V),
+            lse=self.kernel_lse[:tokens], workspace=self.kernel_workspace,
+            sm_scale=layer.scaling, max_q_len=max_q_len, k_extend=k_extend,
+            custom_mask=custom_mask, mask_indptr=mask_indptr)
+        return out
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
+                       score_mod=None, aux_tensors=None):
+        if self.kernel_ops is None:
+            return super().forward_decode(q, k, v, layer, forward_batch,
+                                          save_kv_cache=save_kv_cache, sinks=sinks,
+                                          score_mod=score_mod, aux_tensors=aux_tensors)
+        self._check_layer(layer, sinks, score_mod)
+        q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
+        out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        if save_kv_cache:
+            # As TritonAttnBackend.forward_decode does for MLA.
+            if layer.k_scale is not None:
+                k.div_(layer.k_scale)
+            self.token_to_kv_pool.set_kv_buffer(layer, self._write_loc(forward_batch), k, v)
+        batch = self.forward_metadata.kv_indptr.shape[0] - 1
+        return self._attend(q, layer, out, qo_indptr=self.decode_qo_indptr[: batch + 1],
+                            max_q_len=1)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
+                       score_mod=None, aux_tensors=None):
+        if self.kernel_ops is None or not forward_batch.forward_mode.is_target_verify():
+            return super().forward_extend(q, k, v, layer, forward_batch,
+                                          save_kv_cache=save_kv_cache, sinks=sinks,
+                                          score_mod=score_mod, aux_tensors=aux_tensors)
+        self._check_layer(layer, sinks, score_mod)
+        out = getattr(forward_batch, "_attn_output", None)
+        if out is None:
+            out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        if k is None and v is None:
+            # The model already wrote the draft KV: read it back, as the parent does.
+            k = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[forward_batch.out_cache_loc]
+        elif k is None or v is None:
+            raise ValueError("Both k and v should be None or not None")
+        elif save_kv_cache:
+            # As TritonAttnBackend.forward_extend does for MLA.
+            if layer.k_scale is None:
+                self._set_kv_buffer(forward_batch, layer, self._write_loc(forward_batch), k, v)
+            else:
+                self.token_to_kv_pool.set_kv_buffer(layer, self._write_loc(forward_batch),
+                                                    k.clone().div_(layer.k_scale), v)
+        meta = self.forward_metadata
+        qo_indptr = meta.qo_indptr
+        if qo_indptr.dtype != torch.int32:  # graph path: the int32 copy made out of graph
+            qo_indptr = self.verify_qo_indptr[: qo_indptr.numel()]
+        custom_mask = meta.custom_mask
+        return self._attend(q, layer, out, qo_indptr=qo_indptr, max_q_len=int(meta.max_extend_len),
+                            k_extend=k.contiguous(), custom_mask=custom_mask,
+                            mask_indptr=meta.mask_indptr if custom_mask is not None else None)
+
+
+def create_backend(runner):
+    """The factory registered as `sm120_mla` (SGLang passes the ModelRunner, as to `triton`)."""
+    # Same precondition as SGLang's `triton` factory.
+    assert not runner.model_config.is_encoder_decoder, (
+        "Cross attention is not supported in the sm120_mla attention backend.")
+    from . import _install_spec_compat_or_warn
+
+    # The backend is selected in this process: let the draft workers built after the target
+    # (EAGLE / MTP, DSpark) accept its name.
+    _install_spec_compat_or_warn()
+    return Sm120MlaAttnBackend(runner)

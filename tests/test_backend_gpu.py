@@ -1,0 +1,399 @@
+"""Sm120MlaAttnBackend against SGLang's TritonAttnBackend on the same ModelRunner stand-in.
+
+The stand-in is SGLang's own test kit runner (sglang.test.kits.attention_unittest:
+MockMLAModelRunner with a real ReqToTokenPool and MLATokenToKVPool); both backends read and
+write the same pool, with request rows scattered over it.
+
+- GPU tests (@pytest.mark.gpu; `python -m pytest tests/test_backend_gpu.py` on the GPU
+  machine): the real kernel in bf16; forward_decode and forward_extend in TARGET_VERIFY
+  (with and without a tree mask) match Triton within bf16 tolerance, eagerly and under
+  CUDA-graph replay with new lengths, masks and KV locations.
+- CPU test: the same harness in a subprocess under TRITON_INTERPRET=1 (float32), with a
+  float64 torch implementation of the kernel's contract in place of the CUDA kernel. It
+  checks the wiring: decode and verify reach the kernel with SGLang's metadata (also through
+  the CUDA-graph buffers), prefill stays on Triton, and without a usable kernel the
+  registered factory raises at construction, naming the cause.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+DIM_QK, DIM_V = 576, 512
+
+
+# ---------------------------------------------------------------- the harness
+class ReferenceKernelOps:
+    """The kernel's contract (sm120_workbook.kernels.mla_verify_attention) in float64 torch.
+
+    It asserts the dtypes the real kernel demands, so wiring mistakes show on CPU too.
+    """
+
+    KV_DTYPE = torch.float32
+    calls = 0
+
+    @staticmethod
+    def kernel_available():
+        return True, "float64 torch reference"
+
+    class MlaVerifyWorkspace:
+        def __init__(self, max_tokens, heads, device=None, num_splits=None):
+            self.max_tokens, self.heads, self.nbytes = max_tokens, heads, 0
+
+    @classmethod
+    def mla_verify_attention(cls, q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, lse,
+                             workspace, sm_scale, max_q_len, k_extend=None, custom_mask=None,
+                             mask_indptr=None):
+        cls.calls += 1
+        assert qo_indptr.dtype == torch.int32 and kv_indptr.dtype == torch.int32
+        assert kv_indices.dtype in (torch.int32, torch.int64)
+        assert out.shape == (q.shape[0], q.shape[1], DIM_V) and lse.shape == q.shape[:2]
+        assert q.shape[1] == workspace.heads and q.shape[0] <= workspace.max_tokens
+        assert (custom_mask is None) == (mask_indptr is None)
+        kv = kv_pool.reshape(kv_pool.shape[0], DIM_QK).double()
+        ke = None if k_extend is None else k_extend.reshape(-1, DIM_QK).double()
+        for b in range(qo_indptr.numel() - 1):
+            q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+            n = q1 - q0
+            assert 1 <= n <= max_q_len
+            rows = kv[kv_indices[int(kv_indptr[b]):int(kv_indptr[b + 1])].long()]
+            prefix = rows.shape[0]
+            keys = rows if ke is None else torch.cat([rows, ke[q0:q1]])
+            s = torch.einsum("thd,kd->thk", q[q0:q1].double(), keys) * sm_scale
+            if ke is not None:
+                visible = torch.ones(n, prefix + n, dtype=torch.bool)
+                if custom_mask is None:
+                    visible[:, prefix:] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+                else:
+                    m0 = int(mask_indptr[b])
+                    m = custom_mask[m0:m0 + n * (prefix + n)].view(n, prefix + n).bool()
+                    visible[:, prefix:] = m[:, prefix:]
+                s = s.masked_fill(~visible[:, None, :], float("-inf"))
+            out[q0:q1] = torch.einsum("thk,kd->thd", torch.softmax(s, -1),
+                                      keys[:, :DIM_V]).to(out.dtype)
+            lse[q0:q1] = torch.logsumexp(s, -1).to(lse.dtype)
+        return out
+
+
+def make_runner(*, device, dtype, heads, num_draft_tokens, max_requests, max_context_len):
+    """SGLang's MLA test-kit runner: real req-to-token and MLA KV pools on `device`."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import (
+        MLAAttentionCase, MockMLAModelRunner, TinyMLAModelConfig)
+
+    case = MLAAttentionCase(name="sm120_mla", backend="triton",
+                            forward_mode=ForwardMode.TARGET_VERIFY, num_heads=heads,
+                            page_size=1, prefix_lens=(1,) * max_requests,
+                            extend_lens=(num_draft_tokens,) * max_requests)
+    config = TinyMLAModelConfig(num_heads=heads, kv_lora_rank=DIM_V,
+                                qk_rope_head_dim=DIM_QK - DIM_V, hidden_size=64,
+                                context_len=max_context_len)
+    runner = MockMLAModelRunner(case=case, model_config=config, dtype=dtype, device=device,
+                                max_context_len=max_context_len, kv_lora_rank=DIM_V,
+                                qk_rope_head_dim=DIM_QK - DIM_V, runner_batch_size=max_requests)
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    key = runner.token_to_kv_pool.get_key_buffer(0)
+    key.copy_(torch.randn(key.shape, generator=gen).to(dtype))
+    # Each request's rows scattered over the pool, as after churn.
+    runner.slot_order = (torch.randperm(key.shape[0] - 1, generator=gen) + 1).to(device)
+    return runner
+
+
+def make_layer(heads):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return RadixAttention(num_heads=heads, head_dim=DIM_QK, scaling=192 ** -0.5, num_kv_heads=1,
+                          layer_id=0, v_head_dim=DIM_V)
+
+
+def _rows(runner, prefix_lens, extra):
+    ctx = runner.model_config.context_len
+    device = runner.device
+    for i, length in enumerate(prefix_lens):
+        runner.req_to_token_pool.req_to_token[i, :length + extra] = \
+            runner.slot_order[i * ctx:i * ctx + length + extra]
+    return torch.tensor(prefix_lens, dtype=torch.int64, device=device)
+
+
+def decode_batch(runner, prefix_lens, gen):
+    """A decode step: each request's new token sits at position prefix_len."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    device, heads = runner.device, runner.model_config.num_attention_heads
+    prefix = _rows(runner, prefix_lens, 1)
+    seq = prefix + 1
+    bs = len(prefix_lens)
+    loc = torch.stack([runner.req_to_token_pool.req_to_token[i, n]
+                       for i, n in enumerate(prefix_lens)]).long()
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
+                      input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+                      req_pool_indices=torch.arange(bs, device=device), seq_lens=seq,
+                      seq_lens_cpu=seq.cpu(), out_cache_loc=loc, seq_lens_sum=int(seq.sum()),
+                      positions=prefix.clone())
+    return fb, *_qkv(bs, heads, runner.dtype, device, gen)
+
+
+def verify_batch(runner, prefix_lens, num_draft_tokens, gen, tree_mask):
+    """A target-verify step: seq_lens are the prefixes, the draft KV comes as k."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    device, heads = runner.device, runner.model_config.num_attention_heads
+    n = num_draft_tokens
+    prefix = _rows(runner, prefix_lens, n)
+    bs = len(prefix_lens)
+    loc = torch.cat([runner.req_to_token_pool.req_to_token[i, p:p + n]
+                     for i, p in enumerate(prefix_lens)]).long()
+    positions = torch.cat([torch.arange(p, p + n) for p in prefix_lens]).to(device)
+    custom_mask = None
+    if tree_mask:
+        parts = []
+        for p in prefix_lens:
+            m = torch.ones(n, p + n, dtype=torch.bool)
+            tree = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            # a two-branch tree: token 2 sees the root but not token 1
+            if n > 2:
+                tree[2, 1] = False
+            m[:, p:] = tree
+            parts.append(m.flatten())
+        custom_mask = torch.cat(parts).to(device)
+    spec = SimpleNamespace(custom_mask=custom_mask, draft_token_num=n)
+    fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs,
+                      input_ids=torch.zeros(bs * n, dtype=torch.int64, device=device),
+                      req_pool_indices=torch.arange(bs, device=device), seq_lens=prefix,
+                      seq_lens_cpu=prefix.cpu(), out_cache_loc=loc,
+                      seq_lens_sum=int(prefix.sum()), positions=positions, spec_info=spec)
+    return fb, *_qkv(bs * n, heads, runner.dtype, device, gen)
+
+
+def extend_batch(runner, prefix_lens, extend_lens, gen):
+    """A prefill/extend step (stays on Triton)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    device, heads = runner.device, runner.model_config.num_attention_heads
+    ctx = runner.model_config.context_len
+    for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        runner.req_to_token_pool.req_to_token[i, :p + e] = runner.slot_order[i * ctx:i * ctx + p + e]
+    bs, total = len(prefix_lens), sum(extend_lens)
+    seq = torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)], device=device)
+    loc = torch.cat([runner.req_to_token_pool.req_to_token[i, p:p + e]
+                     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens))]).long()
+    extend = torch.tensor(extend_lens, dtype=torch.int32, device=device)
+    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=bs,
+                      input_ids=torch.zeros(total, dtype=torch.int64, device=device),
+                      req_pool_indices=torch.arange(bs, device=device), seq_lens=seq,
+                      seq_lens_cpu=seq.cpu(), out_cache_loc=loc, seq_lens_sum=int(seq.sum()),
+                      positions=torch.cat([torch.arange(p, p + e) for p, e in
+                                           zip(prefix_lens, extend_lens)]).to(device))
+    fb.extend_prefix_lens = torch.tensor(prefix_lens, dtype=torch.int32, device=device)
+    fb.extend_prefix_lens_cpu = list(prefix_lens)
+    fb.extend_seq_lens = extend
+    fb.extend_seq_lens_cpu = list(extend_lens)
+    fb.extend_start_loc = torch.cumsum(extend, 0) - extend
+    fb.extend_num_tokens = total
+    return fb, *_qkv(total, heads, runner.dtype, device, gen)
+
+
+def _qkv(tokens, heads, dtype, device, gen):
+    q = torch.randn(tokens, heads, DIM_QK, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(tokens, 1, DIM_QK, generator=gen).to(device=device, dtype=dtype)
+    return q, k, k[..., :DIM_V].clone()
+
+
+def run_eager(backend, layer, fb, q, k, v):
+    backend.init_forward_metadata(fb)
+    if fb.forward_mode.is_decode():
+        return backend.forward_decode(q.clone(), k.clone(), v.clone(), layer, fb)
+    return backend.forward_extend(q.clone(), k.clone(), v.clone(), layer, fb)
+
+
+# ---------------------------------------------------------------- CPU: the wiring
+def _cpu_wiring_checks() -> dict:
+    """Runs in a subprocess with TRITON_INTERPRET=1; returns what the parent test asserts."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    import sm120_workbook.patches as plugin
+    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
+
+    out = {}
+    heads, ndt, max_requests = 4, 3, 4
+    runner = make_runner(device="cpu", dtype=torch.float32, heads=heads, num_draft_tokens=ndt,
+                         max_requests=max_requests, max_context_len=64)
+    layer = make_layer(heads)
+    gen = torch.Generator().manual_seed(7)
+    ops = ReferenceKernelOps
+    triton = TritonAttnBackend(runner)
+    sm120 = Sm120MlaAttnBackend(runner, kernel_ops=ops)
+
+    def compare(name, batch, graph=None):
+        fb, q, k, v = batch
+        calls = ops.calls
+        want = run_eager(triton, layer, fb, q, k, v)
+        if graph is None:
+            got = run_eager(sm120, layer, fb, q, k, v)
+        else:  # the CUDA-graph path's buffers (capture, then a replay-style refill)
+            sm120.init_forward_metadata_out_graph(fb, in_capture=graph == "capture")
+            forward = sm120.forward_decode if fb.forward_mode.is_decode() else sm120.forward_extend
+            got = forward(q.clone(), k.clone(), v.clone(), layer, fb)
+        out[name] = {"max_abs_diff": float((want - got).abs().max()),
+                     "kernel_calls": ops.calls - calls, "shape_ok": want.shape == got.shape}
+
+    compare("decode", decode_batch(runner, [7, 20, 33], gen))
+    compare("verify_tree_mask", verify_batch(runner, [5, 17, 30], ndt, gen, tree_mask=True))
+    compare("verify_causal", verify_batch(runner, [9, 2, 40], ndt, gen, tree_mask=False))
+    compare("extend_stays_on_triton", extend_batch(runner, [0, 6], [5, 3], gen))
+    sm120.init_cuda_graph_state(max_requests, max_requests * ndt)
+    compare("graph_decode_capture", decode_batch(runner, [7, 20, 33], gen), graph="capture")
+    compare("graph_decode_replay", decode_batch(runner, [11, 3, 50], gen), graph="replay")
+    compare("graph_verify_capture", verify_batch(runner, [5, 17, 30], ndt, gen, True),
+            graph="capture")
+    compare("graph_verify_replay", verify_batch(runner, [25, 1, 8], ndt, gen, True),
+            graph="replay")
+    out["graph_qo_indptr_dtype"] = str(sm120.qo_indptr.dtype)
+
+    # Without an injected kernel, the registered factory must refuse here (no CUDA GPU).
+    plugin.register_backend()
+    try:
+        ATTENTION_BACKENDS[plugin.BACKEND_NAME](runner)
+        out["factory_error"] = None
+    except RuntimeError as e:
+        out["factory_error"] = str(e)
+    return out
+
+
+def test_cpu_wiring_against_triton_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SM120_BACKEND_WIRING": "1"}
+    env.pop("SM120_KV_SORT", None)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True,
+                          text=True, env=env, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT "):])
+    for name in ("decode", "verify_tree_mask", "verify_causal", "graph_decode_capture",
+                 "graph_decode_replay", "graph_verify_capture", "graph_verify_replay"):
+        assert out[name]["shape_ok"], name
+        assert out[name]["kernel_calls"] == 1, f"{name} did not reach the kernel: {out[name]}"
+        assert out[name]["max_abs_diff"] < 1e-4, f"{name}: {out[name]}"
+    assert out["extend_stays_on_triton"] == {"max_abs_diff": 0.0, "kernel_calls": 0,
+                                             "shape_ok": True}
+    assert out["graph_qo_indptr_dtype"] == "torch.int64"  # so the int32 copy was exercised
+    assert out["factory_error"] and "no CUDA GPU" in out["factory_error"], out["factory_error"]
+
+
+# ---------------------------------------------------------------- GPU: the real kernel
+GPU_HEADS, GPU_NDT, GPU_MAX_REQUESTS, GPU_CONTEXT = 16, 4, 4, 2048
+
+
+@pytest.fixture(scope="module")
+def gpu_setup():
+    from sm120_workbook import kernels
+
+    ok, why = kernels.kernel_available()
+    if not ok:
+        pytest.skip(f"sm120 kernel not available: {why}")
+    runner = make_runner(device="cuda", dtype=torch.bfloat16, heads=GPU_HEADS,
+                         num_draft_tokens=GPU_NDT, max_requests=GPU_MAX_REQUESTS,
+                         max_context_len=GPU_CONTEXT)
+    yield runner, make_layer(GPU_HEADS)
+    runner._server_args_override.restore()
+
+
+def _assert_bf16_close(got, want, what):
+    got, want = got.float(), want.float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m: f"{what}: {m}")
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.9995, f"{what}: cosine {cos:.6f}"
+
+
+def _batches(runner, mode, gen, lens_list, tree_mask=True):
+    if mode == "decode":
+        return [decode_batch(runner, lens, gen) for lens in lens_list]
+    return [verify_batch(runner, lens, GPU_NDT, gen, tree_mask) for lens in lens_list]
+
+
+MODES = [("decode", True), ("verify", True), ("verify", False)]
+LENS = [[37, 300, 1029], [1500, 5, 777], [64, 1200, 2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,tree_mask", MODES, ids=["decode", "verify-tree", "verify-chain"])
+def test_gpu_eager_matches_triton(gpu_setup, mode, tree_mask):
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
+
+    runner, layer = gpu_setup
+    triton, sm120 = TritonAttnBackend(runner), Sm120MlaAttnBackend(runner)
+    gen = torch.Generator().manual_seed(11)
+    for i, batch in enumerate(_batches(runner, mode, gen, LENS, tree_mask)):
+        want = run_eager(triton, layer, *batch)
+        got = run_eager(sm120, layer, *batch)
+        _assert_bf16_close(got, want, f"{mode} eager batch {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,tree_mask", MODES, ids=["decode", "verify-tree", "verify-chain"])
+def test_gpu_cuda_graph_replay_matches_triton(gpu_setup, mode, tree_mask):
+    """Capture once, replay with new lengths, masks, KV locations and inputs."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
+
+    runner, layer = gpu_setup
+    triton, sm120 = TritonAttnBackend(runner), Sm120MlaAttnBackend(runner)
+    gen = torch.Generator().manual_seed(12)
+    batches = _batches(runner, mode, gen, LENS, tree_mask)
+    sm120.init_cuda_graph_state(GPU_MAX_REQUESTS, GPU_MAX_REQUESTS * GPU_NDT)
+    fb0, q0, k0, v0 = batches[0]
+    q_buf, k_buf, v_buf = q0.clone(), k0.clone(), v0.clone()
+    loc_buf = fb0.out_cache_loc.clone()
+    fb0.out_cache_loc = loc_buf
+    forward = sm120.forward_decode if mode == "decode" else sm120.forward_extend
+    sm120.init_forward_metadata_out_graph(fb0, in_capture=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward(q_buf.clone(), k_buf.clone(), v_buf.clone(), layer, fb0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(q_buf, k_buf, v_buf, layer, fb0)
+    for i, (fb, q, k, v) in enumerate(batches[1:] + batches[:1]):
+        want = run_eager(triton, layer, fb, q, k, v)
+        q_buf.copy_(q)
+        k_buf.copy_(k)
+        v_buf.copy_(v)
+        loc_buf.copy_(fb.out_cache_loc)
+        fb.out_cache_loc = loc_buf
+        sm120.init_forward_metadata_out_graph(fb, in_capture=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_bf16_close(out, want, f"{mode} replay {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_registered_factory_builds_the_backend(gpu_setup):
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    import sm120_workbook.patches as plugin
+    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
+
+    runner, _ = gpu_setup
+    plugin.register_backend()
+    try:
+        backend = ATTENTION_BACKENDS[plugin.BACKEND_NAME](runner)
+        assert isinstance(backend, Sm120MlaAttnBackend) and backend.kernel_ops is not None
+        assert backend.kernel_heads == GPU_HEADS
+    finally:
+        plugin.uninstall_spec_compat()
+        plugin.unregister_backend()
+
+
+if __name__ == "__main__" and os.environ.get("SM120_BACKEND_WIRING") == "1":
+    print("RESULT " + json.dumps(_cpu_wiring_checks()))

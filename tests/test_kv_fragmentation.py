@@ -1,0 +1,125 @@
+"""The churn study on SGLang's real TokenToKVPoolAllocator (CPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")
+
+from sm120_workbook import kv_fragmentation as kf  # noqa: E402
+from sm120_workbook.patches import kv_sort  # noqa: E402
+
+SMALL = dict(capacity_tokens=8192, num_requests=120, max_running=16, prompt_len_range=(16, 1024),
+             output_len_range=(8, 256), probe_prompt_len=512, probe_output_len=32)
+
+
+def test_index_layout_counts_runs_and_pages():
+    contiguous = kf.index_layout(np.arange(10, 20), row_bytes=1152, page_bytes=4096)
+    assert contiguous["runs"] == 1 and contiguous["mean_run_tokens"] == 10
+    # rows 10..19 cover bytes 11520..23039: pages 2..5
+    assert contiguous["pages_touched"] == 4 and contiguous["pages_ideal"] == 3
+    reversed_ = kf.index_layout(np.arange(20, 10, -1))
+    assert reversed_["runs"] == 10 and reversed_["mean_run_tokens"] == 1
+    # row 3 straddles pages 0 and 1; row 0 sits in page 0
+    assert kf.index_layout([3])["pages_touched"] == 2
+    assert kf.index_layout([0])["pages_touched"] == 1
+    assert kf.index_layout([0, 2, 4], row_bytes=1, page_bytes=1)["pages_touched"] == 3
+    assert kf.index_layout([], 1152, 4096)["tokens"] == 0
+    # a row longer than a page touches every page it spans
+    assert kf.index_layout([1], row_bytes=10_000, page_bytes=4096)["pages_touched"] == 3
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="indices"):
+        kf.index_layout([-1, 2])
+    with pytest.raises(ValueError, match="page_bytes"):
+        kf.index_layout([1], page_bytes=0)
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        kf.ChurnConfig(capacity_tokens=1000)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        kf.ChurnConfig(tokens_per_step=0)
+    with pytest.raises(ValueError, match="prompt_len_range"):
+        kf.ChurnConfig(prompt_len_range=(100, 10))
+    with pytest.raises(ValueError, match="probe_arrival"):
+        kf.ChurnConfig(probe_arrival=1.5)
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 4])
+def test_same_schedule_both_ways_and_slots_are_valid(tokens_per_step, seed):
+    config = kf.ChurnConfig(**SMALL, tokens_per_step=tokens_per_step, seed=seed)
+    unsorted, sorted_ = kf.compare_need_sort(config)
+    assert unsorted.steps == sorted_.steps  # only the free-list order differs
+    def calls(run):
+        return [(op.replace("alloc+sort", "alloc"), n) for op, n, _ in run.ops]
+
+    assert calls(unsorted) == calls(sorted_)
+    assert unsorted.merges == 0
+    for run in (unsorted, sorted_):
+        row = run.probe_row
+        assert row.size == config.probe_prompt_len + config.probe_output_len
+        assert np.unique(row).size == row.size, "a slot handed out twice"
+        assert row.min() >= 1 and row.max() <= config.capacity_tokens  # slot 0 is the pad slot
+    again = kf.simulate_churn(config, need_sort=False)
+    assert np.array_equal(again.probe_row, unsorted.probe_row)
+
+
+def test_need_sort_shortens_fragmentation_over_seeds(seed):
+    """Averaged over several churns, sorted frees give the probe fewer, longer runs."""
+    totals = {False: 0, True: 0}
+    for s in range(seed, seed + 8):
+        config = kf.ChurnConfig(**SMALL, tokens_per_step=4, seed=s)
+        for run in kf.compare_need_sort(config):
+            totals[run.need_sort] += kf.index_layout(run.probe_row)["runs"]
+    print(totals)
+    assert totals[True] < 0.8 * totals[False]
+
+
+def test_study_refuses_need_sort_false_under_the_override():
+    was_installed = kv_sort.is_installed()
+    kv_sort.install()
+    try:
+        with pytest.raises(RuntimeError, match="override is installed"):
+            kf.simulate_churn(kf.ChurnConfig(**SMALL), need_sort=False)
+    finally:
+        if not was_installed:
+            kv_sort.uninstall()
+
+
+def test_frames_records_and_charts():
+    configs = [kf.ChurnConfig(**SMALL), kf.ChurnConfig(**SMALL, tokens_per_step=3)]
+    layout, timings, runs = kf.churn_study(configs)
+    assert set(layout.columns) == {"scenario", "tokens_per_step", "need_sort", "part", "metric",
+                                   "value"}
+    assert len(layout) == 2 * 2 * len(kf.PARTS) * len(kf.LAYOUT_METRICS)
+    assert set(layout["scenario"]) == {"decode", "verify 3 tokens"}
+    table = kf.layout_table(layout)
+    assert list(table.columns) == list(kf.LAYOUT_METRICS) and len(table) == 4
+    summary = kf.timing_summary(timings)
+    assert {"alloc", "alloc+sort", "free_group"} <= set(summary["op"])
+    assert (summary.loc[summary["op"] == "alloc+sort", "need_sort"]).all()
+    assert (runs["merges"] > 0).tolist() == [False, True, False, True]
+    records = kf.churn_records(layout, summary, runs, configs)
+    assert {r["kind"] for r in records} == {"churn_layout", "churn_timing", "churn_run"}
+    assert all("config" in r for r in records if r["kind"] == "churn_layout")
+    for chart in (kf.layout_chart(layout), kf.pages_chart(layout), kf.sort_cost_chart(summary)):
+        spec = chart.to_dict()
+        assert spec["data"] or spec.get("datasets")
+
+
+def test_probe_layouts_same_length_and_ordered_by_scatter():
+    config = kf.ChurnConfig(**SMALL, tokens_per_step=4)
+    layouts = kf.probe_layouts(config, seed=1)
+    frame = kf.layouts_frame(layouts).set_index("layout")
+    assert frame["tokens"].nunique() == 1
+    assert frame.loc["contiguous", "runs"] == 1
+    assert frame.loc["random", "runs"] >= frame.loc["churn, need_sort=False", "runs"]
+    assert frame.loc["contiguous", "pages_touched"] <= frame["pages_touched"].min()
+
+
+def test_kernel_layout_timing_names_why_it_cannot_run():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; notebook 04 times the kernel there")
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        kf.kernel_layout_timing({"contiguous": np.arange(1, 9)})

@@ -1,0 +1,161 @@
+"""The need_sort override on SGLang's real allocators (CPU): what it changes, and that it loses nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.allocator import (BaseTokenToKVPoolAllocator,  # noqa: E402
+                                            PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator)
+
+from sm120_workbook.patches import kv_sort  # noqa: E402
+
+
+@pytest.fixture
+def override():
+    """The override installed for one test, and removed after it whatever happens."""
+    installed_before = kv_sort.is_installed()
+    kv_sort.install()
+    yield
+    if not installed_before:
+        kv_sort.uninstall()
+
+
+@pytest.fixture
+def no_override():
+    installed_before = kv_sort.is_installed()
+    kv_sort.uninstall()
+    yield
+    if installed_before:
+        kv_sort.install()
+
+
+def _token_allocator(size, need_sort=False):
+    return TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", None, need_sort)
+
+
+def _paged_allocator(size, page_size, need_sort=False):
+    return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", None, need_sort)
+
+
+def test_without_override_need_sort_stays_as_sglang_decided(no_override):
+    original = BaseTokenToKVPoolAllocator.__dict__["__init__"]
+    assert not kv_sort.is_installed()
+    assert _token_allocator(64).need_sort is False
+    assert _token_allocator(64, need_sort=True).need_sort is True
+    assert _paged_allocator(64, 16).need_sort is False
+    assert kv_sort.install_from_env({}) is False
+    assert kv_sort.install_from_env({kv_sort.ENV_VAR: "0"}) is False
+    assert BaseTokenToKVPoolAllocator.__dict__["__init__"] is original
+
+
+def test_install_forces_need_sort_and_uninstall_restores(no_override):
+    original = BaseTokenToKVPoolAllocator.__dict__["__init__"]
+    assert kv_sort.install() is True
+    assert kv_sort.install() is False  # idempotent
+    try:
+        assert _token_allocator(64).need_sort is True
+        assert _paged_allocator(64, 16).need_sort is True
+        # keyword arguments reach the same wrapper
+        a = TokenToKVPoolAllocator(size=64, dtype=torch.bfloat16, device="cpu", kvcache=None,
+                                   need_sort=False)
+        assert a.need_sort is True
+    finally:
+        assert kv_sort.uninstall() is True
+    assert kv_sort.uninstall() is False
+    assert BaseTokenToKVPoolAllocator.__dict__["__init__"] is original
+    assert _token_allocator(64).need_sort is False
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("ON", True),
+                                            ("0", False), ("", False), ("no", False)])
+def test_env_var_values(no_override, value, expected):
+    assert kv_sort.requested({kv_sort.ENV_VAR: value}) is expected
+    assert kv_sort.install_from_env({kv_sort.ENV_VAR: value}) is expected
+    kv_sort.uninstall()
+
+
+def test_sorted_allocator_hands_out_ascending_runs_after_churn(override):
+    """What the override buys: after frees in scrambled order, a merge hands out ascending slots."""
+    a = _token_allocator(32)
+    held = [a.alloc(4) for _ in range(8)]  # the whole pool
+    for i in (5, 1, 7, 3, 0, 6, 2, 4):
+        a.free(held[i])
+    got = a.alloc(32)
+    assert torch.equal(got, torch.arange(1, 33))
+
+
+def _check_conservation(free_lists, owned, size, first=1):
+    everything = torch.cat([*free_lists, *owned]) if owned else torch.cat(free_lists)
+    assert everything.numel() == size, f"{everything.numel()} slots accounted for, {size} exist"
+    assert torch.equal(torch.sort(everything).values, torch.arange(first, first + size)), \
+        "a slot is lost or owned twice"
+
+
+def test_token_allocator_100k_random_ops_lose_and_duplicate_nothing(override, seed):
+    rng = np.random.default_rng(seed)
+    size = 4096
+    a = _token_allocator(size)
+    assert a.need_sort is True
+    owned: dict[int, torch.Tensor] = {}
+    keys: list[int] = []
+    merges = failures = 0
+    for op in range(100_000):
+        r = rng.random()
+        if r < 0.5 or not keys:
+            need = int(rng.integers(1, 97))
+            available = a.available_size()
+            had_release = len(a.release_pages) > 0
+            got = a.alloc(need)
+            if need <= available:
+                assert got is not None, f"op {op}: alloc({need}) failed with {available} free"
+                assert got.numel() == need
+                owned[op] = got
+                keys.append(op)
+                merges += had_release and len(a.release_pages) == 0
+            else:
+                assert got is None
+                failures += 1
+        elif r < 0.95:
+            key = keys.pop(int(rng.integers(len(keys))))
+            a.free(owned.pop(key))
+        else:
+            # A scheduler step: several requests freed in one group.
+            a.free_group_begin()
+            for _ in range(min(len(keys), int(rng.integers(1, 6)))):
+                key = keys.pop(int(rng.integers(len(keys))))
+                a.free(owned.pop(key))
+            a.free_group_end()
+        if op % 2000 == 0:
+            _check_conservation([a.free_pages, a.release_pages], list(owned.values()), size)
+    _check_conservation([a.free_pages, a.release_pages], list(owned.values()), size)
+    print(f"merges={merges} refused allocs={failures} live={len(owned)}")
+    assert merges > 0, "the churn never reached SGLang's merge_and_sort_free"
+
+
+def test_paged_allocator_random_ops_lose_and_duplicate_nothing(override, seed):
+    rng = np.random.default_rng(seed)
+    page, pages = 16, 256
+    a = _paged_allocator(page * pages, page)
+    assert a.need_sort is True
+    owned: dict[int, torch.Tensor] = {}
+    keys: list[int] = []
+    for op in range(20_000):
+        if rng.random() < 0.5 or not keys:
+            need_pages = int(rng.integers(1, 9))
+            available = a.available_size()
+            got = a.alloc(need_pages * page)
+            if need_pages * page <= available:
+                assert got is not None, f"op {op}: alloc failed with {available} free"
+                owned[op] = got
+                keys.append(op)
+            else:
+                assert got is None
+        else:
+            key = keys.pop(int(rng.integers(len(keys))))
+            a.free(owned.pop(key))
+        if op % 1000 == 0 or op == 19_999:
+            owned_pages = [t[::page] // page for t in owned.values()]
+            _check_conservation([a.free_pages, a.release_pages], owned_pages, pages)

@@ -1,0 +1,208 @@
+"""The SGLang plugin: entry point, registration, idempotence, and that it changes nothing unasked."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import sm120_workbook.patches as plugin  # noqa: E402
+from sm120_workbook.patches import kv_sort  # noqa: E402
+
+GROUP = "sglang.srt.plugins"
+
+
+@pytest.fixture
+def clean_plugin_state():
+    """Each test starts and ends with nothing registered or installed by the plugin."""
+    def reset():
+        plugin.unregister_backend()
+        plugin.uninstall_spec_compat()
+        kv_sort.uninstall()
+        plugin._last_message = None
+
+    reset()
+    yield
+    reset()
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def plugin_log():
+    handler = _Lines()
+    logging.getLogger("sm120_workbook.patches").addHandler(handler)
+    yield handler.lines
+    logging.getLogger("sm120_workbook.patches").removeHandler(handler)
+
+
+def test_entry_point_is_discoverable_and_names_load_plugin():
+    eps = [ep for ep in entry_points(group=GROUP) if ep.name == "sm120_workbook"]
+    assert len(eps) == 1, f"entry points in {GROUP}: {list(entry_points(group=GROUP))}"
+    assert eps[0].value == "sm120_workbook.patches:load_plugin"
+    assert eps[0].load() is plugin.load_plugin
+
+
+def test_sglang_loader_in_a_fresh_process():
+    """Through SGLang's own load_plugins(): import alone registers nothing; loading registers
+    the backend (registry and CLI choices) and leaves need_sort alone without the env var;
+    with SM120_KV_SORT=1 a second load_plugin() call installs the override."""
+    script = textwrap.dedent("""
+        import json, os, torch
+        os.environ.pop("SM120_KV_SORT", None)
+        import sm120_workbook.patches as plugin
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        out = {"after_import": {"registry": "sm120_mla" in ATTENTION_BACKENDS,
+                                "choices": "sm120_mla" in ATTENTION_BACKEND_CHOICES,
+                                "kv_sort": plugin.kv_sort.is_installed()}}
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        a = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, False)
+        out["after_load"] = {"registry": "sm120_mla" in ATTENTION_BACKENDS,
+                             "choices": ATTENTION_BACKEND_CHOICES.count("sm120_mla"),
+                             "kv_sort": plugin.kv_sort.is_installed(), "need_sort": a.need_sort,
+                             "spec_compat": plugin.spec_compat_installed()}
+        os.environ["SM120_KV_SORT"] = "1"
+        plugin.load_plugin()
+        a = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, False)
+        out["after_env"] = {"choices": ATTENTION_BACKEND_CHOICES.count("sm120_mla"),
+                            "kv_sort": plugin.kv_sort.is_installed(), "need_sort": a.need_sort}
+        print("RESULT " + json.dumps(out))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("SM120_KV_SORT", "SGLANG_PLUGINS")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT "):])
+    assert out["after_import"] == {"registry": False, "choices": False, "kv_sort": False}
+    assert out["after_load"] == {"registry": True, "choices": 1, "kv_sort": False,
+                                 "need_sort": False, "spec_compat": False}
+    assert out["after_env"] == {"choices": 1, "kv_sort": True, "need_sort": True}
+    # The plugin announces itself, with its pid, in the process's log (stderr).
+    announcements = [x for x in proc.stderr.splitlines() if "sm120_workbook plugin (pid" in x]
+    assert len(announcements) == 2, proc.stderr[-3000:]
+    assert "KV sort override off" in announcements[0]
+    assert "KV sort override on" in announcements[1]
+
+
+def test_load_plugin_registers_with_sglang_and_is_idempotent(clean_plugin_state, plugin_log,
+                                                             monkeypatch):
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    monkeypatch.delenv(kv_sort.ENV_VAR, raising=False)
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    before = dict(ATTENTION_BACKENDS)
+    plugin.load_plugin()
+    plugin.load_plugin()
+    assert plugin.is_registered()
+    assert ATTENTION_BACKEND_CHOICES.count(plugin.BACKEND_NAME) == 1
+    assert set(ATTENTION_BACKENDS) - set(before) == {plugin.BACKEND_NAME}
+    assert all(ATTENTION_BACKENDS[k] is v for k, v in before.items())  # nothing else touched
+    assert not kv_sort.is_installed()
+    assert not plugin.spec_compat_installed()
+    assert len(plugin_log) == 1 and f"pid {os.getpid()}" in plugin_log[0]
+    plugin.unregister_backend()
+    assert plugin.BACKEND_NAME not in ATTENTION_BACKENDS
+    assert plugin.BACKEND_NAME not in ATTENTION_BACKEND_CHOICES
+
+
+def test_load_plugin_with_env_and_command_line_selection(clean_plugin_state, plugin_log,
+                                                         monkeypatch):
+    monkeypatch.setenv(kv_sort.ENV_VAR, "1")
+    monkeypatch.setattr(sys, "argv", ["sglang", "serve", "--attention-backend", "sm120_mla"])
+    plugin.load_plugin()
+    assert plugin.is_registered() and kv_sort.is_installed() and plugin.spec_compat_installed()
+    assert any("KV sort override installed" in x for x in plugin_log)
+    assert any("registered and selected" in x and "KV sort override on" in x for x in plugin_log)
+    assert any("accept sm120_mla like triton" in x for x in plugin_log)
+
+
+@pytest.mark.parametrize("argv,selected", [
+    (["x", "--attention-backend", "sm120_mla"], True),
+    (["x", "--decode-attention-backend=sm120_mla"], True),
+    (["x", "--speculative-draft-attention-backend", "sm120_mla"], True),
+    (["x", "--attention-backend", "triton"], False),
+    (["x", "--model-path", "sm120_mla"], False),
+    (["x", "--attention-backend"], False),
+])
+def test_backend_selected_in_argv(argv, selected):
+    assert plugin.backend_selected_in_argv(argv) is selected
+
+
+def test_spec_compat_gives_sm120_mla_the_triton_draft_backends(clean_plugin_state):
+    from sglang.srt.speculative import draft_worker_common
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    args = SimpleNamespace(speculative_draft_attention_backend=None, attention_backend="sm120_mla",
+                           decode_attention_backend=None, prefill_attention_backend=None)
+    factory = DraftBackendFactory(args, None, 1, 3)
+    backend_map = {"triton": lambda: "triton-draft-backend"}
+    with pytest.raises(ValueError, match="sm120_mla"):  # stock SGLang refuses the name
+        factory._create_backend("decode_attention_backend", backend_map, "no {backend_type}")
+    stock_supported = draft_worker_common._SUPPORTED_DRAFT_BACKENDS
+
+    assert plugin.install_spec_compat() is True
+    assert plugin.install_spec_compat() is False
+    assert factory._create_backend("decode_attention_backend", backend_map,
+                                   "no {backend_type}") == "triton-draft-backend"
+    assert "sm120_mla" in draft_worker_common._SUPPORTED_DRAFT_BACKENDS
+    # Other names behave as before.
+    args.attention_backend = "fa3"
+    with pytest.raises(ValueError, match="fa3"):
+        factory._create_backend("decode_attention_backend", backend_map, "no {backend_type}")
+
+    plugin.uninstall_spec_compat()
+    assert draft_worker_common._SUPPORTED_DRAFT_BACKENDS is stock_supported
+    args.attention_backend = "sm120_mla"
+    with pytest.raises(ValueError):
+        factory._create_backend("decode_attention_backend", backend_map, "no {backend_type}")
+
+
+def _mid_resolution_server_args(**fields):
+    """A real ServerArgs as the DFLASH hook sees it: still writable (before materialization)."""
+    from sglang.srt.runtime_context import get_context
+
+    override = get_context().override_server_args(**fields)
+    args = override.install()
+    object.__setattr__(args, "_declarations_materialized", False)
+    return override, args
+
+
+def test_spec_compat_dflash_draft_gets_triton(clean_plugin_state):
+    from sglang.srt.arg_groups import speculative_hook
+
+    override, args = _mid_resolution_server_args(attention_backend="sm120_mla",
+                                                 speculative_draft_attention_backend=None)
+    try:
+        speculative_hook._resolve_dflash_draft_attention_backend(args)
+        assert args.speculative_draft_attention_backend == "flashinfer"  # stock fallback
+    finally:
+        override.restore()
+    plugin.install_spec_compat()
+    for backend, expected in (("sm120_mla", "triton"), ("fa3", "fa3")):
+        override, args = _mid_resolution_server_args(attention_backend=backend,
+                                                     speculative_draft_attention_backend=None)
+        try:
+            speculative_hook._resolve_dflash_draft_attention_backend(args)
+            assert args.speculative_draft_attention_backend == expected
+        finally:
+            override.restore()
