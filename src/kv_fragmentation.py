@@ -460,3 +460,34 @@ def kernel_layout_chart(timings: pd.DataFrame):
                  alt.Tooltip("kv_gb_per_s:Q", format=".0f")],
     ).properties(width=360, height=30 * max(1, len(timings)),
                  title="sm120_mla kernel: same request, different KV slot layouts")
+
+
+def main(argv=None) -> int:
+    """GPU machine entry point (no Jupyter there): time the kernel on the churned layouts of
+    notebook 04's default study and append them to data/results/kv_fragmentation.jsonl.
+
+        python -m sm120_workbook.kv_fragmentation [--batch 8 --heads 16 --q-len 4]
+    """
+    import argparse
+
+    from .results import append_records
+
+    ap = argparse.ArgumentParser(description="KV layout cost on the sm120 kernel (GPU)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--q-len", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--tokens-per-step", type=int, default=4, help="churn scenario of the probe")
+    args = ap.parse_args(argv)
+    config = ChurnConfig(tokens_per_step=args.tokens_per_step)
+    times = kernel_layout_timing(probe_layouts(config), batch=args.batch, heads=args.heads,
+                                 q_len=args.q_len, reps=args.reps)
+    print(times.round(1).to_string(index=False))
+    rows = [{"kind": "kernel_layout", "scenario": config.scenario, **r} for r in times.to_dict("records")]
+    print("appended to", append_records("kv_fragmentation", rows,
+                                        command="python -m sm120_workbook.kv_fragmentation"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

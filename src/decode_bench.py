@@ -1,0 +1,452 @@
+"""Decode speed of a live SGLang server across context lengths, backends and speculation.
+
+Why not `sglang.bench_one_batch_server`: in SGLang 0.5.17 it (sglang/benchmark/
+one_batch_server.py) always loads a tokenizer, from --local-tokenizer-path or the server's
+tokenizer_path, even for its random-ids dataset, and our dummy-weight folders hold only a
+config.json (the GPU machine cannot download one). So this module does its minimal
+equivalent, timed the same way: one streamed /generate request of `ctx` random token ids
+(below the vocab size) with `max_new_tokens = N`, ignore_eos; the first streamed chunk marks
+the end of prefill (time to first token), and
+
+    tok/s = (completion_tokens - 1) / (latency - ttft)
+
+Batch 1, CUDA graphs on. With speculation, the response's meta_info gives spec_verify_ct, so
+accept length = completion_tokens / spec_verify_ct (SGLang's own definition, bonus token
+included) and time per verify step = decode time / spec_verify_ct. Without speculation the
+same fields hold 1.0 and the time per decode step.
+
+One server per backend x speculation config, many contexts per server (a start costs
+60-160 s), `--context-length` = longest context + decode tokens + a margin.
+
+CLI (GPU machine; appends to data/results/service_decode.jsonl, service_nvml.jsonl,
+service_expert_load.jsonl and service_failures.jsonl):
+
+    python -m sm120_workbook.decode_bench --backends triton sm120_mla --spec none dflash
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .dummy_models import (heads_per_rank, materialize_draft, materialize_model, max_context,
+                           weight_format)
+from .service import (SGLangServer, ServerConfig, ServerStartError, check_attention_backend, resolve_tp,
+                      spec_metrics)
+
+DECODE_RESULTS = "service_decode"
+NVML_RESULTS = "service_nvml"
+EXPERT_RESULTS = "service_expert_load"
+FAILURE_RESULTS = "service_failures"
+SPEC_MODES = ("none", "dflash", "ngram")
+DEFAULT_CONTEXTS = (4096, 16384, 65536, 131072)
+RECORD_FIELDS = ("backend", "spec", "draft_tokens", "tp", "gpu", "model", "layers", "ctx", "tok_s",
+                 "accept_len", "verify_step_ms", "cuda_graph", "commit", "date")
+CONTEXT_MARGIN = 256     # tokens beyond ctx + decode tokens + draft window
+SERVER_START_ESTIMATE_S = 180.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerPlan:
+    """One server start and the contexts measured on it."""
+
+    backend: str
+    spec: str
+    draft_tokens: int | None
+    contexts: tuple[int, ...]
+
+
+def context_length_for(contexts: Sequence[int], decode_tokens: int, draft_tokens: int | None) -> int:
+    """--context-length that fits the longest context, its decode and a draft window."""
+    return int(max(contexts) + decode_tokens + 2 * (draft_tokens or 0) + CONTEXT_MARGIN)
+
+
+def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence[str] = ("none", "dflash"),
+                draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
+                model_max_context: int | None = None) -> list[ServerPlan]:
+    """Servers to start, in order: per backend, each speculation mode; contexts ascending.
+
+    Contexts that cannot fit the model (ctx + decode + margin > model_max_context) are dropped.
+    """
+    if not backends:
+        raise ValueError("backends: empty")
+    bad = [s for s in spec if s not in SPEC_MODES]
+    if bad or not spec:
+        raise ValueError(f"spec: entries must be in {SPEC_MODES}, got {list(spec)}")
+    if any((not isinstance(c, (int, np.integer))) or c < 1 for c in contexts) or not contexts:
+        raise ValueError(f"contexts: must be positive ints, got {list(contexts)}")
+    if decode_tokens < 2:
+        raise ValueError(f"decode_tokens: must be >= 2 (one token comes from prefill), got {decode_tokens}")
+    plans = []
+    for backend in dict.fromkeys(backends):
+        for s in dict.fromkeys(spec):
+            dt = {"none": None, "dflash": draft_tokens, "ngram": ngram_draft_tokens}[s]
+            ctxs = sorted({int(c) for c in contexts})
+            if model_max_context is not None:
+                ctxs = [c for c in ctxs if context_length_for([c], decode_tokens, dt) <= model_max_context]
+            if ctxs:
+                plans.append(ServerPlan(backend, s, dt, tuple(ctxs)))
+    return plans
+
+
+def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
+    """n random token ids in [low, vocab_size): no tokenizer, dummy weights, any id will do."""
+    if n < 1 or vocab_size <= low:
+        raise ValueError(f"n={n}, vocab_size={vocab_size}: need n >= 1 and vocab_size > {low}")
+    return np.random.default_rng(seed).integers(low, vocab_size, size=n).tolist()
+
+
+def decode_stats(completion_tokens: int, ttft_s: float, latency_s: float, meta_info: dict,
+                 spec: str) -> dict:
+    """tok/s, accept length and step time from one timed request (see the module docstring)."""
+    decode_s = latency_s - ttft_s
+    if completion_tokens < 2 or decode_s <= 0:
+        raise ValueError(f"completion_tokens={completion_tokens}, decode time {decode_s:.3f} s: "
+                         "nothing to time after the first token")
+    steps = completion_tokens - 1
+    verify_ct = meta_info.get("spec_verify_ct")
+    if spec != "none":
+        if not verify_ct:
+            raise ValueError("meta_info has no spec_verify_ct: speculation did not run")
+        steps = int(verify_ct)
+        accept = float(meta_info.get("spec_accept_length", completion_tokens / steps))
+    else:
+        accept = 1.0
+    return {
+        "tok_s": (completion_tokens - 1) / decode_s,
+        "accept_len": accept,
+        "verify_step_ms": 1e3 * decode_s / steps,
+        "ttft_s": ttft_s,
+        "decode_s": decode_s,
+        "completion_tokens": int(completion_tokens),
+        "spec_verify_ct": int(verify_ct) if verify_ct else None,
+        "server_decode_tok_s": meta_info.get("decode_throughput"),
+    }
+
+
+def measure_decode(server: SGLangServer, ctx: int, decode_tokens: int, vocab_size: int, seed: int) -> dict:
+    """One timed request of ctx random ids and decode_tokens new tokens on a live server."""
+    server.flush_cache()
+    before = _safe_metrics(server)
+    res = server.generate(random_input_ids(ctx, vocab_size, seed), decode_tokens)
+    stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, server.config.spec)
+    after = _safe_metrics(server)
+    if "sglang:spec_verify_calls_total" in after and "sglang:spec_verify_calls_total" in before:
+        stats["metrics_verify_calls"] = (after["sglang:spec_verify_calls_total"]
+                                         - before["sglang:spec_verify_calls_total"])
+    if "sglang:spec_accept_length" in after:
+        stats["metrics_accept_len_gauge"] = after["sglang:spec_accept_length"]
+    return stats
+
+
+def _safe_metrics(server: SGLangServer) -> dict:
+    if not server.config.enable_metrics:
+        return {}
+    try:
+        return spec_metrics(server.metrics())
+    except Exception:  # noqa: BLE001 - metrics are a cross-check, never the measurement
+        return {}
+
+
+@dataclasses.dataclass
+class MatrixResult:
+    decode: list[dict]
+    nvml: list[dict]
+    expert: list[dict]
+    failures: list[dict]
+
+    def frames(self):
+        import pandas as pd
+
+        return (pd.DataFrame(self.decode), pd.DataFrame(self.nvml), pd.DataFrame(self.expert),
+                pd.DataFrame(self.failures))
+
+
+def _gpu_name() -> str | None:
+    from .provenance import gpu_info
+
+    return gpu_info().get("gpu")
+
+
+def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[str] = ("triton", "sm120_mla", "flashmla"),
+               contexts: Sequence[int] = DEFAULT_CONTEXTS, spec: Sequence[str] = ("none", "dflash"),
+               draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
+               tp: int = -1, repeats: int = 1, weights: str = "auto", mem_fraction_static: float = 0.8,
+               cuda_graph: bool = True, spec_fallback: str | None = "ngram", nvml: bool = True,
+               nvml_interval_s: float = 0.2, expert: bool = True, record: bool = False,
+               progress: bool = True, seed: int = 0, startup_timeout_s: float = 900.0,
+               time_budget_s: float | None = None, command: str | None = None,
+               launcher: Sequence[str] | None = None, results_dir: Path | None = None,
+               log_dir: Path | None = None,
+               log: Callable[[str], None] = print) -> MatrixResult:
+    """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
+
+    spec_fallback: when a DFlash server fails to start, run `spec_fallback` ("ngram") in its
+    place for that backend (the record's `spec` says which ran). time_budget_s: skip server
+    starts that would not finish within this many seconds of the call. launcher: the server
+    command prefix (tests use a fake server); results_dir: where record=True appends
+    (default data/results/); log_dir: server logs (default runs/service_logs/).
+    """
+    from tqdm.auto import tqdm
+
+    from .results import append_records
+
+    t_start = time.monotonic()
+    for b in backends:  # before any launch: a typo should not cost a server start
+        check_attention_backend(b)
+    tp = resolve_tp(tp)
+    model_dir = materialize_model(model, layers, weights=weights)
+    model_cfg = json.loads((model_dir / "config.json").read_text())
+    heads = heads_per_rank(model_cfg, tp)
+    plans = plan_matrix(backends, contexts, spec, draft_tokens, ngram_draft_tokens, decode_tokens,
+                        max_context(model_cfg))
+    if repeats < 1:
+        raise ValueError(f"repeats: must be positive, got {repeats}")
+    gpu = _gpu_name()
+    common = {"tp": tp, "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
+              "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
+    if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
+        common["commit"] = os.environ["SM120_COMMIT"]
+    out = MatrixResult([], [], [], [])
+    lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
+             FAILURE_RESULTS: out.failures}
+
+    def emit(name: str, recs: list[dict]) -> None:
+        # Appended as soon as measured, so a crash or a job timeout loses nothing already done.
+        lists[name].extend(recs)
+        if record and recs:
+            append_records(name, recs, command=command, path=_results_path(results_dir, name))
+
+    def over_budget(reserve_s: float) -> bool:
+        return time_budget_s is not None and time.monotonic() - t_start + reserve_s > time_budget_s
+
+    queue = list(plans)
+    total = sum(len(p.contexts) * repeats for p in plans)
+    bar = tqdm(total=total, desc="decode matrix", unit="run", disable=not progress)
+    started: set[tuple[str, str]] = set()
+    while queue:
+        plan = queue.pop(0)
+        if (plan.backend, plan.spec) in started:
+            continue
+        fail = {**common, "backend": plan.backend, "spec": plan.spec}
+        if over_budget(SERVER_START_ESTIMATE_S):
+            log(f"SKIPPED {plan.backend}/{plan.spec}: not enough of the {time_budget_s:.0f} s budget left")
+            emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "error": "time budget"}])
+            continue
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.backend}-{plan.spec}-{uuid.uuid4().hex[:6]}"
+        fail["run_id"] = run_id
+        cfg = ServerConfig(
+            model_path=model_dir, attention_backend=plan.backend, tp=tp,
+            mem_fraction_static=mem_fraction_static,
+            context_length=context_length_for(plan.contexts, decode_tokens, plan.draft_tokens),
+            spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
+            expert_record=expert,
+            draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens)
+                              if plan.spec == "dflash" else None))
+        log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
+        try:
+            log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
+            with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
+                              progress=progress, launcher=launcher) as srv:
+                started.add((plan.backend, plan.spec))
+                log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
+                warm = min(512, max(1, min(plan.contexts) // 2))
+                srv.generate(random_input_ids(warm, model_cfg["vocab_size"], seed + 999), 16)  # warm-up
+                for ctx in plan.contexts:
+                    for rep in range(repeats):
+                        if over_budget(30.0):
+                            log(f"  SKIPPED ctx={ctx}: time budget")
+                            continue
+                        row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
+                                                     nvml, nvml_interval_s, expert, tp)
+                        base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
+                                "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
+                                "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
+                                "expert_record": expert, "nvml_sampled": bool(nv),
+                                "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
+                                "context_length": srv.config.context_length,
+                                "startup_s": round(srv.startup_s, 1)}
+                        emit(DECODE_RESULTS, [{**base, **row}])
+                        emit(NVML_RESULTS, [{**base, **r} for r in nv])
+                        emit(EXPERT_RESULTS, [{**base, **ex}] if ex else [])
+                        bar.update(1)
+                        bar.set_postfix_str(f"{plan.backend}/{plan.spec} ctx={ctx}: {row['tok_s']:.1f} tok/s")
+                        if not progress:
+                            log(f"  ctx={ctx}: {row['tok_s']:.1f} tok/s, accept {row['accept_len']:.2f}, "
+                                f"step {row['verify_step_ms']:.2f} ms, ttft {row['ttft_s']:.1f} s")
+        except ServerStartError as e:
+            log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}")
+            emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
+                                    "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)}])
+            if plan.spec == "dflash" and spec_fallback and (plan.backend, spec_fallback) not in started:
+                dt = ngram_draft_tokens if spec_fallback == "ngram" else None
+                queue.insert(0, ServerPlan(plan.backend, spec_fallback, dt, plan.contexts))
+                log(f"  falling back to {spec_fallback} for {plan.backend}")
+        except Exception as e:  # noqa: BLE001 - a request failed mid-run: keep what was measured
+            log(f"FAILED during {plan.backend}/{plan.spec}: {e!r}")
+            emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": repr(e)[:2000]}])
+    bar.close()
+    return out
+
+
+def _results_path(results_dir: Path | None, name: str) -> Path | None:
+    return None if results_dir is None else Path(results_dir) / f"{name}.jsonl"
+
+
+def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: dict, seed: int,
+                   nvml: bool, nvml_interval_s: float, expert: bool, tp: int):
+    from .nvml_sampler import NvmlSampler, NvmlUnavailableError
+
+    sampler = None
+    if nvml:
+        try:
+            sampler = NvmlSampler(interval_s=nvml_interval_s).start()
+        except NvmlUnavailableError:
+            sampler = None
+    recording = False
+    try:
+        if expert:
+            try:
+                srv.start_expert_record()
+                recording = True
+            except Exception:  # noqa: BLE001 - measured anyway; the error shows in the dump step
+                pass
+        row = measure_decode(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed)
+        if recording:
+            try:
+                srv.stop_expert_record()
+            except Exception:  # noqa: BLE001 - as above
+                pass
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    nv_rows = []
+    if sampler is not None:  # one record per (GPU, metric) holding the series; no pandas needed here
+        series: dict[tuple[int, str], tuple[list, list]] = {}
+        for t, g, m, v in sampler.rows:
+            ts, vs = series.setdefault((g, m), ([], []))
+            ts.append(round(float(t), 3))
+            vs.append(round(float(v), 2))
+        for (g, m), (ts, vs) in sorted(series.items()):
+            nv_rows.append({"nvml_gpu": int(g), "metric": m, "interval_s": nvml_interval_s, "t": ts, "value": vs})
+    ex = None
+    if expert:
+        try:
+            ex = _expert_record(srv, tp)
+        except Exception as e:  # noqa: BLE001 - the decode measurement stands without it
+            row["expert_error"] = repr(e)[:500]
+    return row, nv_rows, ex
+
+
+def _expert_record(srv: SGLangServer, tp: int) -> dict:
+    from .expert_balance import balancedness, expert_counts, gpu_load, load_expert_dump, moe_layer_ids
+
+    path = srv.dump_expert_record()
+    dump = load_expert_dump(path)
+    path.unlink()  # (passes, layers, experts) int32 per dump: megabytes; the record keeps the sum
+    ranks = tp
+    try:
+        counts = expert_counts(dump, ranks_summed=tp)
+    except ValueError:  # not tp identical copies (e.g. DP attention): keep the raw sum
+        counts, ranks = expert_counts(dump), 1
+    moe = moe_layer_ids(counts)
+    bal = balancedness(gpu_load(counts[moe], 8)) if moe and counts.shape[1] % 8 == 0 else []
+    return {"num_experts": int(counts.shape[1]), "counts": counts.tolist(), "moe_layers": moe,
+            "ranks_summed": ranks, "forward_passes": int(dump["logical_count"].shape[0]),
+            "balancedness_ep8": [round(float(b), 4) for b in bal]}
+
+
+def summary_table(decode_records: Sequence[dict]) -> str:
+    """A short fixed-width table: backend, spec, ctx, tok/s, accept length, step ms."""
+    if not decode_records:
+        return "(no decode results)"
+    lines = [f"{'backend':<11}{'spec':<8}{'ctx':>8}{'tok/s':>10}{'accept':>8}{'step ms':>9}"]
+    for r in sorted(decode_records, key=lambda r: (r["backend"], r["spec"], r["ctx"])):
+        lines.append(f"{r['backend']:<11}{r['spec']:<8}{r['ctx']:>8}{r['tok_s']:>10.1f}"
+                     f"{r['accept_len']:>8.2f}{r['verify_step_ms']:>9.2f}")
+    return "\n".join(lines)
+
+
+def _install_signal_teardown() -> dict:
+    """SIGTERM (a job timeout) would end Python without unwinding `with` blocks; turn it into
+    an exception so every SGLangServer tears its process group down first. Returns the old
+    handlers."""
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return {sig: signal.signal(sig, _raise) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sm120_workbook.decode_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="k2_tp8_slice", choices=["k2_tp8_slice", "kimi_k2"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp8"])
+    p.add_argument("--backends", nargs="+", default=["triton", "sm120_mla", "flashmla"])
+    p.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
+    p.add_argument("--spec", nargs="+", default=["none", "dflash"], choices=list(SPEC_MODES))
+    p.add_argument("--spec-fallback", default="ngram", help="run this when DFlash fails to start ('' for none)")
+    p.add_argument("--draft-tokens", type=int, default=16)
+    p.add_argument("--ngram-draft-tokens", type=int, default=8)
+    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--mem-fraction-static", type=float, default=0.8)
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--no-nvml", action="store_true")
+    p.add_argument("--no-expert", action="store_true")
+    p.add_argument("--no-record", action="store_true", help="do not append to data/results/")
+    p.add_argument("--startup-timeout-s", type=float, default=900)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="skip server starts that would not finish within this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="append records here instead of data/results/ (e.g. $OUT/results on the device)")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default runs/service_logs/)")
+    a = p.parse_args(argv)
+    command = "python -m sm120_workbook.decode_bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    previous = _install_signal_teardown()
+    try:
+        res = run_matrix(model=a.model, layers=a.layers, backends=a.backends, contexts=a.contexts, spec=a.spec,
+                         draft_tokens=a.draft_tokens, ngram_draft_tokens=a.ngram_draft_tokens,
+                         decode_tokens=a.decode_tokens, tp=a.tp, repeats=a.repeats, weights=a.weights,
+                         mem_fraction_static=a.mem_fraction_static, cuda_graph=not a.no_cuda_graph,
+                         spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
+                         record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,
+                         startup_timeout_s=a.startup_timeout_s, time_budget_s=a.time_budget_s,
+                         command=command, results_dir=a.results_dir, log_dir=a.log_dir)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for f in res.failures:
+        print(f"failure: {f['backend']}/{f['spec']}: {f['status']}: {f['error']}")
+        if f.get("log_tail"):
+            print("  log tail:\n    " + "\n    ".join(f["log_tail"].splitlines()[-25:]))
+    print(summary_table(res.decode))
+    return 0 if res.decode else 1
+
+
+def describe_plan(plans: Sequence[ServerPlan], decode_tokens: int) -> str:
+    """The servers a matrix will start and the contexts measured on each (deterministic)."""
+    from .service_charts import ctx_label
+
+    lines = [f"{len(plans)} server starts (one per backend x speculation), "
+             f"{sum(len(p.contexts) for p in plans)} measured points, {decode_tokens} decode tokens each:"]
+    for p in plans:
+        dt = f"{p.draft_tokens} draft tokens" if p.draft_tokens else "-"
+        lines.append(f"  {p.backend:<10} {p.spec:<7} {dt:<16} contexts {' '.join(ctx_label(c) for c in p.contexts):<18}"
+                     f" --context-length {context_length_for(p.contexts, decode_tokens, p.draft_tokens)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

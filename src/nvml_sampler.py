@@ -1,0 +1,189 @@
+"""Per-GPU activity while a server works: a background thread polling NVML.
+
+    with NvmlSampler(interval_s=0.2) as s:
+        ... run requests ...
+    df = s.dataframe()          # tidy: t, gpu, metric, value
+
+Metrics (NVML's own meaning):
+- sm_util_pct: % of the sample period in which at least one kernel ran (nvmlDeviceGetUtilizationRates.gpu)
+- mem_util_pct: % of the period in which device memory was read or written (….memory); a busy
+  fraction, not a fraction of peak bandwidth
+- power_w: board power draw
+- pcie_tx_mb_s / pcie_rx_mb_s: PCIe throughput (NVML reports KB/s over a 20 ms window)
+
+GPUs are those this process may use: CUDA_VISIBLE_DEVICES (indices or GPU- UUIDs) if set, else
+all that NVML lists; `gpu` is the CUDA index as the server sees it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+METRICS = ("sm_util_pct", "mem_util_pct", "power_w", "pcie_tx_mb_s", "pcie_rx_mb_s")
+METRIC_TITLES = {
+    "sm_util_pct": "SM busy (%)",
+    "mem_util_pct": "memory busy (%)",
+    "power_w": "power (W)",
+    "pcie_tx_mb_s": "PCIe TX (MB/s)",
+    "pcie_rx_mb_s": "PCIe RX (MB/s)",
+}
+COLUMNS = ("t", "gpu", "metric", "value")
+
+
+class NvmlUnavailableError(RuntimeError):
+    """NVML cannot be used here (no driver, no GPU, or nvidia-ml-py missing)."""
+
+
+def init_nvml():
+    """Import and initialise NVML, or raise NvmlUnavailableError saying why."""
+    try:
+        import pynvml
+    except ImportError as e:
+        raise NvmlUnavailableError(f"nvidia-ml-py (pynvml) is not installed: {e}") from None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise NvmlUnavailableError(
+            f"NVML is not available on this machine ({e}): no NVIDIA driver or GPU") from None
+    return pynvml
+
+
+def visible_gpus(pynvml) -> list[tuple[int, object]]:
+    """[(cuda index, NVML handle)] for the GPUs CUDA_VISIBLE_DEVICES leaves visible."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+    out = []
+    for cuda_idx, entry in enumerate(e.strip() for e in cvd.split(",") if e.strip()):
+        if entry.isdigit():
+            out.append((cuda_idx, pynvml.nvmlDeviceGetHandleByIndex(int(entry))))
+        elif entry.startswith("GPU-"):
+            out.append((cuda_idx, pynvml.nvmlDeviceGetHandleByUUID(entry)))
+        else:
+            raise NvmlUnavailableError(f"CUDA_VISIBLE_DEVICES entry {entry!r} is not a GPU index or GPU- UUID")
+    return out
+
+
+class NvmlSampler:
+    """Samples every visible GPU every `interval_s` seconds on a daemon thread."""
+
+    def __init__(self, interval_s: float = 0.2, pcie: bool = True):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s: must be positive, got {interval_s}")
+        self.interval_s = interval_s
+        self.pcie = pcie  # each PCIe query blocks ~20 ms per GPU and direction
+        self.rows: list[tuple[float, int, str, float]] = []
+        self.errors: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml = None
+        self._gpus: list[tuple[int, object]] = []
+        self._t0 = 0.0
+
+    def __enter__(self) -> "NvmlSampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
+    def start(self) -> "NvmlSampler":
+        self._nvml = init_nvml()
+        self._gpus = visible_gpus(self._nvml)
+        if not self._gpus:
+            self._nvml.nvmlShutdown()
+            raise NvmlUnavailableError("NVML lists no visible GPU")
+        self._t0 = time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="nvml-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=10)
+            self._thread = None
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
+    def _loop(self) -> None:
+        while True:
+            self.sample_once()
+            if self._stop.wait(self.interval_s):
+                break
+
+    def _read(self, metric: str, fn):
+        try:
+            return fn()
+        except self._nvml.NVMLError as e:  # e.g. NotSupported on some boards: note once, skip
+            self.errors.setdefault(metric, str(e))
+            return None
+
+    def sample_once(self) -> None:
+        nv = self._nvml
+        t = time.monotonic() - self._t0
+        for gpu, h in self._gpus:
+            util = self._read("util", lambda: nv.nvmlDeviceGetUtilizationRates(h))
+            if util is not None:
+                self.rows.append((t, gpu, "sm_util_pct", float(util.gpu)))
+                self.rows.append((t, gpu, "mem_util_pct", float(util.memory)))
+            mw = self._read("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h))
+            if mw is not None:
+                self.rows.append((t, gpu, "power_w", mw / 1000.0))
+            if self.pcie:
+                for metric, counter in (("pcie_tx_mb_s", nv.NVML_PCIE_UTIL_TX_BYTES),
+                                        ("pcie_rx_mb_s", nv.NVML_PCIE_UTIL_RX_BYTES)):
+                    kb = self._read(metric, lambda: nv.nvmlDeviceGetPcieThroughput(h, counter))
+                    if kb is not None:
+                        self.rows.append((t, gpu, metric, kb / 1000.0))
+
+    def dataframe(self):
+        return samples_frame(self.rows)
+
+
+def samples_frame(rows):
+    """Tidy DataFrame (t, gpu, metric, value) from (t, gpu, metric, value) tuples."""
+    import pandas as pd
+
+    return pd.DataFrame(list(rows), columns=list(COLUMNS))
+
+
+def summarize(df):
+    """Mean and max of each metric per GPU (and per any grouping columns present)."""
+    if df is None or len(df) == 0:
+        raise ValueError("df: no NVML samples")
+    missing = set(COLUMNS) - set(df.columns)
+    if missing:
+        raise ValueError(f"df: missing columns {sorted(missing)}")
+    keys = [c for c in ("backend", "spec", "ctx") if c in df.columns] + ["gpu", "metric"]
+    return (df.groupby(keys)["value"].agg(["mean", "max"]).reset_index()
+              .round({"mean": 1, "max": 1}))
+
+
+def timeline_chart(df, metrics=("sm_util_pct", "mem_util_pct", "power_w"), title: str = ""):
+    """Altair: one row per metric, one line per GPU, time on x."""
+    import altair as alt
+
+    missing = set(COLUMNS) - set(df.columns)
+    if missing:
+        raise ValueError(f"df: missing columns {sorted(missing)}")
+    d = df[df["metric"].isin(metrics)].copy()
+    if len(d) == 0:
+        raise ValueError(f"df: no samples of {list(metrics)}")
+    d["gpu"] = "GPU " + d["gpu"].astype(str)
+    d["metric"] = d["metric"].map(lambda m: METRIC_TITLES.get(m, m))
+    return (alt.Chart(d).mark_line(strokeWidth=1.2)
+            .encode(x=alt.X("t:Q", title="time (s)"),
+                    y=alt.Y("value:Q", title=None),
+                    color=alt.Color("gpu:N", title="GPU"),
+                    tooltip=["gpu", "metric", alt.Tooltip("t:Q", format=".1f"),
+                             alt.Tooltip("value:Q", format=".1f")])
+            .properties(width=520, height=110)
+            .facet(row=alt.Row("metric:N", title=None,
+                               sort=[METRIC_TITLES.get(m, m) for m in metrics]))
+            .resolve_scale(y="independent")
+            .properties(title=title or "Per-GPU activity (NVML)"))

@@ -1,0 +1,678 @@
+"""A live SGLang server as a context manager: launch, wait until healthy, talk to it, and
+always tear it down (its whole process group), whatever happens in between.
+
+    with SGLangServer(ServerConfig(model_path=dir, attention_backend="triton")) as srv:
+        result = srv.generate(input_ids, max_new_tokens=64)
+
+`python -m sglang.launch_server` runs as a real subprocess in its own session (so a kernel
+interrupt in Jupyter reaches only us, and we decide how the server ends). Teardown sends
+SIGTERM to the process group, then SIGKILL after a grace period, on normal exit, on any
+exception, on KeyboardInterrupt, and from a finalizer at interpreter exit, so no orphan keeps
+the GPUs. Everything that can be checked before launching is checked before launching: the
+attention backend name, the context length against the model config, the port.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata as md
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Sequence
+
+from . import project_root
+from .dummy_models import heads_per_rank, max_context
+
+DEFAULT_HOST = "127.0.0.1"
+# Attention backends that our plugin (the `sglang.srt.plugins` entry point of this project)
+# adds to SGLang's choices when it loads in the launcher process.
+try:
+    from .patches import BACKEND_NAME as _PLUGIN_BACKEND
+except ImportError:  # the plugin package is absent from this copy
+    _PLUGIN_BACKEND = "sm120_mla"
+PLUGIN_BACKENDS = (_PLUGIN_BACKEND,)
+SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH"}
+# Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
+PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128}
+LOG_TAIL_LINES = 60
+EXPERT_DUMP_GLOB = "expert_distribution_recorder_*.pt"
+
+
+class ServerError(RuntimeError):
+    """The SGLang server could not be started or talked to."""
+
+
+class PortInUseError(ServerError):
+    pass
+
+
+class ServerStartError(ServerError):
+    """The server died or never became healthy; `log_tail` holds the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = "", log_path: Path | None = None):
+        super().__init__(message)
+        self.log_tail = log_tail
+        self.log_path = log_path
+
+
+# ---- what SGLang accepts ------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def installed_attention_backends() -> tuple[str, ...]:
+    """SGLang's own --attention-backend choices (sglang.srt.server_args, as installed)."""
+    try:
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+    except Exception as e:  # noqa: BLE001 - any import failure means we cannot validate
+        raise ServerError(f"cannot import sglang.srt.server_args to validate backends: {e!r}") from e
+    return tuple(ATTENTION_BACKEND_CHOICES)
+
+
+def plugin_installed() -> bool:
+    """Whether SGLang will find this project's plugin (installed entry point, not just a path)."""
+    eps = md.entry_points(group="sglang.srt.plugins")
+    return any(ep.value.split(":")[0].startswith("sm120_workbook") for ep in eps)
+
+
+def attention_backend_choices() -> list[str]:
+    return sorted(set(installed_attention_backends()) | set(PLUGIN_BACKENDS))
+
+
+def check_attention_backend(name: str) -> None:
+    choices = attention_backend_choices()
+    if name not in choices:
+        raise ValueError(f"attention_backend: {name!r} is not an attention backend of the "
+                         f"installed SGLang or of our plugin; choices: {', '.join(choices)}")
+    if name in PLUGIN_BACKENDS and not plugin_installed():
+        raise ValueError(f"attention_backend: {name!r} comes from this project's SGLang plugin, "
+                         "whose entry point is not installed here; install the project "
+                         "(pip install --no-deps .) so SGLang's launcher finds it")
+
+
+def visible_gpu_count() -> int:
+    """CUDA GPUs this process may use (CUDA_VISIBLE_DEVICES respected)."""
+    try:
+        import torch
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - no torch or no driver: no GPUs
+        return 0
+
+
+def resolve_tp(tp: int) -> int:
+    """tp = -1 means every visible GPU."""
+    if tp == -1:
+        n = visible_gpu_count()
+        if n < 1:
+            raise ServerError("tp=-1 asks for every visible GPU, but no CUDA GPU is visible")
+        return n
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp: must be -1 (all visible GPUs) or a positive int, got {tp!r}")
+    return tp
+
+
+# ---- ports --------------------------------------------------------------------------------
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(port: int, host: str = DEFAULT_HOST) -> None:
+    """Raise PortInUseError naming the port when something holds it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # The server's own socket uses SO_REUSEADDR, so only a live holder should count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(
+                f"port {port} on {host} is already in use ({e.strerror}); stop whatever holds "
+                f"it (e.g. an earlier server: `ss -ltnp | grep :{port}`) or choose another port"
+            ) from None
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Everything that decides how one SGLang server is launched."""
+
+    model_path: str | Path
+    attention_backend: str = "triton"
+    tp: int = -1                             # -1: every visible GPU
+    mem_fraction_static: float = 0.8
+    context_length: int | None = None
+    page_size: int | None = None
+    spec: str = "none"                      # "none" | "ngram" | "dflash"
+    num_draft_tokens: int | None = None
+    draft_model_path: str | Path | None = None
+    draft_attention_backend: str | None = "triton"  # DFlash draft (MHA); avoids flashinfer JIT
+    ngram_max_bfs_breadth: int | None = None
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int | None = 4        # batch 1 is measured; small graphs start faster
+    enable_metrics: bool = True
+    expert_record: bool = True               # --expert-distribution-recorder-mode stat
+    host: str = DEFAULT_HOST
+    port: int | None = None                  # None: a free port is picked
+    extra_args: tuple[str, ...] = ()
+
+    def model_config(self) -> dict:
+        path = Path(self.model_path) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model_path: {path} does not exist")
+        return json.loads(path.read_text())
+
+
+def resolve_config(cfg: ServerConfig) -> ServerConfig:
+    """Validate a config before launching and fill in what SGLang would require.
+
+    Raises ValueError naming the argument: unknown backend, context longer than the model
+    allows, tp not dividing the heads, a DFlash draft that does not match the target.
+    """
+    cfg = dataclasses.replace(cfg)
+    model = cfg.model_config()
+    check_attention_backend(cfg.attention_backend)
+    cfg.tp = resolve_tp(cfg.tp)
+    heads_per_rank(model, cfg.tp)  # raises when tp does not divide the heads
+    if not 0.0 < cfg.mem_fraction_static < 1.0:
+        raise ValueError(f"mem_fraction_static: must be in (0, 1), got {cfg.mem_fraction_static}")
+    limit = max_context(model)
+    if cfg.context_length is not None:
+        if cfg.context_length < 1:
+            raise ValueError(f"context_length: must be positive, got {cfg.context_length}")
+        if cfg.context_length > limit:
+            raise ValueError(f"context_length: {cfg.context_length} is longer than the model "
+                             f"allows ({limit} from its config's max_position_embeddings)")
+    if cfg.spec not in SPEC_ALGORITHMS:
+        raise ValueError(f"spec: must be one of {sorted(SPEC_ALGORITHMS)}, got {cfg.spec!r}")
+    if cfg.page_size is None and cfg.attention_backend in PAGED_BACKENDS:
+        cfg.page_size = PAGED_BACKENDS[cfg.attention_backend]
+    if cfg.spec == "ngram":
+        if cfg.num_draft_tokens is None:
+            cfg.num_draft_tokens = 8
+        # SGLang refuses NGRAM trees (breadth > 1) on paged backends other than flashinfer.
+        if cfg.ngram_max_bfs_breadth is None and (cfg.page_size or 1) > 1:
+            cfg.ngram_max_bfs_breadth = 1
+    if cfg.spec == "dflash":
+        if cfg.draft_model_path is None:
+            raise ValueError("draft_model_path: DFlash needs a draft model folder")
+        dpath = Path(cfg.draft_model_path) / "config.json"
+        if not dpath.is_file():
+            raise ValueError(f"draft_model_path: {dpath} does not exist")
+        dflash = json.loads(dpath.read_text()).get("dflash_config", {})
+        if dflash.get("num_target_layers") != model["num_hidden_layers"]:
+            raise ValueError(f"draft_model_path: draft expects {dflash.get('num_target_layers')} "
+                             f"target layers, the model has {model['num_hidden_layers']}")
+        block = dflash.get("block_size")
+        if cfg.num_draft_tokens is None:
+            cfg.num_draft_tokens = block
+        if block is not None and cfg.num_draft_tokens != block:
+            raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} differs from the draft's "
+                             f"block_size {block} (SGLang requires them equal for DFlash)")
+    if cfg.port is None:
+        cfg.port = free_port(cfg.host)
+    return cfg
+
+
+def launch_args(cfg: ServerConfig) -> list[str]:
+    """The `sglang.launch_server` arguments for a resolved config."""
+    a = ["--model-path", str(cfg.model_path), "--load-format", "dummy", "--skip-tokenizer-init",
+         "--attention-backend", cfg.attention_backend, "--tp", str(cfg.tp),
+         "--mem-fraction-static", str(cfg.mem_fraction_static),
+         "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.context_length is not None:
+        a += ["--context-length", str(cfg.context_length)]
+    if cfg.page_size is not None:
+        a += ["--page-size", str(cfg.page_size)]
+    if cfg.enable_metrics:
+        a += ["--enable-metrics"]
+    if cfg.expert_record:
+        # An unbounded buffer: the circular default (1000 passes) would drop long runs.
+        a += ["--expert-distribution-recorder-mode", "stat",
+              "--expert-distribution-recorder-buffer-size", "-1"]
+    if cfg.cuda_graph:
+        if cfg.cuda_graph_max_bs is not None:
+            a += ["--cuda-graph-max-bs-decode", str(cfg.cuda_graph_max_bs)]
+    else:
+        a += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    algo = SPEC_ALGORITHMS[cfg.spec]
+    if algo:
+        a += ["--speculative-algorithm", algo]
+        if cfg.num_draft_tokens is not None:
+            a += ["--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
+    if cfg.spec == "dflash":
+        a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
+        if cfg.draft_attention_backend:
+            a += ["--speculative-draft-attention-backend", cfg.draft_attention_backend]
+    if cfg.spec == "ngram" and cfg.ngram_max_bfs_breadth is not None:
+        a += ["--speculative-ngram-max-bfs-breadth", str(cfg.ngram_max_bfs_breadth)]
+    return a + list(cfg.extra_args)
+
+
+# ---- process-group teardown ---------------------------------------------------------------
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgid) from /proc/<pid>/stat, or None when gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that are still running (zombies excluded)."""
+    if not Path("/proc").is_dir():  # not Linux: ask the kernel about the group as a whole
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    out = []
+    for pid in _all_pids():
+        st = _proc_stat(pid)
+        if st and st[2] == pgid and st[0] not in ("Z", "X"):
+            out.append(pid)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (children may leave the group with setsid)."""
+    if not Path("/proc").is_dir():
+        return []
+    children: dict[int, list[int]] = {}
+    for p in _all_pids():
+        st = _proc_stat(p)
+        if st and st[0] not in ("Z", "X"):
+            children.setdefault(st[1], []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _signal_all(pgid: int, pids: Sequence[int], sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _alive(pgid: int, pids: Sequence[int]) -> list[int]:
+    live = set(live_group_members(pgid))
+    for p in pids:
+        st = _proc_stat(p)
+        if st and st[0] not in ("Z", "X"):
+            live.add(p)
+    return sorted(live)
+
+
+def terminate_process_group(pgid: int, grace_s: float = 30.0, extra_pids: Sequence[int] = ()) -> list[int]:
+    """SIGTERM the group (and `extra_pids`), wait up to grace_s, then SIGKILL what is left.
+
+    Returns the pids still alive afterwards (empty when all went away).
+    """
+    pids = sorted(set(extra_pids) | set(descendants(pgid)))
+    _signal_all(pgid, pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(pgid, pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pgid, pids):
+        pids = sorted(set(pids) | set(descendants(pgid)))
+        _signal_all(pgid, pids, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while _alive(pgid, pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return _alive(pgid, pids)
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: if our process is SIGKILLed (a Jupyter kernel
+    # killed outright), the kernel sends the server's main process SIGTERM, and SGLang takes
+    # its own workers down with it. Linux only; tied to the thread that started the server.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # noqa: BLE001 - not Linux: the finalizer and teardown still apply
+        pass
+
+
+def _finalize_group(pgid: int, grace_s: float) -> None:
+    # Runs from weakref.finalize (garbage collection or interpreter exit): never raise.
+    try:
+        terminate_process_group(pgid, grace_s)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a (possibly large) log file."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+
+
+def default_log_dir() -> Path:
+    d = project_root() / "runs" / "service_logs"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class GenerateResult:
+    output_ids: list[int]
+    meta_info: dict
+    ttft_s: float        # request sent -> first streamed chunk (prefill + first token)
+    latency_s: float     # request sent -> last chunk
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.meta_info.get("completion_tokens", len(self.output_ids)))
+
+
+class SGLangServer:
+    """One `sglang.launch_server` subprocess, healthy inside the `with` block, gone after it.
+
+    launcher: the command that precedes the server arguments (default: this Python with
+    `-m sglang.launch_server`); tests point it at a fake server script.
+    """
+
+    def __init__(self, config: ServerConfig, log_path: str | Path | None = None,
+                 startup_timeout_s: float = 900.0, grace_s: float = 30.0,
+                 launcher: Sequence[str] | None = None, env: dict | None = None,
+                 progress: bool = True, validate: bool = True):
+        self.config = config
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout_s = startup_timeout_s
+        self.grace_s = grace_s
+        self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
+        self.env = env
+        self.progress = progress
+        self.validate = validate
+        self.proc: subprocess.Popen | None = None
+        self.expert_dump_dir: Path | None = None
+        self.startup_s: float | None = None
+        self._finalizer = None
+        self._log_file = None
+
+    # -- lifecycle --
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    @property
+    def command(self) -> list[str]:
+        return self.launcher + launch_args(self.config)
+
+    def __enter__(self) -> "SGLangServer":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.stop()
+        return False
+
+    def start(self) -> "SGLangServer":
+        if self.proc is not None:
+            raise ServerError("this server was already started")
+        if self.validate:
+            self.config = resolve_config(self.config)
+        elif self.config.port is None:
+            self.config = dataclasses.replace(self.config, port=free_port(self.config.host))
+        check_port_free(self.config.port, self.config.host)
+        cfg = self.config
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        if self.log_path is None:
+            self.log_path = default_log_dir() / f"{stamp}_{cfg.attention_backend}_{cfg.spec}_{cfg.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.expert_dump_dir = self.log_path.with_suffix("").with_name(self.log_path.stem + "_experts")
+        self.expert_dump_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env["SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"] = str(self.expert_dump_dir)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log_file = open(self.log_path, "wb")
+        t0 = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            # The child leads its own process group (pgid == pid); finalize at exit or GC.
+            self._finalizer = weakref.finalize(self, _finalize_group, self.proc.pid, self.grace_s)
+            self._wait_ready()
+        except BaseException:  # including KeyboardInterrupt: leave nothing running
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _wait_ready(self) -> None:
+        import requests
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        deadline = time.monotonic() + self.startup_timeout_s
+        t0 = time.monotonic()
+        pause = 0.1  # grows to 1 s: quick for fakes and failures, gentle on a real start-up
+        with tqdm(total=int(self.startup_timeout_s), unit="s", disable=not self.progress,
+                  desc=f"SGLang {cfg.attention_backend}/{cfg.spec} tp={cfg.tp} starting",
+                  bar_format="{desc}: {n_fmt}s elapsed (timeout {total_fmt}s) {postfix}") as bar:
+            while True:
+                rc = self.proc.poll()
+                if rc is not None:
+                    tail = log_tail(self.log_path)
+                    raise ServerStartError(
+                        f"SGLang server exited with code {rc} during start-up (log: {self.log_path})\n"
+                        f"last {LOG_TAIL_LINES} lines of its log:\n{tail}",
+                        tail, self.log_path)
+                try:
+                    if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                        return
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    tail = log_tail(self.log_path)
+                    raise ServerStartError(
+                        f"SGLang server not healthy after {self.startup_timeout_s:.0f} s (log: {self.log_path})\n"
+                        f"last {LOG_TAIL_LINES} lines of its log:\n{tail}",
+                        tail, self.log_path)
+                bar.n = int(time.monotonic() - t0)
+                last = log_tail(self.log_path, 1)
+                bar.set_postfix_str(last[-80:], refresh=True)
+                time.sleep(pause)
+                pause = min(1.0, pause * 1.5)
+
+    def stop(self) -> list[int]:
+        """Tear the server down (idempotent). Returns pids that refused to die (normally [])."""
+        survivors: list[int] = []
+        if self.proc is not None:
+            pid = self.proc.pid
+            try:
+                survivors = terminate_process_group(pid, self.grace_s)
+            except BaseException:  # interrupted while waiting out the grace period: kill now
+                _signal_all(pid, descendants(pid), signal.SIGKILL)
+                raise
+            finally:
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                if self._finalizer is not None:
+                    self._finalizer.detach()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if survivors:
+            print(f"WARNING: SGLang processes {survivors} survived SIGKILL", file=sys.stderr)
+        return survivors
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return log_tail(self.log_path, lines) if self.log_path else ""
+
+    # -- requests --
+    def _post(self, path: str, timeout: float = 600, **kw):
+        import requests
+
+        r = requests.post(self.url + path, timeout=timeout, **kw)
+        if r.status_code != 200:
+            raise ServerError(f"POST {path} -> HTTP {r.status_code}: {r.text[:500]}")
+        return r
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int, timeout_s: float = 1800,
+                 stream: bool = True) -> GenerateResult:
+        """One /generate request of token ids, greedy, ignore_eos; timed on our side.
+
+        With stream=True the first chunk marks the end of prefill (ttft_s).
+        """
+        import requests
+
+        ids = [int(i) for i in input_ids]
+        if not ids:
+            raise ValueError("input_ids: must not be empty")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
+        ctx = self.config.context_length
+        if ctx is not None and len(ids) + max_new_tokens > ctx:
+            raise ValueError(f"input_ids: {len(ids)} tokens + {max_new_tokens} new exceed the "
+                             f"server's context_length {ctx}")
+        payload = {"input_ids": ids, "stream": stream,
+                   "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                       "temperature": 0.0}}
+        t0 = time.perf_counter()
+        ttft, last = None, None
+        with requests.post(self.url + "/generate", json=payload, stream=stream, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                raise ServerError(f"/generate -> HTTP {r.status_code}: {r.text[:500]}")
+            if not stream:
+                last = r.json()
+                ttft = float("nan")
+            else:
+                for line in r.iter_lines(decode_unicode=False):
+                    if not line.startswith(b"data:"):
+                        continue
+                    body = line[5:].strip()
+                    if body == b"[DONE]":
+                        break
+                    chunk = json.loads(body)
+                    if "error" in chunk:
+                        raise ServerError(f"/generate failed: {chunk['error']}")
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    last = chunk
+        latency = time.perf_counter() - t0
+        if last is None:
+            raise ServerError("/generate returned no output")
+        return GenerateResult(list(last.get("output_ids") or []), dict(last.get("meta_info") or {}),
+                              ttft, latency)
+
+    def flush_cache(self, retries: int = 10) -> None:
+        import requests
+
+        for _ in range(retries):
+            r = requests.post(self.url + "/flush_cache", timeout=60)
+            if r.status_code == 200:
+                return
+            time.sleep(0.5)  # refused while requests are still running
+        raise ServerError(f"/flush_cache kept failing: HTTP {r.status_code}")
+
+    def server_info(self) -> dict:
+        import requests
+
+        return requests.get(self.url + "/server_info", timeout=60).json()
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics (Prometheus text) as {name: value summed over label sets}."""
+        import requests
+
+        r = requests.get(self.url + "/metrics", timeout=60)
+        if r.status_code != 200:
+            raise ServerError(f"/metrics -> HTTP {r.status_code} (was --enable-metrics given?)")
+        return parse_prometheus(r.text)
+
+    # -- expert distribution (SGLang's /start|stop|dump_expert_distribution_record) --
+    def start_expert_record(self) -> None:
+        self._post("/start_expert_distribution_record")
+
+    def stop_expert_record(self) -> None:
+        self._post("/stop_expert_distribution_record")
+
+    def dump_expert_record(self, timeout_s: float = 60.0) -> Path:
+        """Ask for a dump and return the .pt file SGLang wrote.
+
+        SGLang 0.5.17 (stat mode) writes expert_distribution_recorder_<time>.pt on rank 0 into
+        $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (we point it at a folder per server), holding
+        {"rank", "logical_count": (passes, layers, experts), ...}, then resets the record.
+        """
+        before = set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB))
+        self._post("/dump_expert_distribution_record")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            new = sorted(set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB)) - before,
+                         key=lambda p: p.stat().st_mtime)
+            if new:
+                time.sleep(0.2)  # torch.save may still be writing
+                return new[-1]
+            time.sleep(0.2)
+        raise ServerError(f"no expert distribution dump appeared in {self.expert_dump_dir}")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus exposition text -> {metric name: sum of its samples over label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "}" in line:
+            name = line[:line.index("{")]
+            rest = line[line.rindex("}") + 1:].split()
+        else:
+            name, *rest = line.split()
+        if not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+SPEC_METRICS = ("sglang:spec_accept_length", "sglang:spec_accept_rate",
+                "sglang:spec_verify_calls_total", "sglang:generation_tokens_total")
+
+
+def spec_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The speculative-decoding counters/gauges that are present."""
+    return {k: metrics[k] for k in SPEC_METRICS if k in metrics}

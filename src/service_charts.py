@@ -1,0 +1,169 @@
+"""Tables and charts of live-service records: decode speed against context, speedup over the
+Triton backend, and the NVML / expert-load records turned back into tidy frames.
+
+The same functions serve a live run (records in memory) and recorded results (data/results/).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+POINT_KEYS = ["gpu", "model", "layers", "tp", "weights", "backend", "spec", "draft_tokens", "ctx"]
+SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM"}
+
+
+def ctx_label(ctx: int) -> str:
+    return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
+
+
+def _need(df, cols, name="df"):
+    if df is None or len(df) == 0:
+        raise ValueError(f"{name}: no rows")
+    missing = set(cols) - set(df.columns)
+    if missing:
+        raise ValueError(f"{name}: missing columns {sorted(missing)}")
+
+
+def decode_points(df):
+    """One row per measured point: median over repeats of tok/s, accept length and step time."""
+    _need(df, ["backend", "spec", "ctx", "tok_s", "accept_len", "verify_step_ms"])
+    d = df.copy()
+    for k in POINT_KEYS:
+        if k not in d.columns:
+            d[k] = "?"
+    d["draft_tokens"] = d["draft_tokens"].fillna(0).astype(int)
+    agg = (d.groupby(POINT_KEYS, dropna=False)
+             .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
+                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"))
+             .reset_index())
+    agg["ctx_label"] = agg["ctx"].map(ctx_label)
+    agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
+    return agg.sort_values(["backend", "spec", "ctx"]).reset_index(drop=True)
+
+
+def speedup_over(points, baseline: str = "triton"):
+    """tok/s of each backend divided by the baseline backend's at the same point."""
+    _need(points, POINT_KEYS + ["tok_s"], "points")
+    keys = [k for k in POINT_KEYS if k != "backend"]
+    base = points[points["backend"] == baseline][keys + ["tok_s"]].rename(columns={"tok_s": "base_tok_s"})
+    if len(base) == 0:
+        raise ValueError(f"points: no rows of the baseline backend {baseline!r}")
+    m = points.merge(base, on=keys, how="inner")
+    m["speedup"] = m["tok_s"] / m["base_tok_s"]
+    return m
+
+
+def decode_table(points):
+    """The compact table a notebook prints (rounded, deterministic order)."""
+    cols = ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs"]
+    t = points[cols].copy()
+    return t.round({"tok_s": 1, "accept_len": 2, "verify_step_ms": 2})
+
+
+def _spec_order(d) -> list[str]:
+    present = set(d["spec_title"])
+    return [t for t in SPEC_TITLES.values() if t in present] + sorted(present - set(SPEC_TITLES.values()))
+
+
+def decode_speed_chart(points, title: str = ""):
+    """Decode tok/s against context (log-log), one line per backend, one panel per spec mode."""
+    import altair as alt
+
+    _need(points, ["backend", "spec_title", "ctx", "tok_s", "ctx_label"], "points")
+    ticks = sorted(points["ctx"].unique().tolist())
+    base = alt.Chart(points).encode(
+        x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
+                axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
+        y=alt.Y("tok_s:Q", title="decode tok/s (batch 1)", scale=alt.Scale(type="log")),
+        color=alt.Color("backend:N", title="attention backend"),
+        tooltip=["backend", "spec", "ctx_label", alt.Tooltip("tok_s:Q", format=".1f"),
+                 alt.Tooltip("accept_len:Q", format=".2f"), alt.Tooltip("verify_step_ms:Q", format=".2f")])
+    return ((base.mark_line() + base.mark_point(filled=True))
+            .properties(width=260, height=220)
+            .facet(column=alt.Column("spec_title:N", title=None, sort=_spec_order(points)))
+            .properties(title=title or "Decode speed against context length"))
+
+
+def speedup_chart(speedups, baseline: str = "triton", title: str = ""):
+    """Speedup over the baseline backend against context, one panel per spec mode."""
+    import altair as alt
+
+    _need(speedups, ["backend", "spec_title", "ctx", "speedup"], "speedups")
+    d = speedups[speedups["backend"] != baseline]
+    if len(d) == 0:
+        raise ValueError(f"speedups: only the baseline backend {baseline!r} was measured")
+    ticks = sorted(d["ctx"].unique().tolist())
+    base = alt.Chart(d).encode(
+        x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
+                axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
+        y=alt.Y("speedup:Q", title=f"tok/s ÷ {baseline} tok/s"),
+        color=alt.Color("backend:N", title="attention backend"),
+        tooltip=["backend", "spec", "ctx_label", alt.Tooltip("speedup:Q", format=".2f")])
+    rule = alt.Chart().mark_rule(color="gray", strokeDash=[4, 3]).encode(y=alt.datum(1.0))
+    return (alt.layer(base.mark_line() + base.mark_point(filled=True), rule, data=d)
+            .properties(width=260, height=200)
+            .facet(column=alt.Column("spec_title:N", title=None, sort=_spec_order(d)))
+            .properties(title=title or f"Speedup over the {baseline} backend"))
+
+
+def nvml_samples(records):
+    """Tidy (t, gpu, metric, value, backend, spec, ctx, run_id) from NVML records (arrays per row)."""
+    import pandas as pd
+
+    _need(records, ["nvml_gpu", "metric", "t", "value"], "records")
+    rows = []
+    for r in records.itertuples(index=False):
+        r = r._asdict()
+        for t, v in zip(r["t"], r["value"]):
+            rows.append((t, r["nvml_gpu"], r["metric"], v, r.get("backend"), r.get("spec"),
+                         r.get("ctx"), r.get("run_id")))
+    return pd.DataFrame(rows, columns=["t", "gpu", "metric", "value", "backend", "spec", "ctx", "run_id"])
+
+
+def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int | None = None) -> dict:
+    """The (backend, spec, ctx, run_id) to show in single-point charts: the longest context of
+    the given (or first) backend and spec, latest run."""
+    _need(df, ["backend", "spec", "ctx", "run_id"])
+    d = df
+    if backend is not None and (d["backend"] == backend).any():
+        d = d[d["backend"] == backend]
+    if spec is not None and (d["spec"] == spec).any():
+        d = d[d["spec"] == spec]
+    if ctx is not None and (d["ctx"] == ctx).any():
+        d = d[d["ctx"] == ctx]
+    d = d.sort_values(["ctx", "run_id"])
+    last = d.iloc[-1]
+    return {"backend": last["backend"], "spec": last["spec"], "ctx": int(last["ctx"]), "run_id": last["run_id"]}
+
+
+def select_point(df, point: dict):
+    m = np.ones(len(df), dtype=bool)
+    for k, v in point.items():
+        if k in df.columns:
+            m &= (df[k] == v).to_numpy()
+    return df[m]
+
+
+def load_service_results(model: str | None = None) -> dict:
+    """Recorded live-service results from data/results/ as DataFrames, filtered to `model`.
+
+    Keys: decode, nvml, expert, failures (empty frames where nothing is recorded).
+    """
+    from .decode_bench import DECODE_RESULTS, EXPERT_RESULTS, FAILURE_RESULTS, NVML_RESULTS
+    from .results import load_records
+
+    out = {}
+    for key, name in (("decode", DECODE_RESULTS), ("nvml", NVML_RESULTS), ("expert", EXPERT_RESULTS),
+                      ("failures", FAILURE_RESULTS)):
+        df = load_records(name)
+        if model is not None and len(df) and "model" in df.columns:
+            df = df[df["model"] == model].reset_index(drop=True)
+        out[key] = df
+    return out
+
+
+def live_results(result) -> dict:
+    """The same dict of DataFrames from a live run_matrix result."""
+    import pandas as pd
+
+    return {"decode": pd.DataFrame(result.decode), "nvml": pd.DataFrame(result.nvml),
+            "expert": pd.DataFrame(result.expert), "failures": pd.DataFrame(result.failures)}

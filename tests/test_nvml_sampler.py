@@ -1,0 +1,101 @@
+"""NVML sampler: a clean error where NVML is absent, the sampling logic against a stand-in NVML
+module, the real thing on a GPU, and the tidy frame and chart on synthetic data."""
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+
+from sm120_workbook import nvml_sampler as ns
+
+
+def _nvml_available() -> bool:
+    try:
+        ns.init_nvml().nvmlShutdown()
+        return True
+    except ns.NvmlUnavailableError:
+        return False
+
+
+@pytest.mark.skipif(_nvml_available(), reason="NVML works here; the no-NVML error path cannot be shown")
+def test_without_nvml_it_raises_clearly():
+    with pytest.raises(ns.NvmlUnavailableError, match="NVML is not available on this machine|pynvml"):
+        with ns.NvmlSampler():
+            pass
+
+
+def _fake_nvml(n_gpus=2):
+    """A stand-in for the pynvml module: enough to drive visible_gpus and sample_once."""
+    class NVMLError(Exception):
+        pass
+
+    m = types.SimpleNamespace(NVMLError=NVMLError, NVML_PCIE_UTIL_TX_BYTES=0, NVML_PCIE_UTIL_RX_BYTES=1)
+    m.nvmlDeviceGetCount = lambda: n_gpus
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("h", i)
+    m.nvmlDeviceGetHandleByUUID = lambda u: ("h", int(u.split("-")[-1]))
+    m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=10 * h[1] + 5, memory=3)
+    m.nvmlDeviceGetPowerUsage = lambda h: 250_500
+    def pcie(h, counter):
+        if h[1] == 1:
+            raise NVMLError("Not Supported")
+        return 2000 if counter == 0 else 1000
+    m.nvmlDeviceGetPcieThroughput = pcie
+    m.nvmlShutdown = lambda: None
+    return m
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    nv = _fake_nvml(4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [g for g, _ in ns.visible_gpus(nv)] == [0, 1, 2, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-x-1")
+    assert ns.visible_gpus(nv) == [(0, ("h", 3)), (1, ("h", 1))]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-abc")
+    with pytest.raises(ns.NvmlUnavailableError, match="MIG-abc"):
+        ns.visible_gpus(nv)
+
+
+def test_sample_once_units_and_unsupported_metrics():
+    s = ns.NvmlSampler(interval_s=0.1)
+    s._nvml = _fake_nvml(2)
+    s._gpus = [(0, ("h", 0)), (1, ("h", 1))]
+    s.sample_once()
+    df = s.dataframe()
+    v = df.set_index(["gpu", "metric"])["value"]
+    assert v[(0, "sm_util_pct")] == 5 and v[(1, "sm_util_pct")] == 15 and v[(1, "mem_util_pct")] == 3
+    assert v[(0, "power_w")] == pytest.approx(250.5)
+    assert v[(0, "pcie_tx_mb_s")] == pytest.approx(2.0) and v[(0, "pcie_rx_mb_s")] == pytest.approx(1.0)
+    assert (1, "pcie_tx_mb_s") not in v.index and "Not Supported" in s.errors["pcie_tx_mb_s"]
+    assert list(df.columns) == ["t", "gpu", "metric", "value"]
+    with pytest.raises(ValueError, match="interval_s"):
+        ns.NvmlSampler(interval_s=0)
+
+
+@pytest.mark.gpu
+def test_real_sampling_on_a_gpu():
+    with ns.NvmlSampler(interval_s=0.05) as s:
+        time.sleep(0.5)
+    df = s.dataframe()
+    assert len(df) > 0 and set(df["metric"]) >= {"sm_util_pct", "mem_util_pct", "power_w"}
+    assert df.groupby("metric")["t"].count().min() >= 3
+
+
+def test_frame_summary_and_chart_on_synthetic_samples(seed, tmp_path):
+    from sm120_workbook.charts import save_chart
+
+    rng = np.random.default_rng(seed)
+    rows = [(t * 0.2, g, m, float(rng.uniform(0, 100)))
+            for t in range(20) for g in range(2) for m in ns.METRICS]
+    df = ns.samples_frame(rows)
+    summ = ns.summarize(df)
+    assert len(summ) == 2 * len(ns.METRICS) and (summ["max"] >= summ["mean"]).all()
+    chart = ns.timeline_chart(df)
+    spec = chart.to_dict()
+    assert spec["facet"]["row"]["field"] == "metric"
+    assert all(p.stat().st_size > 0 for p in save_chart(chart, "nvml_test", tmp_path))
+    with pytest.raises(ValueError, match="no samples"):
+        ns.timeline_chart(df, metrics=("nope",))
+    with pytest.raises(ValueError, match="no NVML samples"):
+        ns.summarize(df.iloc[:0])

@@ -1,0 +1,468 @@
+"""Server lifecycle without a GPU: validation before launch, start-up failures, teardown of the
+whole process group, and the measurement path end to end against a fake server.
+
+The fake server is a small Python script (written to tmp_path) given to SGLangServer as its
+launcher; it receives the real `sglang.launch_server` arguments and speaks the few HTTP routes
+we use (loopback only). Our launch arguments themselves are checked with SGLang's own parser.
+"""
+from __future__ import annotations
+
+import _thread
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from sm120_workbook import decode_bench, service
+from sm120_workbook.dummy_models import materialize_draft, materialize_model
+from sm120_workbook.results import load_records
+from sm120_workbook.service import (PortInUseError, ServerConfig, ServerStartError, SGLangServer,
+                                    launch_args, resolve_config)
+
+FAKE_SERVER = r'''
+import json, os, signal, subprocess, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+mode = os.environ.get("FAKE_MODE", "serve")
+argv = sys.argv[1:]
+def arg(name, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+if mode == "die":
+    # A child first, so that the parent's death leaves an orphan in the group to clean up.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    for i in range(100):
+        print(f"fake log line {i}", flush=True)
+    sys.exit(1)
+if mode == "dflash_dies" and "DFLASH" in argv:
+    print("DFLASH is not supported by this fake", flush=True)
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(600)
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    in_group = subprocess.Popen([sys.executable, "-c", code])
+    escaped = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    with open(os.environ["FAKE_PIDFILE"], "w") as f:
+        json.dump([os.getpid(), in_group.pid, escaped.pid], f)
+
+model = json.load(open(os.path.join(arg("--model-path"), "config.json")))
+spec = arg("--speculative-algorithm")
+tp = int(arg("--tp", "1"))
+recording = {"on": False, "passes": 0}
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _reply(self, code=200, body=b"", ctype="text/plain"):
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        if self.path == "/health":
+            return self._reply(200)
+        if self.path == "/metrics":
+            return self._reply(200, b'# TYPE x counter\nsglang:spec_verify_calls_total{model_name="m"} 7\n'
+                                    b'sglang:generation_tokens_total{a="1"} 5\nsglang:generation_tokens_total{a="2"} 6\n')
+        self._reply(404)
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(n) or b"{}")
+        if self.path == "/generate":
+            ids, sp = body["input_ids"], body["sampling_params"]
+            assert sp["ignore_eos"] is True
+            new = sp["max_new_tokens"]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            time.sleep(0.02)                     # "prefill"
+            out = []
+            accept = 2 if spec else 1
+            for i in range(new):
+                out.append(i)
+                last = i == new - 1
+                meta = {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                        "finish_reason": {"type": "length"} if last else None}
+                if last and spec:
+                    meta["spec_verify_ct"] = (new + accept - 1) // accept
+                    meta["spec_accept_length"] = new / meta["spec_verify_ct"]
+                if recording["on"]:
+                    recording["passes"] += 1
+                if i == 0 or i % accept == 0 or last:
+                    self.wfile.write(b"data: " + json.dumps({"output_ids": list(out), "meta_info": meta}).encode() + b"\n\n")
+                    self.wfile.flush()
+                time.sleep(0.001)
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        if self.path == "/flush_cache":
+            return self._reply(200)
+        if self.path == "/start_expert_distribution_record":
+            recording.update(on=True, passes=0)
+            return self._reply(200)
+        if self.path == "/stop_expert_distribution_record":
+            recording["on"] = False
+            return self._reply(200)
+        if self.path == "/dump_expert_distribution_record":
+            import torch
+            L, E, k = model["num_hidden_layers"], model["n_routed_experts"], model["num_experts_per_tok"]
+            count = torch.zeros(max(recording["passes"], 1), L, E, dtype=torch.int32)
+            dense = model.get("first_k_dense_replace", 0)
+            for p in range(recording["passes"]):
+                for l in range(dense, L):
+                    for j in range(k):
+                        count[p, l, (p * 7 + j * 5 + l) % E] += tp   # all-reduced over tp ranks
+            d = os.environ["SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"]
+            torch.save({"rank": 0, "logical_count": count, "average_utilization_rate_over_window": None},
+                       os.path.join(d, f"expert_distribution_recorder_{time.time()}.pt"))
+            return self._reply(200)
+        self._reply(404)
+
+print("fake server listening", flush=True)
+ThreadingHTTPServer((arg("--host"), int(arg("--port"))), H).serve_forever()
+'''
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return materialize_model("k2_tp8_slice", 3, dest=tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def fake(tmp_path):
+    p = tmp_path / "fake_sglang_server.py"
+    p.write_text(FAKE_SERVER)
+    return [sys.executable, str(p)]
+
+
+def _gone(pid: int) -> bool:
+    st = service._proc_stat(pid)
+    return st is None or st[0] in ("Z", "X")
+
+
+def _server(model_dir, fake, tmp_path, monkeypatch, mode, **kw):
+    monkeypatch.setenv("FAKE_MODE", mode)
+    cfg = ServerConfig(model_dir, "triton", tp=1, context_length=kw.pop("context_length", 70000),
+                       **{k: kw.pop(k) for k in list(kw) if k in ServerConfig.__dataclass_fields__})
+    return SGLangServer(cfg, log_path=tmp_path / "server.log", launcher=fake, progress=False, **kw)
+
+
+# ---- launch arguments, checked by SGLang's own parser --------------------------------------
+
+@pytest.mark.parametrize("backend,spec,cuda_graph", [
+    ("triton", "none", True), ("triton", "dflash", True), ("triton", "ngram", False),
+    ("flashmla", "none", True), ("flashmla", "ngram", True)])
+def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_graph):
+    from sglang.srt.server_args import ServerArgs
+
+    draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft") if spec == "dflash" else None
+    cfg = resolve_config(ServerConfig(model_dir, backend, tp=1, context_length=70000, spec=spec,
+                                      draft_model_path=draft, cuda_graph=cuda_graph))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(launch_args(cfg))
+    assert ns.load_format == "dummy" and ns.skip_tokenizer_init and ns.enable_metrics
+    assert ns.attention_backend == backend and ns.tp_size == 1 and ns.context_length == 70000
+    assert ns.expert_distribution_recorder_mode == "stat"
+    assert ns.speculative_algorithm == {"none": None, "dflash": "DFLASH", "ngram": "NGRAM"}[spec]
+    if backend == "flashmla":
+        assert ns.page_size == 64
+        if spec == "ngram":  # SGLang refuses NGRAM trees on paged non-flashinfer backends
+            assert ns.speculative_ngram_max_bfs_breadth == 1
+    if spec == "dflash":
+        assert ns.speculative_num_draft_tokens == 16 and ns.speculative_draft_attention_backend == "triton"
+    assert (ns.cuda_graph_backend_decode == "disabled") == (not cuda_graph)
+
+
+# ---- errors before launch ------------------------------------------------------------------
+
+def test_port_in_use_is_named_and_nothing_launches(model_dir, fake, tmp_path, monkeypatch):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        srv = _server(model_dir, fake, tmp_path, monkeypatch, "serve", port=port)
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
+            srv.start()
+        assert srv.proc is None
+
+
+def test_unknown_backend_is_refused_before_launch(model_dir, fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    srv = SGLangServer(ServerConfig(model_dir, "no_such_backend", tp=1), launcher=fake, progress=False)
+    with pytest.raises(ValueError, match="attention_backend: 'no_such_backend'.*triton"):
+        srv.start()
+    assert srv.proc is None
+    assert "sm120_mla" in service.attention_backend_choices()
+    assert "flashmla" in service.attention_backend_choices()
+
+
+def test_context_longer_than_the_model_is_refused(model_dir, fake, tmp_path, monkeypatch):
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "serve", context_length=262145)
+    with pytest.raises(ValueError, match="context_length: 262145 is longer than the model allows .262144"):
+        srv.start()
+    assert srv.proc is None
+
+
+def test_dflash_draft_must_match_target(model_dir, tmp_path):
+    other = materialize_model("k2_tp8_slice", 5, dest=tmp_path / "other")
+    draft = materialize_draft(other, 16, dest=tmp_path / "draft")
+    with pytest.raises(ValueError, match="draft expects 5 target layers, the model has 3"):
+        resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft))
+    draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft3")
+    with pytest.raises(ValueError, match="num_draft_tokens: 8 differs"):
+        resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft,
+                                    num_draft_tokens=8))
+
+
+def test_tp_must_divide_heads_and_all_gpus_needs_a_gpu(model_dir):
+    with pytest.raises(ValueError, match="tp: 3 does not divide num_attention_heads=8"):
+        resolve_config(ServerConfig(model_dir, "triton", tp=3))
+    with pytest.raises(ValueError, match="tp: must be -1"):
+        service.resolve_tp(0)
+    if service.visible_gpu_count() == 0:
+        with pytest.raises(service.ServerError, match="no CUDA GPU is visible"):
+            resolve_config(ServerConfig(model_dir, "triton"))  # tp defaults to -1: every visible GPU
+
+
+# ---- start-up failures and teardown ----------------------------------------------------------
+
+def test_server_dying_during_start_reports_log_tail(model_dir, fake, tmp_path, monkeypatch):
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "die")
+    with pytest.raises(ServerStartError) as ei:
+        srv.start()
+    msg = str(ei.value)
+    assert "exited with code 1 during start-up" in msg and str(srv.log_path) in msg
+    assert "fake log line 99" in msg and "fake log line 40" in msg
+    assert "fake log line 39\n" not in msg  # only the last 60 lines
+    assert service.live_group_members(srv.proc.pid) == []  # the orphaned child went too
+
+
+def test_never_healthy_times_out_and_leaves_nothing(model_dir, fake, tmp_path, monkeypatch):
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "hang", startup_timeout_s=2, grace_s=2)
+    with pytest.raises(ServerStartError, match="not healthy after 2 s"):
+        srv.start()
+    assert _gone(srv.proc.pid)
+
+
+def test_keyboard_interrupt_during_start_tears_down(model_dir, fake, tmp_path, monkeypatch):
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "hang", grace_s=2)
+    timer = threading.Timer(1.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with srv:
+                pytest.fail("never healthy, so the block must not run")
+    finally:
+        timer.cancel()
+    assert srv.proc is not None and _gone(srv.proc.pid)
+
+
+def test_teardown_kills_the_whole_group_even_when_sigterm_is_ignored(model_dir, fake, tmp_path, monkeypatch):
+    pidfile = tmp_path / "pids.json"
+    monkeypatch.setenv("FAKE_PIDFILE", str(pidfile))
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "stubborn", grace_s=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with srv:
+            pids = json.loads(pidfile.read_text())
+            assert all(not _gone(p) for p in pids)
+            raise RuntimeError("boom")
+    deadline = time.monotonic() + 5
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids), [service._proc_stat(p) for p in pids]
+
+
+def test_server_dies_with_a_killed_parent(model_dir, fake, tmp_path):
+    """A Jupyter kernel SIGKILLed outright runs no finalizer: PR_SET_PDEATHSIG covers it."""
+    import os
+    import signal
+    import subprocess
+
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import sys, time\n"
+        "from sm120_workbook.service import SGLangServer, ServerConfig\n"
+        f"srv = SGLangServer(ServerConfig({str(model_dir)!r}, 'triton', tp=1), log_path={str(tmp_path / 'p.log')!r},\n"
+        f"                   launcher={fake!r}, progress=False, validate=False).start()\n"
+        "print(srv.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    env = {**os.environ, "FAKE_MODE": "serve"}
+    p = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        server_pid = int(p.stdout.readline())
+        assert not _gone(server_pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not _gone(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(server_pid)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if "server_pid" in locals() and not _gone(server_pid):  # the mechanism failed: clean up
+            os.kill(server_pid, signal.SIGKILL)
+
+
+# ---- talking to a server ------------------------------------------------------------------
+
+def test_generate_metrics_and_expert_dump(model_dir, fake, tmp_path, monkeypatch):
+    from sm120_workbook.expert_balance import expert_counts, load_expert_dump
+
+    with _server(model_dir, fake, tmp_path, monkeypatch, "serve", spec="ngram") as srv:
+        assert srv.running
+        with pytest.raises(ValueError, match="exceed the server's context_length 70000"):
+            srv.generate([1] * 69990, 20)
+        srv.start_expert_record()
+        res = srv.generate(list(range(100, 164)), 9)
+        srv.stop_expert_record()
+        dump = load_expert_dump(srv.dump_expert_record())
+        m = srv.metrics()
+    assert not srv.running
+    assert res.completion_tokens == 9 and res.meta_info["spec_verify_ct"] == 5
+    assert 0 < res.ttft_s < res.latency_s
+    stats = decode_bench.decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, "ngram")
+    assert stats["accept_len"] == pytest.approx(9 / 5)
+    assert stats["verify_step_ms"] == pytest.approx(1e3 * (res.latency_s - res.ttft_s) / 5)
+    assert m["sglang:generation_tokens_total"] == 11 and m["sglang:spec_verify_calls_total"] == 7
+    counts = expert_counts(dump)
+    assert counts.shape == (3, 384) and counts[0].sum() == 0 and counts[1].sum() == 9 * 8
+
+
+def test_parse_prometheus():
+    text = ('# HELP a x\n# TYPE a counter\na{x="1",y="2"} 3.5\na{x="2"} 1.5\nb 2e3\n'
+            'c{le="+Inf"} NaN\n\n')
+    m = service.parse_prometheus(text)
+    assert m["a"] == 5.0 and m["b"] == 2000.0
+    assert service.spec_metrics({"sglang:spec_accept_length": 2.0, "other": 1}) == {"sglang:spec_accept_length": 2.0}
+
+
+# ---- the measurement matrix end to end (fake server) ---------------------------------------
+
+def test_run_matrix_records_and_dflash_fallback(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "dflash_dies")
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64, 256],
+                                  spec=["none", "dflash"], draft_tokens=4, decode_tokens=12, tp=1,
+                                  nvml=True, record=True, results_dir=tmp_path / "results",
+                                  progress=False, launcher=fake, log_dir=tmp_path / "logs",
+                                  log=lambda s: None)
+    d = load_records("service_decode", path=tmp_path / "results" / "service_decode.jsonl")
+    assert sorted(zip(d["spec"], d["ctx"])) == [("ngram", 64), ("ngram", 256), ("none", 64), ("none", 256)]
+    for f in decode_bench.RECORD_FIELDS:
+        assert f in d.columns, f
+    assert set(d["layers"]) == {3} and set(d["tp"]) == {1} and set(d["cuda_graph"]) == {True}
+    assert set(d["nvml_sampled"]) == {service.visible_gpu_count() > 0}  # CPU: NVML absent, skipped
+    none, ngram = d[d["spec"] == "none"], d[d["spec"] == "ngram"]
+    assert (none["accept_len"] == 1.0).all() and (ngram["accept_len"] > 1.5).all()
+    assert set(ngram["draft_tokens"]) == {8} and (d["tok_s"] > 0).all()
+    fails = load_records("service_failures", path=tmp_path / "results" / "service_failures.jsonl")
+    assert list(fails["status"]) == ["start_failed"] and list(fails["spec"]) == ["dflash"]
+    assert "DFLASH is not supported by this fake" in fails["log_tail"][0]
+    ex = load_records("service_expert_load", path=tmp_path / "results" / "service_expert_load.jsonl")
+    assert len(ex) == 4 and all(len(c) == 3 and len(c[0]) == 384 for c in ex["counts"])
+    assert list(ex["moe_layers"][0]) == [1, 2]
+    assert "commit" in d.columns and "date" in d.columns
+    table = decode_bench.summary_table(res.decode)
+    assert table.splitlines()[0].split() == ["backend", "spec", "ctx", "tok/s", "accept", "step", "ms"]
+
+
+def test_cli_refuses_unknown_backend_before_any_launch(tmp_path):
+    with pytest.raises(ValueError, match="attention_backend: 'trition'"):
+        decode_bench.main(["--tp", "1", "--backends", "triton", "trition", "--no-record",
+                           "--log-dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
+def test_plan_matrix_orders_and_filters():
+    plans = decode_bench.plan_matrix(["triton", "sm120_mla"], [65536, 4096, 4096], ["none", "dflash"],
+                                     draft_tokens=16, decode_tokens=256, model_max_context=65536)
+    assert [(p.backend, p.spec, p.contexts) for p in plans] == [
+        ("triton", "none", (4096,)), ("triton", "dflash", (4096,)),
+        ("sm120_mla", "none", (4096,)), ("sm120_mla", "dflash", (4096,))]
+    assert decode_bench.context_length_for([4096, 65536], 256, 16) == 65536 + 256 + 32 + 256
+    with pytest.raises(ValueError, match="spec"):
+        decode_bench.plan_matrix(["triton"], [4096], ["eagle"])
+    with pytest.raises(ValueError, match="decode_tokens"):
+        decode_bench.plan_matrix(["triton"], [4096], ["none"], decode_tokens=1)
+
+
+def test_decode_stats_definitions():
+    s = decode_bench.decode_stats(101, 1.0, 3.0, {}, "none")
+    assert s["tok_s"] == pytest.approx(50.0) and s["verify_step_ms"] == pytest.approx(20.0)
+    assert s["accept_len"] == 1.0
+    s = decode_bench.decode_stats(101, 1.0, 3.0, {"spec_verify_ct": 25, "spec_accept_length": 101 / 25}, "dflash")
+    assert s["tok_s"] == pytest.approx(50.0) and s["verify_step_ms"] == pytest.approx(80.0)
+    assert s["accept_len"] == pytest.approx(4.04)
+    with pytest.raises(ValueError, match="spec_verify_ct"):
+        decode_bench.decode_stats(101, 1.0, 3.0, {}, "ngram")
+    ids = decode_bench.random_input_ids(1000, 163840, seed=1)
+    assert len(ids) == 1000 and min(ids) >= 100 and max(ids) < 163840
+
+
+# ---- charts and tables of the records (synthetic frames) -----------------------------------
+
+def _synthetic_decode_records(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    recs = []
+    for backend, speed in (("triton", 1.0), ("sm120_mla", 1.5)):
+        for spec, accept in (("none", 1.0), ("dflash", 1.0), ("ngram", 4.5)):
+            for ctx in (4096, 16384, 65536):
+                for rep in range(2):
+                    tok_s = speed * 500 * accept / (1 + ctx / 32768) * (1 + 0.002 * rng.standard_normal())
+                    recs.append({"backend": backend, "spec": spec, "draft_tokens": None if spec == "none" else 16,
+                                 "tp": 1, "gpu": "synthetic", "model": "k2_tp8_slice", "layers": 4,
+                                 "weights": "bf16", "ctx": ctx, "tok_s": tok_s, "accept_len": accept,
+                                 "verify_step_ms": 1e3 * accept / tok_s, "cuda_graph": True,
+                                 "run_id": f"r-{backend}-{spec}", "repeat": rep})
+    return recs
+
+
+def test_decode_points_speedup_and_charts(seed, tmp_path):
+    import pandas as pd
+
+    from sm120_workbook import service_charts as sc
+    from sm120_workbook.charts import save_chart
+
+    pts = sc.decode_points(pd.DataFrame(_synthetic_decode_records(seed)))
+    assert len(pts) == 2 * 3 * 3 and set(pts["runs"]) == {2}
+    sp = sc.speedup_over(pts, "triton")
+    assert sp[sp["backend"] == "sm120_mla"]["speedup"].between(1.45, 1.55).all()
+    assert sp[sp["backend"] == "triton"]["speedup"].round(9).eq(1.0).all()
+    table = sc.decode_table(pts)
+    assert list(table.columns) == ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs"]
+    assert set(table["ctx_label"]) == {"4k", "16k", "64k"}
+    for name, chart in (("speed", sc.decode_speed_chart(pts)), ("speedup", sc.speedup_chart(sp))):
+        assert chart.to_dict()["facet"]["column"]["field"] == "spec_title"
+        assert all(p.stat().st_size > 0 for p in save_chart(chart, f"decode_{name}_test", tmp_path))
+    with pytest.raises(ValueError, match="baseline backend 'flashmla'"):
+        sc.speedup_over(pts, "flashmla")
+    with pytest.raises(ValueError, match="missing columns"):
+        sc.decode_points(pd.DataFrame([{"backend": "triton"}]))
+
+
+def test_nvml_records_round_trip_and_pick_point():
+    import pandas as pd
+
+    from sm120_workbook import service_charts as sc
+
+    recs = pd.DataFrame([
+        {"run_id": "a", "backend": "triton", "spec": "none", "ctx": 4096, "nvml_gpu": 0,
+         "metric": "power_w", "t": [0.0, 0.2], "value": [100.0, 110.0]},
+        {"run_id": "b", "backend": "sm120_mla", "spec": "dflash", "ctx": 65536, "nvml_gpu": 1,
+         "metric": "sm_util_pct", "t": [0.0, 0.2, 0.4], "value": [10.0, 90.0, 95.0]}])
+    long = sc.nvml_samples(recs)
+    assert len(long) == 5 and list(long.columns[:4]) == ["t", "gpu", "metric", "value"]
+    p = sc.pick_point(recs)
+    assert p == {"backend": "sm120_mla", "spec": "dflash", "ctx": 65536, "run_id": "b"}
+    assert sc.pick_point(recs, backend="triton")["run_id"] == "a"
+    assert len(sc.select_point(long, p)) == 3
+    assert sc.ctx_label(131072) == "128k" and sc.ctx_label(1000) == "1000"
