@@ -244,10 +244,16 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             continue
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.backend}-{plan.spec}-{uuid.uuid4().hex[:6]}"
         fail["run_id"] = run_id
+        ctx_len = context_length_for(plan.contexts, decode_tokens, plan.draft_tokens)
+        # DFlash's draft keeps an MHA KV pool with as many slots as the target's MLA pool;
+        # sized by --mem-fraction-static alone the two overrun the GPU (H200, 2026-11-29:
+        # 10M slots, 77 GB for the draft's K and V, start-up OOM). Batch 1 needs a few
+        # contexts' worth of slots.
+        extra = ("--max-total-tokens", str(4 * ctx_len)) if plan.spec == "dflash" else ()
         cfg = ServerConfig(
             model_path=model_dir, attention_backend=plan.backend, tp=tp,
-            mem_fraction_static=mem_fraction_static,
-            context_length=context_length_for(plan.contexts, decode_tokens, plan.draft_tokens),
+            mem_fraction_static=mem_fraction_static, extra_args=extra,
+            context_length=ctx_len,
             spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
             expert_record=expert,
             draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens)

@@ -33,10 +33,11 @@ def default_rows(df: pd.DataFrame, tile_keys: int | None = None) -> pd.DataFrame
     when None, the faster) tile size; other impls as they are."""
     if df.empty:
         return df
-    sm = df[(df["impl"] == "sm120_mla") & (df["num_splits"].notna())]
-    auto = sm[~sm.duplicated(["batch", "heads", "q_len", "ctx", "tile_keys"], keep="first")]
-    if "num_splits_forced" in df:
-        auto = auto[~auto["num_splits_forced"].fillna(False)]
+    sm = df[df["impl"] == "sm120_mla"]
+    if "num_splits_forced" in sm and sm["num_splits_forced"].notna().all():
+        auto = sm[~sm["num_splits_forced"].astype(bool)]
+    else:  # early records: the automatic row of a shape came first, the sweep after it
+        auto = sm[~sm.duplicated(["batch", "heads", "q_len", "ctx", "tile_keys"], keep="first")]
     if tile_keys is not None:
         auto = auto[auto["tile_keys"] == tile_keys]
     else:
