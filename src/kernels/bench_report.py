@@ -52,6 +52,17 @@ def comparison_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFra
     return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
 
 
+def bandwidth_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFrame:
+    """Achieved KV GB/s per context and impl, and sm120_mla's share of the copy bandwidth
+    measured in the same run."""
+    sel = df[(df["batch"] == batch) & (df["heads"] == heads) & (df["q_len"] == q_len)]
+    t = sel.pivot_table(index="ctx", columns="impl", values="gbps", aggfunc="max")
+    t = t[[c for c in IMPL_ORDER if c in t.columns]].round(0)
+    if "sm120_mla" in t and len(sel):
+        t["sm120_mla % of copy"] = (100 * t["sm120_mla"] / sel["copy_gbps"].iloc[0]).round(1)
+    return t
+
+
 def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.DataFrame:
     """sm120_mla's projected time on an RTX PRO 6000: its roofline there, divided by the
     fraction of the roofline the kernel reached on the measured GPU (same code, same
