@@ -31,9 +31,12 @@ def decode_points(df):
         if k not in d.columns:
             d[k] = "?"
     d["draft_tokens"] = d["draft_tokens"].fillna(0).astype(int)
+    # The expert-distribution recorder costs time on every forward pass: show whether it ran.
+    d["expert_record"] = d["expert_record"].fillna(False).astype(bool) if "expert_record" in d else False
     agg = (d.groupby(POINT_KEYS, dropna=False)
              .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
-                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"))
+                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"),
+                  expert_record=("expert_record", "any"))
              .reset_index())
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
@@ -54,7 +57,7 @@ def speedup_over(points, baseline: str = "triton"):
 
 def decode_table(points):
     """The compact table a notebook prints (rounded, deterministic order)."""
-    cols = ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs"]
+    cols = ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs", "expert_record"]
     t = points[cols].copy()
     return t.round({"tok_s": 1, "accept_len": 2, "verify_step_ms": 2})
 

@@ -438,7 +438,8 @@ def test_decode_points_speedup_and_charts(seed, tmp_path):
     assert sp[sp["backend"] == "sm120_mla"]["speedup"].between(1.45, 1.55).all()
     assert sp[sp["backend"] == "triton"]["speedup"].round(9).eq(1.0).all()
     table = sc.decode_table(pts)
-    assert list(table.columns) == ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs"]
+    assert list(table.columns) == ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs",
+                                   "expert_record"]
     assert set(table["ctx_label"]) == {"4k", "16k", "64k"}
     for name, chart in (("speed", sc.decode_speed_chart(pts)), ("speedup", sc.speedup_chart(sp))):
         assert chart.to_dict()["facet"]["column"]["field"] == "spec_title"
