@@ -91,7 +91,11 @@ class NvmlSampler:
 
     def start(self) -> "NvmlSampler":
         self._nvml = init_nvml()
-        self._gpus = visible_gpus(self._nvml)
+        try:
+            self._gpus = visible_gpus(self._nvml)
+        except self._nvml.NVMLError as e:  # e.g. a visible index NVML cannot resolve
+            self._nvml.nvmlShutdown()
+            raise NvmlUnavailableError(f"NVML could not open the visible GPUs: {e}") from e
         if not self._gpus:
             self._nvml.nvmlShutdown()
             raise NvmlUnavailableError("NVML lists no visible GPU")

@@ -418,6 +418,7 @@ class SGLangServer:
         self.progress = progress
         self.validate = validate
         self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None   # kept after teardown, for logs and checks
         self.expert_dump_dir: Path | None = None
         self.startup_s: float | None = None
         self._finalizer = None
@@ -464,6 +465,7 @@ class SGLangServer:
             self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            self.pid = self.proc.pid
             # The child leads its own process group (pgid == pid); finalize at exit or GC.
             self._finalizer = weakref.finalize(self, _finalize_group, self.proc.pid, self.grace_s)
             self._wait_ready()
@@ -526,6 +528,9 @@ class SGLangServer:
                     self.proc.kill()
                 if self._finalizer is not None:
                     self._finalizer.detach()
+                # Forget the process once it is reaped: a second stop() must not signal a
+                # process group whose pid the OS may have handed to someone else.
+                self.proc = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

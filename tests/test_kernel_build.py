@@ -51,6 +51,8 @@ def _cpu_case(T=4, H=8, ctx=16):
     ("out", lambda c: c.update(out=c["out"][:2])),
     ("lse", lambda c: c.update(lse=c["lse"].double())),
     ("workspace", lambda c: c.update(ws=MlaVerifyWorkspace(4, 16, "cpu"))),
+    ("qo_indptr", lambda c: c.update(qo=c["qo"][:1])),
+    ("q", lambda c: c.update(q=torch.empty(4 * 8 * 576 + 1).bfloat16()[1:].view(4, 8, 576))),  # misaligned
     ("q", lambda c: None),   # everything else valid: a CPU q is refused last, by name
 ])
 def test_bad_arguments_name_themselves(arg, change):
@@ -64,6 +66,7 @@ def test_bad_arguments_name_themselves(arg, change):
 @pytest.mark.parametrize("kwargs,arg", [
     (dict(max_q_len=0), "max_q_len"), (dict(max_q_len=17), "max_q_len"), (dict(sm_scale=float("nan")), "sm_scale"),
     (dict(custom_mask=torch.ones(8, dtype=torch.bool)), "mask_indptr"),
+    (dict(mask_indptr=torch.zeros(2, dtype=torch.int64)), "custom_mask"),
     (dict(k_extend=torch.randn(3, 576).bfloat16()), "k_extend"),
 ])
 def test_bad_options_name_themselves(kwargs, arg):

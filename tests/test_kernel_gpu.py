@@ -142,7 +142,7 @@ def test_bad_inputs_raise_before_launch():
     args = [case["q"], case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"]]
 
     def expect(arg, *a, **k):
-        with pytest.raises(ValueError, match=arg):
+        with pytest.raises(ValueError, match=rf"^{arg}:"):
             mla_verify_attention(*a, **{**kw, **k})
 
     expect("q", case["q"].float(), *args[1:])
@@ -158,6 +158,48 @@ def test_bad_inputs_raise_before_launch():
     expect("max_q_len", *args, max_q_len=17)
     expect("k_extend", *args, k_extend=case["k_extend"][:2])
     expect("mask_indptr", *args, custom_mask=torch.ones(10, dtype=torch.bool, device="cuda"))
+    expect("custom_mask", *args, mask_indptr=torch.zeros(2, dtype=torch.int64, device="cuda"))
+    expect("qo_indptr", args[0], args[1], case["qo_indptr"][:1], *args[3:])
+    flat = torch.empty(T * H * 576 + 1, device="cuda", dtype=torch.bfloat16)
+    expect("q", flat[1:].view(T, H, 576), *args[1:])          # contiguous but misaligned
+
+
+def test_int32_indices(seed):
+    """SGLang passes int64 kv_indices and mask_indptr; int32 ones take another load path."""
+    case = make_verify_case(batch=3, heads=8, q_len=16, ctx_lens=[3000, 129, 1], mask="tree", seed=seed,
+                            device="cuda")
+    case["kv_indices"] = case["kv_indices"].to(torch.int32)
+    case["mask_indptr"] = case["mask_indptr"].to(torch.int32)
+    for tk in (16, 32):
+        out, lse = run_kernel(case, max_q_len=16, tile_keys=tk)
+        assert_matches_reference(case, out, lse, f"int32 indices tk{tk}")
+
+
+def test_rows_outside_requests(seed):
+    """Tokens past qo_indptr[-1] (graph padding) come out 0 / -inf; tokens past max_q_len
+    within a request (a broken contract) come out NaN; every other row stays right."""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    case = make_verify_case(batch=2, heads=8, q_len=[4, 6], ctx_lens=[500, 70], mask="tree", seed=seed,
+                            device="cuda")
+    T, H = 10, 8
+    pad = 3
+    q = torch.cat([case["q"], torch.randn(pad, H, 576, device="cuda").bfloat16()])
+    ke = torch.cat([case["k_extend"], torch.randn(pad, 1, 576, device="cuda").bfloat16()])
+    out = torch.full((T + pad, H, 512), 7.0, device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((T + pad, H), 7.0, device="cuda")
+    ws = MlaVerifyWorkspace(T + pad, H, "cuda")
+    kw = dict(out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], k_extend=ke,
+              custom_mask=case["custom_mask"], mask_indptr=case["mask_indptr"])
+    rest = (case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"])
+    mla_verify_attention(q, *rest, max_q_len=8, **kw)
+    assert_matches_reference(case, out[:T], lse[:T], "requests")
+    assert (out[T:] == 0).all() and torch.isinf(lse[T:]).all() and (lse[T:] < 0).all()
+    # Request 1 has 6 tokens but the grid is sized for 5: its 6th token comes out NaN.
+    kw.update(out=out[:T], lse=lse[:T], k_extend=case["k_extend"])
+    mla_verify_attention(case["q"], *rest, max_q_len=5, **kw)
+    assert torch.isnan(out[9].float()).all() and torch.isnan(lse[9]).all()
+    assert not torch.isnan(out[:9].float()).any() and not torch.isnan(lse[:9]).any()
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")

@@ -241,14 +241,14 @@ def test_server_dying_during_start_reports_log_tail(model_dir, fake, tmp_path, m
     assert "exited with code 1 during start-up" in msg and str(srv.log_path) in msg
     assert "fake log line 99" in msg and "fake log line 40" in msg
     assert "fake log line 39\n" not in msg  # only the last 60 lines
-    assert service.live_group_members(srv.proc.pid) == []  # the orphaned child went too
+    assert service.live_group_members(srv.pid) == []  # the orphaned child went too
 
 
 def test_never_healthy_times_out_and_leaves_nothing(model_dir, fake, tmp_path, monkeypatch):
     srv = _server(model_dir, fake, tmp_path, monkeypatch, "hang", startup_timeout_s=2, grace_s=2)
     with pytest.raises(ServerStartError, match="not healthy after 2 s"):
         srv.start()
-    assert _gone(srv.proc.pid)
+    assert _gone(srv.pid)
 
 
 def test_keyboard_interrupt_during_start_tears_down(model_dir, fake, tmp_path, monkeypatch):
@@ -261,7 +261,7 @@ def test_keyboard_interrupt_during_start_tears_down(model_dir, fake, tmp_path, m
                 pytest.fail("never healthy, so the block must not run")
     finally:
         timer.cancel()
-    assert srv.proc is not None and _gone(srv.proc.pid)
+    assert srv.pid is not None and _gone(srv.pid)
 
 
 def test_teardown_kills_the_whole_group_even_when_sigterm_is_ignored(model_dir, fake, tmp_path, monkeypatch):
@@ -291,7 +291,7 @@ def test_server_dies_with_a_killed_parent(model_dir, fake, tmp_path):
         "from sm120_workbook.service import SGLangServer, ServerConfig\n"
         f"srv = SGLangServer(ServerConfig({str(model_dir)!r}, 'triton', tp=1), log_path={str(tmp_path / 'p.log')!r},\n"
         f"                   launcher={fake!r}, progress=False, validate=False).start()\n"
-        "print(srv.proc.pid, flush=True)\n"
+        "print(srv.pid, flush=True)\n"
         "time.sleep(600)\n")
     env = {**os.environ, "FAKE_MODE": "serve"}
     p = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True, env=env)

@@ -25,7 +25,6 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
                         at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
                         int64_t num_splits, int64_t tile_keys);
-int64_t mla_verify_smem_bytes();
 """
 
 
@@ -53,16 +52,22 @@ def build_key(capability: tuple[int, int]) -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
 def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool = False):
-    """Compile (once, cached and locked) and import the extension for a GPU capability."""
+    """Compile (once, cached and locked) and import the extension for a GPU capability
+    (default: the current device's)."""
     import torch
-    from torch.utils.cpp_extension import load_inline
 
     if capability is None:
         if not torch.cuda.is_available():
             raise RuntimeError("the sm120_mla kernel needs a CUDA GPU; none is visible to torch")
         capability = torch.cuda.get_device_capability()
+    return _load_for(tuple(capability), verbose)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_for(capability: tuple[int, int], verbose: bool):
+    from torch.utils.cpp_extension import load_inline
+
     if capability < (8, 0):
         raise RuntimeError(f"the sm120_mla kernel needs sm_80 or newer (mma.sync bf16, cp.async); "
                            f"this GPU is sm_{capability[0]}{capability[1]}")
@@ -75,7 +80,7 @@ def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool 
             name=name,
             cpp_sources=[CPP_DECLS],
             cuda_sources=[cu],
-            functions=["mla_verify_forward", "mla_verify_smem_bytes"],
+            functions=["mla_verify_forward"],
             extra_cuda_cflags=NVCC_FLAGS + _arch_flags(capability) + [f"-I{KERNEL_DIR}"],
             extra_include_paths=[str(KERNEL_DIR)],
             build_directory=str(build_dir),

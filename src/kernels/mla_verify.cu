@@ -1,6 +1,6 @@
 // Torch launcher for the MLA verify kernels in mla_verify.cuh. Python (verify_attention.py)
-// validates every argument first and raises ValueErrors that name it; the checks here are
-// the last line of defence. Everything launches on torch's current stream, allocates
+// validates every argument (shapes, dtypes, devices, contiguity, alignment) and raises
+// ValueErrors that name it; this file only re-checks what would fault the launch itself. Everything launches on torch's current stream, allocates
 // nothing and never syncs, so the call can be captured in a CUDA graph.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -44,6 +44,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
   TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
               "workspace too small");
+  TORCH_CHECK(B <= 65535, "batch must be <= 65535 (grid z)");
   if (T == 0 || B == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -65,6 +66,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   prm.lse = lse.data_ptr<float>();
   prm.heads = static_cast<int>(H);
+  prm.batch = static_cast<int>(B);
+  prm.max_q_len = static_cast<int>(max_q_len);
   prm.num_splits = static_cast<int>(num_splits);
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
@@ -80,5 +83,3 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   mla_verify_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-int64_t mla_verify_smem_bytes() { return sm120_mla::kSmemBytes; }

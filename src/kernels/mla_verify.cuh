@@ -9,9 +9,10 @@
 // own KV (k_extend), under a causal chain (DFlash) or a tree mask (SGLang custom_mask).
 //
 // Work split: one CTA owns 32 (token, head) rows of one request and one KV split. The KV of
-// a split streams through a 4-stage cp.async ring, 16 keys per stage; each key row is read
-// once from memory and used for both QK (576 dims) and PV (512 dims). Partial results per
-// split go to a workspace, and a second kernel merges the splits by their LSE.
+// a split streams through a cp.async ring (TileConfig: 32 keys x 2 stages, or 16 keys x 4
+// stages); each key row is read once from memory and used for both QK (576 dims) and PV
+// (512 dims). Partial results per split go to a workspace, and a second kernel merges the
+// splits by their LSE and writes every row of `out` and `lse`.
 //
 // This file holds no torch code, so nvcc can compile it alone for resource reports.
 #pragma once
@@ -65,8 +66,6 @@ struct TileConfig {
   static_assert(kThreads % KEYS == 0 && KEYS % 16 == 0, "tile shape");
 };
 static_assert(kRowsPerCta == 2 * 16 && kWarps == kQkDimSplit * kQkKeyHalves, "warp layout");
-constexpr int kSmemBytes = TileConfig<16>::kSmemBytes > TileConfig<32>::kSmemBytes ? TileConfig<16>::kSmemBytes
-                                                                                    : TileConfig<32>::kSmemBytes;
 
 struct Params {
   const __nv_bfloat16* q;          // [T, H, 576]
@@ -82,6 +81,8 @@ struct Params {
   __nv_bfloat16* out;              // [T, H, 512]
   float* lse;                      // [T, H] natural-log LSE of sm_scale * q.k
   int heads;
+  int batch;
+  int max_q_len;
   int num_splits;
   int kv_indices_64;
   int mask_indptr_64;
@@ -248,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
 
-  // Softmax-stage thread layout: 8 threads per row, two keys each.
+  // Softmax-stage thread layout: 8 threads per row, KEYS / 8 keys each.
   const int sm_row = tid >> 3, sm_key = (tid & 7) * Cfg::kSoftmaxKeys;
   const int sm_gr = row0 + sm_row;
   const int sm_tok = sm_gr < rows ? sm_gr / H : 0;  // query token within the request
@@ -416,6 +417,29 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   __shared__ float total[2];
   const int64_t row = blockIdx.x;
   const int S = prm.num_splits, tid = threadIdx.x, lane = tid & 31;
+  // Rows the split kernel never wrote: tokens past the last request (CUDA-graph padding)
+  // get 0 and lse -inf; tokens past max_q_len within their request broke the caller's
+  // contract and get NaN, so it shows. The test is uniform across the CTA.
+  {
+    const int64_t token = row / prm.heads;
+    int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
+    if (!unwritten) {
+      int lo = 0, hi = prm.batch - 1;  // the request holding token: last b with qo_indptr[b] <= token
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (prm.qo_indptr[mid] <= token) lo = mid; else hi = mid - 1;
+      }
+      unwritten = token - prm.qo_indptr[lo] >= prm.max_q_len ? 2 : 0;
+    }
+    if (unwritten) {
+      const float fill = unwritten == 1 ? 0.f : NAN;
+      __nv_bfloat16* dst = prm.out + row * kDimV + tid * 4;
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(fill, fill);
+      *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(fill, fill);
+      if (tid == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
+      return;
+    }
+  }
   if (tid < 32) {
     const float* lse = prm.ws_lse + row * S;
     float m = -INFINITY;

@@ -2,7 +2,7 @@
 
 Needs nvcc only (no GPU, no torch headers): mla_verify.cuh is plain CUDA. ptxas reports
 registers, spills and static shared memory; the kernel's shared memory is dynamic, so its
-size comes from a tiny host program that prints sizeof(SharedStorage).
+size comes from a tiny host program that prints sizeof(TileConfig<KEYS>::Shared).
 
     python -m sm120_workbook.kernels.resources [--write]
 """

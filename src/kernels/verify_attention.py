@@ -26,7 +26,7 @@ def _fail(arg: str, msg: str):
     raise ValueError(f"{arg}: {msg}")
 
 
-def _check(arg: str, t, *, dtypes, dim=None, device=None, contiguous=True):
+def _check(arg: str, t, *, dtypes, dim=None, device=None, contiguous=True, align=0):
     if not isinstance(t, torch.Tensor):
         _fail(arg, f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -37,6 +37,10 @@ def _check(arg: str, t, *, dtypes, dim=None, device=None, contiguous=True):
         _fail(arg, f"on {t.device}, expected {device} (same device as q)")
     if contiguous and not t.is_contiguous():
         _fail(arg, "must be contiguous")
+    if align and t.data_ptr() % align:
+        # the kernel moves rows with 16-byte cp.async and vector stores: a view at an odd
+        # offset would fault the launch (and poison the CUDA context) instead
+        _fail(arg, f"data must start on a {align}-byte boundary (a view at offset {t.storage_offset()})")
 
 
 def kernel_available() -> tuple[bool, str]:
@@ -109,7 +113,7 @@ class MlaVerifyWorkspace:
 
 def _as_rows(arg: str, t, device):
     """[N, 576] or [N, 1, 576] bf16 -> [N, 576] view (SGLang's MLA pool is [P, 1, 576])."""
-    _check(arg, t, dtypes=(torch.bfloat16,), dim=(2, 3), device=device)
+    _check(arg, t, dtypes=(torch.bfloat16,), dim=(2, 3), device=device, align=16)
     if t.dim() == 3:
         if t.shape[1] != 1:
             _fail(arg, f"expected [N, 576] or [N, 1, 576], got {tuple(t.shape)}")
@@ -139,15 +143,16 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             count. Only the draft columns are read; the prefix is always visible. Without a
             mask the draft tokens form a causal chain (DFlash).
         out: [T, H, 512] bf16 and lse: [T, H] float32, written in full (lse is the natural
-            log of sum exp(sm_scale * q.k)).
+            log of sum exp(sm_scale * q.k)). Tokens past qo_indptr[-1] (graph padding) get
+            0 and -inf; tokens past max_q_len within a request get NaN (a broken contract).
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
 
     Returns out. Launches on the current stream, with no allocation and no host sync.
-    Preconditions that would need a sync to check: qo_indptr[-1] == T, every q_len <=
-    max_q_len, kv_indices in range of the pool.
+    Preconditions that would need a sync to check: qo_indptr[-1] <= T, every q_len <=
+    max_q_len (rows past it come out NaN), kv_indices in range of the pool.
     """
-    _check("q", q, dtypes=(torch.bfloat16,), dim=3)
+    _check("q", q, dtypes=(torch.bfloat16,), dim=3, align=16)
     dev = q.device
     T, H, D = q.shape
     if D != DIM_QK:
@@ -158,10 +163,13 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     _check("qo_indptr", qo_indptr, dtypes=(torch.int32,), dim=1, device=dev)
     _check("kv_indptr", kv_indptr, dtypes=(torch.int32,), dim=1, device=dev)
     _check("kv_indices", kv_indices, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
-    if qo_indptr.numel() < 2 or kv_indptr.numel() != qo_indptr.numel():
-        _fail("kv_indptr", f"qo_indptr and kv_indptr must both be [B+1] with B >= 1, got "
-              f"{qo_indptr.numel()} and {kv_indptr.numel()}")
+    if qo_indptr.numel() < 2:
+        _fail("qo_indptr", f"must be [B+1] with B >= 1, got {qo_indptr.numel()} entries")
+    if kv_indptr.numel() != qo_indptr.numel():
+        _fail("kv_indptr", f"must be [B+1] like qo_indptr ({qo_indptr.numel()}), got {kv_indptr.numel()}")
     batch = qo_indptr.numel() - 1
+    if batch > 65535:
+        _fail("qo_indptr", f"batch {batch} exceeds 65535 requests per call")
     if not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
         _fail("max_q_len", f"must be an int in 1..{MAX_Q_LEN}, got {max_q_len!r}")
     if T > batch * max_q_len:
@@ -171,15 +179,17 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
         ke_rows = _as_rows("k_extend", k_extend, dev)
         if ke_rows.shape[0] != T:
             _fail("k_extend", f"needs one row per query token ({T}), got {ke_rows.shape[0]}")
-    if (custom_mask is None) != (mask_indptr is None):
-        _fail("mask_indptr", "custom_mask and mask_indptr come together")
+    if custom_mask is not None and mask_indptr is None:
+        _fail("mask_indptr", "custom_mask needs mask_indptr")
+    if mask_indptr is not None and custom_mask is None:
+        _fail("custom_mask", "mask_indptr was given without custom_mask")
     if custom_mask is not None:
         _check("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), dim=1, device=dev)
         _check("mask_indptr", mask_indptr, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
         if mask_indptr.numel() != batch + 1:
             _fail("mask_indptr", f"must be [B+1] = [{batch + 1}], got {mask_indptr.numel()}")
         custom_mask = custom_mask.view(torch.uint8)
-    _check("out", out, dtypes=(torch.bfloat16,), dim=3, device=dev)
+    _check("out", out, dtypes=(torch.bfloat16,), dim=3, device=dev, align=16)
     if tuple(out.shape) != (T, H, DIM_V):
         _fail("out", f"expected shape {(T, H, DIM_V)}, got {tuple(out.shape)}")
     _check("lse", lse, dtypes=(torch.float32,), dim=2, device=dev)
