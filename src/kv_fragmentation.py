@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
+from .mla import DIM_QK, DIM_V, KV_BYTES_PER_TOKEN, SM_SCALE
+
 LAYOUT_METRICS = ("tokens", "runs", "mean_run_tokens", "pages_touched", "pages_ideal")
 PARTS = ("prompt", "decode", "row")
 
@@ -50,7 +52,7 @@ class ChurnConfig:
     probe_prompt_len: int = 2048
     probe_output_len: int = 128
     probe_arrival: float = 0.75       # the probe arrives after this fraction of requests
-    row_bytes: int = 1152
+    row_bytes: int = KV_BYTES_PER_TOKEN
     page_bytes: int = 4096
     seed: int = 0
 
@@ -104,7 +106,7 @@ class _Request:
     probe: bool
 
 
-def index_layout(indices, row_bytes: int = 1152, page_bytes: int = 4096) -> dict:
+def index_layout(indices, row_bytes: int = KV_BYTES_PER_TOKEN, page_bytes: int = 4096) -> dict:
     """Runs, mean run length and pages touched by one request's KV slot indices (in order)."""
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
     if row_bytes < 1 or page_bytes < 1:
@@ -388,7 +390,7 @@ def probe_layouts(config: ChurnConfig, seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def layouts_frame(layouts: dict[str, np.ndarray], row_bytes: int = 1152,
+def layouts_frame(layouts: dict[str, np.ndarray], row_bytes: int = KV_BYTES_PER_TOKEN,
                   page_bytes: int = 4096) -> pd.DataFrame:
     """One row per layout: tokens, runs, mean run length, pages touched."""
     return pd.DataFrame([dict(layout=name, **index_layout(idx, row_bytes, page_bytes))
@@ -418,17 +420,16 @@ def kernel_layout_timing(layouts: dict[str, np.ndarray], batch: int = 8, heads: 
     device = torch.device("cuda")
     span = int(max(int(np.max(idx)) for idx in layouts.values())) + 1
     g = torch.Generator(device=device).manual_seed(0)
-    pool = torch.randn(batch * span, 1, 576, device=device, generator=g).to(torch.bfloat16)
+    pool = torch.randn(batch * span, 1, DIM_QK, device=device, generator=g).to(torch.bfloat16)
     tokens = batch * q_len
-    q = torch.randn(tokens, heads, 576, device=device, generator=g).to(torch.bfloat16)
-    k_extend = torch.randn(tokens, 1, 576, device=device, generator=g).to(torch.bfloat16)
-    out = torch.empty(tokens, heads, 512, device=device, dtype=torch.bfloat16)
+    q = torch.randn(tokens, heads, DIM_QK, device=device, generator=g).to(torch.bfloat16)
+    k_extend = torch.randn(tokens, 1, DIM_QK, device=device, generator=g).to(torch.bfloat16)
+    out = torch.empty(tokens, heads, DIM_V, device=device, dtype=torch.bfloat16)
     lse = torch.empty(tokens, heads, device=device, dtype=torch.float32)
     workspace = MlaVerifyWorkspace(tokens, heads, device)
     qo_indptr = torch.arange(0, tokens + 1, q_len, device=device, dtype=torch.int32)
     n = next(iter(lengths.values()))
     kv_indptr = torch.arange(0, batch * n + 1, n, device=device, dtype=torch.int32)
-    sm_scale = 192 ** -0.5
     rows = []
     for name, idx in layouts.items():
         base = torch.arange(batch, device=device, dtype=torch.int64)[:, None] * span
@@ -436,7 +437,7 @@ def kernel_layout_timing(layouts: dict[str, np.ndarray], batch: int = 8, heads: 
 
         def step(kv_indices=kv_indices):
             mla_verify_attention(q, pool, qo_indptr, kv_indptr, kv_indices, out=out, lse=lse,
-                                 workspace=workspace, sm_scale=sm_scale, max_q_len=q_len,
+                                 workspace=workspace, sm_scale=SM_SCALE, max_q_len=q_len,
                                  k_extend=k_extend)
 
         timing = time_graph_us(step, reps=reps)
@@ -444,7 +445,7 @@ def kernel_layout_timing(layouts: dict[str, np.ndarray], batch: int = 8, heads: 
         rows.append(dict(layout=name, batch=batch, heads=heads, q_len=q_len, keys_per_request=n,
                          runs=layout["runs"], pages_touched=layout["pages_touched"],
                          time_us=timing["time_us"], time_us_min=timing["time_us_min"],
-                         kv_gb_per_s=batch * n * 1152 / (timing["time_us"] * 1e-6) / 1e9))
+                         kv_gb_per_s=batch * n * KV_BYTES_PER_TOKEN / (timing["time_us"] * 1e-6) / 1e9))
     return pd.DataFrame(rows)
 
 

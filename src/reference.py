@@ -31,12 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from .masks import causal_chain_mask, check_lengths, random_tree_mask
+from .mla import DIM_QK, KV_LORA_RANK, QK_ROPE_DIM, SM_SCALE  # noqa: F401 (re-exported)
 
-KV_LORA_RANK = 512  # latent (V) width
-QK_ROPE_DIM = 64
-HEAD_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576
-# DeepSeek-V3 / Kimi K2 softmax scale: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) = 1/sqrt(192)
-DEEPSEEK_V3_SM_SCALE = 1.0 / math.sqrt(128 + 64)
+HEAD_DIM = DIM_QK  # 576
+DEEPSEEK_V3_SM_SCALE = SM_SCALE  # 1/sqrt(qk_nope 128 + rope 64)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)

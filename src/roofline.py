@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-HEAD_DIM = 576      # latent 512 + rope 64
-V_DIM = 512
-KV_BYTES_PER_TOKEN = HEAD_DIM * 2   # bf16 KV row
+from .mla import DIM_QK as HEAD_DIM, DIM_V as V_DIM, KV_BYTES_PER_TOKEN  # noqa: F401 (re-exported)
 
 # The GPUs the workbook cares about. `mem_gbps` and `bf16_tflops` are the ceilings the
 # roofline uses: measured where a measurement exists, else the spec (and said so).

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-DIM_QK, DIM_V = 576, 512
+from sm120_workbook.mla import DIM_QK, DIM_V, SM_SCALE
 
 
 # ---------------------------------------------------------------- the harness
@@ -108,7 +108,7 @@ def make_runner(*, device, dtype, heads, num_draft_tokens, max_requests, max_con
 def make_layer(heads):
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    return RadixAttention(num_heads=heads, head_dim=DIM_QK, scaling=192 ** -0.5, num_kv_heads=1,
+    return RadixAttention(num_heads=heads, head_dim=DIM_QK, scaling=SM_SCALE, num_kv_heads=1,
                           layer_id=0, v_head_dim=DIM_V)
 
 

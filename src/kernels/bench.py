@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .verify_attention import DIM_QK, DIM_V, MlaVerifyWorkspace, mla_verify_attention
+from ..mla import DIM_QK, DIM_V, SM_SCALE
+from .verify_attention import MlaVerifyWorkspace, mla_verify_attention
 
-SM_SCALE = 192 ** -0.5   # DeepSeek-V3 / Kimi K2: qk_nope 128 + rope 64
 L2_FLUSH_BYTES = 256 << 20
 
 

@@ -11,10 +11,9 @@ import math
 
 import torch
 
+from ..mla import DIM_QK, DIM_V
 from .build import load_kernel_module
 
-DIM_QK = 576   # 512 latent + 64 rope
-DIM_V = 512
 ROWS_PER_CTA = 32
 MAX_SPLITS = 128
 MAX_Q_LEN = 16

@@ -33,10 +33,10 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from ..mla import DIM_QK, DIM_V
+
 logger = logging.getLogger(__name__)
 
-DIM_QK = 576  # kv_lora_rank 512 + rope 64 (DeepSeek-V3, Kimi K2)
-DIM_V = 512
 DEFAULT_MAX_Q_LEN = 16
 
 
