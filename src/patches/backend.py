@@ -96,6 +96,11 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
                              "is not supported by the kernel; use --attention-backend triton")
         if self.sliding_window_size is not None and self.sliding_window_size > 0:
             raise ValueError("sm120_mla: sliding-window attention is not supported")
+        if getattr(self, "_translate_kv_loc", None) is not None:
+            # A unified pool maps request slots to other rows; the verify path's fallback read
+            # of the drafts' KV would need the same mapping, which this backend does not do.
+            raise ValueError("sm120_mla: unified (translated) KV pools are not supported; "
+                             "use --attention-backend triton")
         pool = self.token_to_kv_pool
         key = pool.get_key_buffer(getattr(pool, "start_layer", 0) or 0)
         kv_dtype = getattr(ops, "KV_DTYPE", torch.bfloat16)
