@@ -68,13 +68,17 @@ def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"{name}: expected shape [N, {HEAD_DIM}] or [N, 1, {HEAD_DIM}], got {tuple(t.shape)}")
 
 
-def _index_list(name: str, t, expect_len: int | None = None) -> list[int]:
+def _check_1d(name: str, t, dtypes, dtype_names: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in INDEX_DTYPES:
-        raise ValueError(f"{name}: expected int32 or int64, got {t.dtype}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected {dtype_names}, got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
+
+
+def _index_list(name: str, t, expect_len: int | None = None) -> list[int]:
+    _check_1d(name, t, INDEX_DTYPES, "int32 or int64")
     if expect_len is not None and t.numel() != expect_len:
         raise ValueError(f"{name}: expected {expect_len} entries, got {t.numel()}")
     return t.tolist()
@@ -120,12 +124,7 @@ def validate_verify_args(q, kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale,
                          if custom_mask is None else
                          "mask_indptr: custom_mask and mask_indptr must be given together")
     if custom_mask is not None:
-        if not isinstance(custom_mask, torch.Tensor):
-            raise ValueError(f"custom_mask: expected a torch.Tensor, got {type(custom_mask).__name__}")
-        if custom_mask.dtype not in MASK_DTYPES:
-            raise ValueError(f"custom_mask: expected bool or uint8, got {custom_mask.dtype}")
-        if custom_mask.dim() != 1:
-            raise ValueError(f"custom_mask: expected a 1-D tensor, got shape {tuple(custom_mask.shape)}")
+        _check_1d("custom_mask", custom_mask, MASK_DTYPES, "bool or uint8")
         tensors["custom_mask"] = custom_mask
         tensors["mask_indptr"] = mask_indptr
     for name, t in tensors.items():

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from sm120_workbook.kernels.checks import FIXED_CASES, compare, run_kernel
+from sm120_workbook.kernels.checks import FIXED_CASES, compare, random_shapes, run_kernel
 from sm120_workbook.reference import make_verify_case
 
 pytestmark = pytest.mark.gpu
@@ -44,10 +44,7 @@ def test_kernel_matches_reference(batch, heads, q_len, ctx, mask, with_ext, tile
 def test_random_shapes(seed):
     """Twenty random shapes: heads 1..128, q_len 1..16, per-request contexts up to 20k."""
     rng = random.Random(seed)
-    for i in range(20):
-        batch, heads, q_len = rng.randint(1, 4), rng.choice([1, 2, 3, 5, 8, 16, 24, 64, 128]), rng.randint(1, 16)
-        ctx = [rng.choice([1, rng.randint(1, 300), rng.randint(1, 20000)]) for _ in range(batch)]
-        mask = rng.choice([None, "causal", "tree"])
+    for i, (batch, heads, q_len, ctx, mask, _) in enumerate(random_shapes(rng, 20)):
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                                 seed=rng.randrange(2**31), device="cuda")
         tk = (16, 32)[i % 2]

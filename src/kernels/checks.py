@@ -59,17 +59,24 @@ def compare(case: dict, out, lse) -> dict:
     return {"written": written, "rel_err": rel, "max_abs_err": mx, "lse_err": lse_err, "passed": passed}
 
 
+def random_shapes(rng: random.Random, n: int) -> list[tuple]:
+    """n random verify shapes in FIXED_CASES' layout: batch 1..4, heads 1..128, q_len 1..16,
+    per-request contexts of 1, up to 300 or up to 20k, any mask, drafts in k_extend."""
+    shapes = []
+    for _ in range(n):
+        b = rng.randint(1, 4)
+        shapes.append((b, rng.choice([1, 2, 3, 5, 8, 16, 24, 64, 128]), rng.randint(1, 16),
+                       [rng.choice([1, rng.randint(1, 300), rng.randint(1, 20000)]) for _ in range(b)],
+                       rng.choice([None, "causal", "tree"]), True))
+    return shapes
+
+
 def correctness_grid(seed: int, random_cases: int = 6, tile_keys=(16, 32), device="cuda"):
     """The fixed odd-size cases plus random shapes, for each tile variant, as a DataFrame."""
     import pandas as pd
 
     rng = random.Random(seed)
-    shapes = list(FIXED_CASES)
-    for _ in range(random_cases):
-        b = rng.randint(1, 4)
-        shapes.append((b, rng.choice([1, 2, 3, 5, 8, 16, 24, 64, 128]), rng.randint(1, 16),
-                       [rng.choice([1, rng.randint(1, 300), rng.randint(1, 20000)]) for _ in range(b)],
-                       rng.choice([None, "causal", "tree"]), True))
+    shapes = list(FIXED_CASES) + random_shapes(rng, random_cases)
     rows = []
     for batch, heads, q_len, ctx, mask, ext in shapes:
         for tk in tile_keys:
