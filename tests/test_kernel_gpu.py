@@ -200,7 +200,7 @@ def test_rows_outside_requests(seed):
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer_clean(tool):
     script = (
         "import torch\n"
@@ -209,9 +209,9 @@ def test_compute_sanitizer_clean(tool):
         "c = make_verify_case(batch=2, heads=5, q_len=7, ctx_lens=[129, 40], mask='tree', device='cuda')\n"
         "o = torch.empty(14, 5, 512, device='cuda', dtype=torch.bfloat16)\n"
         "l = torch.empty(14, 5, device='cuda')\n"
-        "for tk in (16, 32):\n"
+        "for tk, splits in ((16, 1), (16, 3), (32, 1)):  # 1 split: 9 tiles wrap the cp.async ring\n"
         "    mla_verify_attention(c['q'], c['kv_pool'], c['qo_indptr'], c['kv_indptr'], c['kv_indices'], out=o,"
-        " lse=l, workspace=MlaVerifyWorkspace(14, 5, 'cuda', num_splits=3, tile_keys=tk), sm_scale=c['sm_scale'],"
+        " lse=l, workspace=MlaVerifyWorkspace(14, 5, 'cuda', num_splits=splits, tile_keys=tk), sm_scale=c['sm_scale'],"
         " max_q_len=7, k_extend=c['k_extend'], custom_mask=c['custom_mask'], mask_indptr=c['mask_indptr'])\n"
         "torch.cuda.synchronize(); print('ran')\n")
     # Build first, outside the sanitizer (nvcc under it would take minutes).

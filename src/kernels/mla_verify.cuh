@@ -9,10 +9,12 @@
 // own KV (k_extend), under a causal chain (DFlash) or a tree mask (SGLang custom_mask).
 //
 // Work split: one CTA owns 32 (token, head) rows of one request and one KV split. The KV of
-// a split streams through a cp.async ring (TileConfig: 32 keys x 2 stages, or 16 keys x 4
-// stages); each key row is read once from memory and used for both QK (576 dims) and PV
-// (512 dims). Partial results per split go to a workspace, and a second kernel merges the
-// splits by their LSE and writes every row of `out` and `lse`.
+// a split streams through a cp.async ring (TileConfig: 16 keys x 4 stages, or 32 keys x 2);
+// each key row is read once from memory and used for both QK (576 dims) and PV (512 dims).
+// The CTA's warps specialise: four score warps compute S = QK^T and the online softmax of
+// tile t+1 while four value warps issue the loads and accumulate P.V of tile t, handing
+// tiles over through named barriers. Partial results per split go to a workspace, and a
+// second kernel merges the splits by their LSE and writes every row of `out` and `lse`.
 //
 // This file holds no torch code, so nvcc can compile it alone for resource reports.
 #pragma once
@@ -25,12 +27,14 @@ namespace sm120_mla {
 constexpr int kDimQK = 576;              // 512 latent + 64 rope
 constexpr int kDimV = 512;
 constexpr int kRowsPerCta = 32;          // (token, head) rows: two m16 tiles
-constexpr int kWarps = 8;
+constexpr int kScoreWarps = 4;           // QK^T and softmax; the 576 dims split four ways
+constexpr int kValueWarps = 4;           // loads and P.V; 128 output columns each
+constexpr int kGroupThreads = 128;       // threads in each of the two warp groups
+constexpr int kWarps = kScoreWarps + kValueWarps;
 constexpr int kThreads = kWarps * 32;
-constexpr int kQkDimSplit = 4;           // QK: warps split the 576 dims four ways ...
-constexpr int kQkKeyHalves = 2;          // ... and the tile's keys two ways (8 warps)
-constexpr int kQkSteps = kDimQK / 16 / kQkDimSplit;   // 9 k-steps of 16 dims per warp
-constexpr int kVColsPerWarp = kDimV / kWarps;         // PV: 64 output columns per warp
+constexpr int kQkSteps = kDimQK / 16 / kScoreWarps;   // 9 k-steps of 16 dims per score warp
+constexpr int kVColsPerWarp = kDimV / kValueWarps;    // 128 output columns per value warp
+constexpr int kSoftmaxThreadsPerRow = kGroupThreads / kRowsPerCta;  // 4
 constexpr int kMinKeysPerSplit = 64;     // a split never gets fewer keys (short contexts)
 constexpr int kMaxSplits = 128;
 constexpr float kRescaleThreshold = 8.f;  // log2 units: see the softmax step
@@ -39,33 +43,40 @@ constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per
 // fall in different banks (1168 B stride = 292 words, 4 banks apart).
 constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
 
+// Named barriers (0 is __syncthreads). Each hand-over alternates between two ids by tile
+// parity, so a group that runs a tile ahead can never add its arrivals to the wrong round.
+constexpr int kBarScore = 1;             // score warps only: S partials written
+constexpr int kBarKvReady = 2;           // 2, 3: value -> score, tile t is in shared memory
+constexpr int kBarPReady = 4;            // 4, 5: score -> value, P and the O rescale of tile t
+
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
-// the same 74,752 B ring; 32 halves the barriers and shuffles per key, 16 keeps more
-// loads in flight. Both stay under sm_120's 99 KB.
+// the same 74,752 B ring; 16 keeps two tiles in flight while the groups work on the other
+// two, 32 halves the hand-overs per key. Both stay under sm_120's 99 KB.
 template <int KEYS>
 struct TileConfig {
   static constexpr int kKeys = KEYS;
   static constexpr int kStages = KEYS == 16 ? 4 : 2;
   static constexpr int kStageElems = KEYS * kKvRowStride;
   static constexpr int kPRowStride = KEYS + 8;        // bf16 elements: conflict-free ldmatrix rows
-  static constexpr int kLoadThreadsPerKey = kThreads / KEYS;
+  static constexpr int kLoadThreadsPerKey = kGroupThreads / KEYS;
   static constexpr int kLoadSteps = (kChunksPerKey + kLoadThreadsPerKey - 1) / kLoadThreadsPerKey;
-  static constexpr int kQkNTiles = KEYS / kQkKeyHalves / 8;   // n8 tiles of keys per QK warp
-  static constexpr int kSoftmaxKeys = KEYS / 8;               // keys per thread (8 threads a row)
+  static constexpr int kQkNTiles = KEYS / 8;                  // n8 tiles of keys per score warp
+  static constexpr int kSoftmaxKeys = KEYS / kSoftmaxThreadsPerRow;
   static constexpr int kPvKSteps = KEYS / 16;
   struct Shared {
     __nv_bfloat16 kv[kStages][kStageElems];
-    float s_part[kQkDimSplit][kRowsPerCta][KEYS];      // QK partial sums
-    __nv_bfloat16 p[kRowsPerCta][kPRowStride];         // probabilities (bf16)
-    float row_max[kRowsPerCta];                        // running max (log2 domain)
-    float row_sum[kRowsPerCta];                        // running sum of exp2
-    float row_scale[kRowsPerCta];                      // this tile's rescale of O
+    float s_part[kScoreWarps][kRowsPerCta][KEYS];      // QK partial sums, one per dim quarter
+    __nv_bfloat16 p[2][kRowsPerCta][kPRowStride];      // probabilities (bf16), by tile parity
+    float row_scale[2][kRowsPerCta];                   // each tile's rescale of O, by parity
+    float row_max[kRowsPerCta];                        // final running max (log2 domain)
+    float row_sum[kRowsPerCta];                        // final running sum of exp2
   };
   static constexpr int kSmemBytes = sizeof(Shared);
   static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
-  static_assert(kThreads % KEYS == 0 && KEYS % 16 == 0, "tile shape");
+  static_assert(kGroupThreads % KEYS == 0 && KEYS % 16 == 0 && kSoftmaxKeys % 4 == 0, "tile shape");
 };
-static_assert(kRowsPerCta == 2 * 16 && kWarps == kQkDimSplit * kQkKeyHalves, "warp layout");
+static_assert(kRowsPerCta == 2 * 16 && kGroupThreads == kScoreWarps * 32 && kGroupThreads == kValueWarps * 32,
+              "warp layout");
 
 struct Params {
   const __nv_bfloat16* q;          // [T, H, 576]
@@ -123,6 +134,15 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Named barriers: `sync` waits until `count` threads have arrived; `arrive` counts this
+// warp in and goes on. Both order the shared-memory writes made before them.
+__device__ __forceinline__ void barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
@@ -133,10 +153,16 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64
 }
 
 // grid: (row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
+//
+// Pipeline for tile t (parity-alternating barrier ids, see kBarKvReady / kBarPReady):
+//   value warps: wait P_READY(t) -> load tile t-1+stages into the stage tile t-1 used
+//                -> wait for tile t+1's copies, arrive KV_READY(t+1) -> O += P.V(t)
+//   score warps: wait KV_READY(t) -> S = Q.K(t) -> softmax -> P(t), arrive P_READY(t)
+// so the score warps work on tile t+1 while the value warps multiply tile t.
 template <int KEYS>
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
   using Cfg = TileConfig<KEYS>;
-  constexpr int kKeysPerTile = Cfg::kKeys, kStages = Cfg::kStages;
+  constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   typename Cfg::Shared& sm = *reinterpret_cast<typename Cfg::Shared*>(smem_raw);
 
@@ -158,10 +184,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
   // This split's key range: equal chunks, whole tiles, never below kMinKeysPerSplit.
   int chunk = (num_keys + prm.num_splits - 1) / prm.num_splits;
-  chunk = max(kMinKeysPerSplit, (chunk + kKeysPerTile - 1) / kKeysPerTile * kKeysPerTile);
+  chunk = max(kMinKeysPerSplit, (chunk + KEYS - 1) / KEYS * KEYS);
   const int key_begin = split * chunk;
   const int key_end = min(num_keys, key_begin + chunk);
-  const int num_tiles = key_begin < key_end ? (key_end - key_begin + kKeysPerTile - 1) / kKeysPerTile : 0;
+  const int num_tiles = key_begin < key_end ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
 
   auto partial_index = [&](int r) {  // workspace slot of local row r, or -1 for padding
     const int gr = row0 + r;
@@ -178,13 +204,169 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     return;
   }
 
-  // Gather one tile into a ring stage: kLoadThreadsPerKey threads per key row, 16 B each per step.
-  // Where a row comes from is resolved one tile ahead (`fetch_row`), so the index load's
-  // latency overlaps compute instead of stalling the cp.async issue. A row reference is
-  // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
-  const int ld_key = tid / Cfg::kLoadThreadsPerKey, ld_part = tid % Cfg::kLoadThreadsPerKey;
+  // The split's slice of kv_indices (a few KB) goes to L2 up front: each index load of the
+  // gather then waits on an L2 hit rather than an HBM miss.
+  {
+    const int prefix_keys = max(0, min(key_end, prefix_len) - key_begin);
+    const int elem = prm.kv_indices_64 ? 8 : 4;
+    const char* first = static_cast<const char*>(prm.kv_indices) + (kv_start + key_begin) * elem;
+    for (int64_t off = int64_t(tid) * 128; off < int64_t(prefix_keys) * elem; off += int64_t(kThreads) * 128)
+      prefetch_l2(first + off);
+  }
+
+  if (warp < kScoreWarps) {
+    // ---------------- score warps: S = Q.K^T over this warp's 144 dims, then softmax ----------------
+    const int dim_part = warp;
+    // Q fragments stay in registers for the whole split: 32 rows x 144 dims.
+    uint32_t qf[2][kQkSteps][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int gr = row0 + mt * 16 + g + hi * 8;
+        const uint32_t* qrow = nullptr;
+        if (gr < rows)
+          qrow = reinterpret_cast<const uint32_t*>(
+              prm.q + (static_cast<int64_t>(q_start + gr / H) * H + gr % H) * kDimQK + dim_part * (kQkSteps * 16));
+#pragma unroll
+        for (int ks = 0; ks < kQkSteps; ++ks) {
+          qf[mt][ks][hi] = qrow ? qrow[ks * 8 + t4] : 0u;          // dims 2*t4, +1
+          qf[mt][ks][hi + 2] = qrow ? qrow[ks * 8 + 4 + t4] : 0u;  // dims 8 + 2*t4, +1
+        }
+      }
+    }
+
+    // Softmax layout: 4 threads per row, KEYS/4 keys each. The row's running max and sum
+    // live in registers, identical in the row's 4 threads.
+    constexpr int NK = Cfg::kSoftmaxKeys;
+    const int sm_row = tid / kSoftmaxThreadsPerRow, sm_key = (tid % kSoftmaxThreadsPerRow) * NK;
+    const int sm_gr = row0 + sm_row;
+    const bool sm_row_valid = sm_gr < rows;
+    const int sm_tok = sm_row_valid ? sm_gr / H : 0;  // query token within the request
+    int64_t mask_row = 0;
+    if (prm.custom_mask) mask_row = load_index(prm.mask_indptr, b, prm.mask_indptr_64) + int64_t(sm_tok) * num_keys;
+    float m_run = -INFINITY, l_run = 0.f;
+
+    const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + ((lane >> 4) & 1) * 8 * kKvRowStride +
+                                 dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int par = tile & 1;
+      barrier_sync(kBarKvReady + par, kThreads);   // tile in smem; P[par] free again
+
+      // S partial = Q[32 rows, 144 dims] . K[KEYS keys, 144 dims]^T
+      {
+        float sacc[2][Cfg::kQkNTiles][4] = {};
+        const __nv_bfloat16* kbase = klane + (tile % kStages) * Cfg::kStageElems;
+#pragma unroll
+        for (int ks = 0; ks < kQkSteps; ++ks) {
+#pragma unroll
+          for (int kg = 0; kg < KEYS / 16; ++kg) {
+            uint32_t kb[4];   // lanes 16-31 address keys 8-15 of the group: n-tile 2kg+1 in kb[2], kb[3]
+            ldmatrix_x4(kb, kbase + kg * 16 * kKvRowStride + ks * 16);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+              mma_16816(sacc[mt][2 * kg], qf[mt][ks], kb[0], kb[1]);
+              mma_16816(sacc[mt][2 * kg + 1], qf[mt][ks], kb[2], kb[3]);
+            }
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kQkNTiles; ++nt) {
+            float* dst = &sm.s_part[dim_part][mt * 16 + g][nt * 8 + 2 * t4];
+            *reinterpret_cast<float2*>(dst) = make_float2(sacc[mt][nt][0], sacc[mt][nt][1]);
+            *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(sacc[mt][nt][2], sacc[mt][nt][3]);
+          }
+      }
+      barrier_sync(kBarScore, kGroupThreads);
+
+      // Online softmax over this tile, in the log2 domain.
+      {
+        float sc[NK];
+#pragma unroll
+        for (int j = 0; j < NK; j += 4) {
+          float4 acc = *reinterpret_cast<const float4*>(&sm.s_part[0][sm_row][sm_key + j]);
+#pragma unroll
+          for (int d = 1; d < kScoreWarps; ++d) {
+            const float4 v = *reinterpret_cast<const float4*>(&sm.s_part[d][sm_row][sm_key + j]);
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+          }
+          sc[j] = acc.x; sc[j + 1] = acc.y; sc[j + 2] = acc.z; sc[j + 3] = acc.w;
+        }
+        const int tile_key0 = key_begin + tile * KEYS;
+        if (tile_key0 + KEYS <= min(key_end, draft0)) {   // uniform: a full tile of prefix keys
+#pragma unroll
+          for (int j = 0; j < NK; ++j) sc[j] = sm_row_valid ? sc[j] * prm.scale_log2 : -INFINITY;
+        } else {
+#pragma unroll
+          for (int j = 0; j < NK; ++j) {
+            const int key = tile_key0 + sm_key + j;
+            bool visible = sm_row_valid && key < key_end;
+            if (visible && key >= draft0)
+              visible = prm.custom_mask ? prm.custom_mask[mask_row + key] != 0 : key - draft0 <= sm_tok;
+            sc[j] = visible ? sc[j] * prm.scale_log2 : -INFINITY;
+          }
+        }
+        float tile_max = sc[0];
+#pragma unroll
+        for (int j = 1; j < NK; ++j) tile_max = fmaxf(tile_max, sc[j]);
+#pragma unroll
+        for (int off = 1; off < kSoftmaxThreadsPerRow; off <<= 1)
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+        // Lazy rescaling: keep the running max unless this tile exceeds it by more than 2^8.
+        // p then stays <= 256 (exact in bf16's range, fp32 sums stay far from overflow), the
+        // result is unchanged, and most tiles skip the O rescale entirely.
+        const float m_new = tile_max > m_run + kRescaleThreshold ? tile_max : m_run;
+        // A row with nothing visible yet keeps max -inf: use 0 as the base so exp2 gives 0, not NaN.
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        float p[NK], psum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NK; ++j) {
+          p[j] = exp2f(sc[j] - base);
+          psum += p[j];
+        }
+#pragma unroll
+        for (int off = 1; off < kSoftmaxThreadsPerRow; off <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+        __nv_bfloat16* prow = &sm.p[par][sm_row][sm_key];
+#pragma unroll
+        for (int j = 0; j < NK; j += 4) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(p[j], p[j + 1]);
+          const __nv_bfloat162 hi = __floats2bfloat162_rn(p[j + 2], p[j + 3]);
+          *reinterpret_cast<uint2*>(prow + j) =
+              make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        }
+        const float alpha = exp2f(m_run - base);  // 0 when m_run is -inf, 1 when the max stays
+        l_run = l_run * alpha + psum;
+        m_run = m_new;
+        if (tid % kSoftmaxThreadsPerRow == 0) sm.row_scale[par][sm_row] = alpha;
+      }
+      barrier_arrive(kBarPReady + par, kThreads);
+    }
+    if (tid % kSoftmaxThreadsPerRow == 0) {
+      sm.row_max[sm_row] = m_run;
+      sm.row_sum[sm_row] = l_run;
+    }
+    __syncthreads();
+    if (tid < kRowsPerCta) {
+      const int64_t pi = partial_index(tid);
+      if (pi >= 0) {
+        const float l = sm.row_sum[tid];
+        prm.ws_lse[pi] = l > 0.f ? sm.row_max[tid] + log2f(l) : -INFINITY;
+      }
+    }
+    return;
+  }
+
+  // ---------------- value warps: the gather into the ring, and O += P.V ----------------
+  const int vtid = tid - kGroupThreads, vwarp = warp - kScoreWarps;
+  // Gather: kLoadThreadsPerKey threads per key row, 16 B each per step. Where a row comes
+  // from is resolved a tile ahead (`fetch_row`), so the index load's latency overlaps the
+  // P.V work. A row reference is a pool row (>= 0), a k_extend row (-2 - r), or nothing
+  // (-1: zero-fill past key_end).
+  const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
   auto fetch_row = [&](int tile) -> int64_t {
-    const int key = key_begin + tile * kKeysPerTile + ld_key;
+    const int key = key_begin + tile * KEYS + ld_key;
     if (tile >= num_tiles || key >= key_end) return -1;
     if (key < prefix_len) return load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
     return -2 - static_cast<int64_t>(q_start + key - prefix_len);
@@ -200,46 +382,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     }
   };
 
-  // The split's slice of kv_indices (a few KB) goes to L2 up front: each fetch_row then
-  // waits on an L2 hit rather than an HBM miss, which would serialise every tile.
-  {
-    const int prefix_keys = max(0, min(key_end, prefix_len) - key_begin);
-    const int elem = prm.kv_indices_64 ? 8 : 4;
-    const char* first = static_cast<const char*>(prm.kv_indices) + (kv_start + key_begin) * elem;
-    for (int64_t off = int64_t(tid) * 128; off < int64_t(prefix_keys) * elem; off += int64_t(kThreads) * 128)
-      prefetch_l2(first + off);
-  }
-
-  for (int s = 0; s < kStages - 1; ++s) {
+  // Fill the ring, then hand tile 0 over once this thread's copies of it have landed.
+  for (int s = 0; s < kStages; ++s) {
     if (s < num_tiles) load_tile(fetch_row(s), s);
     cp_async_commit();
   }
-  int64_t next_row = fetch_row(kStages - 1);
-
-  // Q fragments stay in registers for the whole split: this warp's 144 dims x 32 rows.
-  const int key_half = warp & 1, dim_part = warp >> 1;
-  uint32_t qf[2][kQkSteps][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int gr = row0 + mt * 16 + g + hi * 8;
-      const uint32_t* qrow = nullptr;
-      if (gr < rows)
-        qrow = reinterpret_cast<const uint32_t*>(
-            prm.q + (static_cast<int64_t>(q_start + gr / H) * H + gr % H) * kDimQK + dim_part * (kQkSteps * 16));
-#pragma unroll
-      for (int ks = 0; ks < kQkSteps; ++ks) {
-        qf[mt][ks][hi] = qrow ? qrow[ks * 8 + t4] : 0u;          // dims 2*t4, +1
-        qf[mt][ks][hi + 2] = qrow ? qrow[ks * 8 + 4 + t4] : 0u;  // dims 8 + 2*t4, +1
-      }
-    }
-  }
-
-  if (tid < kRowsPerCta) {
-    sm.row_max[tid] = -INFINITY;
-    sm.row_sum[tid] = 0.f;
-  }
+  int64_t next_row = fetch_row(kStages);
+  cp_async_wait<kStages - 1>();
+  barrier_arrive(kBarKvReady, kThreads);
 
   float o[2][kVColsPerWarp / 8][4];
 #pragma unroll
@@ -249,142 +399,57 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
 
-  // Softmax-stage thread layout: 8 threads per row, KEYS / 8 keys each.
-  const int sm_row = tid >> 3, sm_key = (tid & 7) * Cfg::kSoftmaxKeys;
-  const int sm_gr = row0 + sm_row;
-  const int sm_tok = sm_gr < rows ? sm_gr / H : 0;  // query token within the request
-  const bool sm_row_valid = sm_gr < rows;
-  int64_t mask_row = 0;
-  if (prm.custom_mask) mask_row = load_index(prm.mask_indptr, b, prm.mask_indptr_64) + int64_t(sm_tok) * num_keys;
-
+  const int pv_col0 = vwarp * kVColsPerWarp;
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile is in smem for everyone; the stage loaded next is free
-    if (tile + kStages - 1 < num_tiles) load_tile(next_row, (tile + kStages - 1) % kStages);
-    cp_async_commit();
-    next_row = fetch_row(tile + kStages);
-    const __nv_bfloat16* kv = sm.kv[tile % kStages];
+    const int par = tile & 1;
+    barrier_sync(kBarPReady + par, kThreads);  // P(tile) is ready; every value warp is past P.V(tile-1)
+    if (tile >= 1) {
+      // The stage of tile-1 is free (score and value warps are both done with it): refill it.
+      if (tile - 1 + kStages < num_tiles) load_tile(next_row, (tile - 1) % kStages);
+      cp_async_commit();   // group k holds tile k (empty past the end), so the count below holds
+      next_row = fetch_row(tile + kStages);
+    }
+    if (tile + 1 < num_tiles) {
+      cp_async_wait<kStages - 2>();               // this thread's copies of tile+1 have landed
+      barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
+    }
 
-    // S partial = Q[32 rows, this warp's 144 dims] . K[this warp's KEYS/2 keys]^T
-    {
-      float sacc[2][Cfg::kQkNTiles][4] = {};
-      const __nv_bfloat16* kbase = kv + (key_half * (KEYS / 2) + (lane & 7)) * kKvRowStride +
-                                   dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+    const __nv_bfloat16* kv = sm.kv[tile % kStages];
 #pragma unroll
-      for (int ks = 0; ks < kQkSteps; ++ks) {
-        if constexpr (Cfg::kQkNTiles == 1) {
-          uint32_t b0, b1;
-          ldmatrix_x2(b0, b1, kbase + ks * 16);
-          mma_16816(sacc[0][0], qf[0][ks], b0, b1);
-          mma_16816(sacc[1][0], qf[1][ks], b0, b1);
-        } else {
-          uint32_t b[4];   // lanes 16-31 address keys 8-15: n-tile 1 in b[2], b[3]
-          ldmatrix_x4(b, kbase + ((lane >> 4) & 1) * 8 * kKvRowStride + ks * 16);
+    for (int mt = 0; mt < 2; ++mt) {
+      const float a0 = sm.row_scale[par][mt * 16 + g], a1 = sm.row_scale[par][mt * 16 + g + 8];
+      if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {  // warp-uniform: usually skipped
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            mma_16816(sacc[mt][0], qf[mt][ks], b[0], b[1]);
-            mma_16816(sacc[mt][1], qf[mt][ks], b[2], b[3]);
-          }
+        for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
+          o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
+          o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
         }
       }
+    }
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
+      uint32_t pa[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
+        ldmatrix_x4(pa[mt], &sm.p[par][mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + ((lane >> 4) & 1) * 8]);
+      const __nv_bfloat16* vbase = kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + pv_col0 +
+                                   ((lane >> 4) & 1) * 8;
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kQkNTiles; ++nt) {
-          float* dst = &sm.s_part[dim_part][mt * 16 + g][key_half * (KEYS / 2) + nt * 8 + 2 * t4];
-          *reinterpret_cast<float2*>(dst) = make_float2(sacc[mt][nt][0], sacc[mt][nt][1]);
-          *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(sacc[mt][nt][2], sacc[mt][nt][3]);
-        }
-    }
-    __syncthreads();
-
-    // Online softmax over this tile, in the log2 domain: 8 threads per row.
-    {
-      constexpr int NK = Cfg::kSoftmaxKeys;
-      float sc[NK];
+      for (int np = 0; np < kVColsPerWarp / 16; ++np) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vbase + np * 16);
 #pragma unroll
-      for (int j = 0; j < NK; ++j) {
-        float acc = 0.f;
-#pragma unroll
-        for (int d = 0; d < kQkDimSplit; ++d) acc += sm.s_part[d][sm_row][sm_key + j];
-        const int key = key_begin + tile * kKeysPerTile + sm_key + j;
-        bool visible = sm_row_valid && key < key_end;
-        if (visible && key >= draft0) {
-          const int draft = key - draft0;
-          visible = prm.custom_mask ? prm.custom_mask[mask_row + key] != 0 : draft <= sm_tok;
-        }
-        sc[j] = visible ? acc * prm.scale_log2 : -INFINITY;
-      }
-      float tile_max = sc[0];
-#pragma unroll
-      for (int j = 1; j < NK; ++j) tile_max = fmaxf(tile_max, sc[j]);
-#pragma unroll
-      for (int off = 1; off < 8; off <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-      // Lazy rescaling: keep the running max unless this tile exceeds it by more than 2^8.
-      // p then stays <= 256 (exact in bf16's range, fp32 sums stay far from overflow), the
-      // result is unchanged, and most tiles skip the O rescale entirely.
-      const float m_old = sm.row_max[sm_row];
-      const float m_new = tile_max > m_old + kRescaleThreshold ? tile_max : m_old;
-      // A row with nothing visible yet keeps max -inf: use 0 as the base so exp2 gives 0, not NaN.
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      float p[NK], psum = 0.f;
-#pragma unroll
-      for (int j = 0; j < NK; ++j) {
-        p[j] = exp2f(sc[j] - base);
-        psum += p[j];
-      }
-#pragma unroll
-      for (int off = 1; off < 8; off <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
-#pragma unroll
-      for (int j = 0; j < NK; j += 2)
-        *reinterpret_cast<__nv_bfloat162*>(&sm.p[sm_row][sm_key + j]) = __floats2bfloat162_rn(p[j], p[j + 1]);
-      __syncwarp();
-      if ((tid & 7) == 0) {
-        const float alpha = exp2f(m_old - base);  // 0 when m_old is -inf
-        sm.row_scale[sm_row] = alpha;
-        sm.row_sum[sm_row] = sm.row_sum[sm_row] * alpha + psum;
-        sm.row_max[sm_row] = m_new;
-      }
-    }
-    __syncthreads();
-
-    // O[32 rows, this warp's 64 columns] = O * scale + P[32, KEYS] . V[KEYS, 64 columns]
-    {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const float a0 = sm.row_scale[mt * 16 + g], a1 = sm.row_scale[mt * 16 + g + 8];
-        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {  // warp-uniform: usually skipped
-#pragma unroll
-          for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
-            o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
-            o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
-          }
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
-        uint32_t pa[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-          ldmatrix_x4(pa[mt], &sm.p[mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + ((lane >> 4) & 1) * 8]);
-        const __nv_bfloat16* vbase = kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride +
-                                     warp * kVColsPerWarp + ((lane >> 4) & 1) * 8;
-#pragma unroll
-        for (int np = 0; np < kVColsPerWarp / 16; ++np) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, vbase + np * 16);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
-            mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
-          }
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
+          mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
         }
       }
     }
   }
   cp_async_wait<0>();
+  __syncthreads();   // the score warps' final row sums are in smem
 
-  // Normalised partial output and LSE for each row of this split.
+  // Normalised partial output of each row of this split.
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -394,17 +459,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       if (pi < 0) continue;
       const float l = sm.row_sum[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      float* dst = prm.ws_o + pi * kDimV + warp * kVColsPerWarp + 2 * t4;
+      float* dst = prm.ws_o + pi * kDimV + pv_col0 + 2 * t4;
 #pragma unroll
       for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
         *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
-    }
-  }
-  if (tid < kRowsPerCta) {
-    const int64_t pi = partial_index(tid);
-    if (pi >= 0) {
-      const float l = sm.row_sum[tid];
-      prm.ws_lse[pi] = l > 0.f ? sm.row_max[tid] + log2f(l) : -INFINITY;
     }
   }
 }
