@@ -26,7 +26,8 @@ def test_resource_budget_sm120a_and_sm90():
 def test_split_policy_fills_the_gpu_from_static_shapes():
     assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=132) == 33   # 4 row CTAs
     assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=188) == 47
-    assert choose_num_splits(batch=32, heads=8, max_q_len=16, num_sms=132) == 2
+    assert choose_num_splits(batch=32, heads=8, max_q_len=16, num_sms=132) == 1    # 128 row CTAs: one wave
+    assert choose_num_splits(batch=1, heads=16, max_q_len=16, num_sms=132) == 16  # 8 x 17 would need 2 waves
     assert choose_num_splits(batch=256, heads=128, max_q_len=16, num_sms=132) == 1
     assert choose_num_splits(batch=1, heads=1, max_q_len=1, num_sms=10_000) == 128  # capped
 

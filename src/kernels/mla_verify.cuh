@@ -255,8 +255,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
       // S partial = Q[32 rows, 144 dims] . K[KEYS keys, 144 dims]^T
       {
-        float sacc[2][Cfg::kQkNTiles][4] = {};
+        // Two accumulator sets (even and odd k-steps) double the independent mma chains.
+        float sacc[2][2][Cfg::kQkNTiles][4] = {};
         const __nv_bfloat16* kbase = klane + (tile % kStages) * Cfg::kStageElems;
+#ifndef ABLATE_NO_QK
 #pragma unroll
         for (int ks = 0; ks < kQkSteps; ++ks) {
 #pragma unroll
@@ -265,23 +267,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
             ldmatrix_x4(kb, kbase + kg * 16 * kKvRowStride + ks * 16);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-              mma_16816(sacc[mt][2 * kg], qf[mt][ks], kb[0], kb[1]);
-              mma_16816(sacc[mt][2 * kg + 1], qf[mt][ks], kb[2], kb[3]);
+              mma_16816(sacc[ks & 1][mt][2 * kg], qf[mt][ks], kb[0], kb[1]);
+              mma_16816(sacc[ks & 1][mt][2 * kg + 1], qf[mt][ks], kb[2], kb[3]);
             }
           }
         }
+#endif
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int nt = 0; nt < Cfg::kQkNTiles; ++nt) {
             float* dst = &sm.s_part[dim_part][mt * 16 + g][nt * 8 + 2 * t4];
-            *reinterpret_cast<float2*>(dst) = make_float2(sacc[mt][nt][0], sacc[mt][nt][1]);
-            *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(sacc[mt][nt][2], sacc[mt][nt][3]);
+            const float* a = sacc[0][mt][nt];
+            const float* c = sacc[1][mt][nt];
+            *reinterpret_cast<float2*>(dst) = make_float2(a[0] + c[0], a[1] + c[1]);
+            *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(a[2] + c[2], a[3] + c[3]);
           }
       }
       barrier_sync(kBarScore, kGroupThreads);
 
       // Online softmax over this tile, in the log2 domain.
+#ifndef ABLATE_NO_SOFTMAX
       {
         float sc[NK];
 #pragma unroll
@@ -341,6 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         m_run = m_new;
         if (tid % kSoftmaxThreadsPerRow == 0) sm.row_scale[par][sm_row] = alpha;
       }
+#endif
       barrier_arrive(kBarPReady + par, kThreads);
     }
     if (tid % kSoftmaxThreadsPerRow == 0) {
@@ -360,10 +367,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
   // ---------------- value warps: the gather into the ring, and O += P.V ----------------
   const int vtid = tid - kGroupThreads, vwarp = warp - kScoreWarps;
-  // Gather: kLoadThreadsPerKey threads per key row, 16 B each per step. Where a row comes
-  // from is resolved a tile ahead (`fetch_row`), so the index load's latency overlaps the
-  // P.V work. A row reference is a pool row (>= 0), a k_extend row (-2 - r), or nothing
-  // (-1: zero-fill past key_end).
+  // Gather: kLoadThreadsPerKey threads per key row, 16 B each per step. A row reference is
+  // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
+  // References are resolved kRowsAhead tiles before their copy (a shift register), and each
+  // tile's rows are pulled into L2 two tiles before their copy, so neither the index load
+  // nor the HBM miss waits on the path that feeds the score warps.
   const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
   auto fetch_row = [&](int tile) -> int64_t {
     const int key = key_begin + tile * KEYS + ld_key;
@@ -371,15 +379,25 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     if (key < prefix_len) return load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
     return -2 - static_cast<int64_t>(q_start + key - prefix_len);
   };
+  auto row_src = [&](int64_t row) {
+    return row >= 0 ? prm.kv_pool + row * kDimQK : row <= -2 ? prm.k_extend + (-2 - row) * kDimQK : prm.kv_pool;
+  };
   auto load_tile = [&](int64_t row, int stage) {
-    const __nv_bfloat16* src = row >= 0 ? prm.kv_pool + row * kDimQK
-                               : row <= -2 ? prm.k_extend + (-2 - row) * kDimQK : prm.kv_pool;
+    const __nv_bfloat16* src = row_src(row);
     __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride];
+#ifdef ABLATE_NO_LOADS
+    return;
+#endif
 #pragma unroll
     for (int j = 0; j < Cfg::kLoadSteps; ++j) {
       const int part = ld_part + Cfg::kLoadThreadsPerKey * j;
       if (part < kChunksPerKey) cp_async_16(dst + part * 8, src + (row != -1 ? part * 8 : 0), row != -1);
     }
+  };
+  auto prefetch_rows = [&](int64_t row) {   // the key row's 9 lines of 128 B
+    if (row == -1) return;
+    const __nv_bfloat16* src = row_src(row);
+    for (int line = ld_part; line < kDimQK * 2 / 128; line += Cfg::kLoadThreadsPerKey) prefetch_l2(src + line * 64);
   };
 
   // Fill the ring, then hand tile 0 over once this thread's copies of it have landed.
@@ -387,7 +405,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     if (s < num_tiles) load_tile(fetch_row(s), s);
     cp_async_commit();
   }
-  int64_t next_row = fetch_row(kStages);
+  constexpr int kRowsAhead = 4;
+  int64_t ahead[kRowsAhead];   // before iteration t's shift: rows of tiles t-1+stages .. t+2+stages
+#pragma unroll
+  for (int i = 0; i < kRowsAhead; ++i) ahead[i] = fetch_row(kStages + i);
+  prefetch_rows(ahead[0]);
+  prefetch_rows(ahead[1]);
   cp_async_wait<kStages - 1>();
   barrier_arrive(kBarKvReady, kThreads);
 
@@ -399,19 +422,34 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
 
+  // Group k of this thread's cp.async groups holds tile k: the prologue commits tiles
+  // 0..stages-1, iteration t >= 1 commits tile t-1+stages (empty past the end).
   const int pv_col0 = vwarp * kVColsPerWarp;
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int par = tile & 1;
+    if constexpr (kStages >= 3) {
+      // Hand tile+1 over before waiting for P(tile): the score warps start on it while this
+      // group still waits, refills and multiplies. Committed so far: stages + tile - 1.
+      if (tile + 1 < num_tiles) {
+        cp_async_wait<kStages - 3>();
+        barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
+      }
+    }
     barrier_sync(kBarPReady + par, kThreads);  // P(tile) is ready; every value warp is past P.V(tile-1)
     if (tile >= 1) {
       // The stage of tile-1 is free (score and value warps are both done with it): refill it.
-      if (tile - 1 + kStages < num_tiles) load_tile(next_row, (tile - 1) % kStages);
-      cp_async_commit();   // group k holds tile k (empty past the end), so the count below holds
-      next_row = fetch_row(tile + kStages);
+      if (tile - 1 + kStages < num_tiles) load_tile(ahead[0], (tile - 1) % kStages);
+      cp_async_commit();
+      prefetch_rows(ahead[2]);
+#pragma unroll
+      for (int i = 0; i + 1 < kRowsAhead; ++i) ahead[i] = ahead[i + 1];
+      ahead[kRowsAhead - 1] = fetch_row(tile + kStages + kRowsAhead - 1);
     }
-    if (tile + 1 < num_tiles) {
-      cp_async_wait<kStages - 2>();               // this thread's copies of tile+1 have landed
-      barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
+    if constexpr (kStages < 3) {   // a two-stage ring refills the stage tile+1 needs only now
+      if (tile + 1 < num_tiles) {
+        cp_async_wait<kStages - 2>();
+        barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
+      }
     }
 
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
@@ -426,6 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         }
       }
     }
+#ifndef ABLATE_NO_PV
 #pragma unroll
     for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
       uint32_t pa[2][4];
@@ -445,6 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         }
       }
     }
+#endif
   }
   cp_async_wait<0>();
   __syncthreads();   // the score warps' final row sums are in smem

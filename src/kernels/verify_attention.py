@@ -57,14 +57,16 @@ def kernel_available() -> tuple[bool, str]:
 
 
 def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int) -> int:
-    """KV splits per request: enough CTAs to fill every SM once, from static shapes only.
+    """KV splits per request: as many as fit one wave of CTAs (one CTA per SM), from static
+    shapes only.
 
-    The grid must not depend on sequence lengths (a captured graph replays for any), so
-    short contexts are handled inside the kernel, which gives each split at least 64 keys
-    and leaves the rest empty.
+    Rounding down matters: one CTA past a full wave starts a second wave that costs as much
+    as the first. The grid must not depend on sequence lengths (a captured graph replays for
+    any), so short contexts are handled inside the kernel, which gives each split at least
+    64 keys and leaves the rest empty.
     """
     row_ctas = batch * math.ceil(max_q_len * heads / ROWS_PER_CTA)
-    return max(1, min(MAX_SPLITS, math.ceil(num_sms / row_ctas)))
+    return max(1, min(MAX_SPLITS, num_sms // row_ctas))
 
 
 class MlaVerifyWorkspace:
@@ -92,7 +94,7 @@ class MlaVerifyWorkspace:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         if num_splits is None:
-            # T*H*ceil(S/rc) <= 32*S + T*H for the policy above (rows <= 32 per row CTA).
+            # T*H*S <= 32*num_sms when S > 1 (one wave, <= 32 rows per CTA), else T*H.
             rows = ROWS_PER_CTA * self.num_sms + max_tokens * heads
         else:
             rows = max_tokens * heads * num_splits
