@@ -220,7 +220,7 @@ def test_compute_sanitizer_clean(tool):
     proc = subprocess.run(["compute-sanitizer", f"--tool={tool}", "--error-exitcode=3",
                            sys.executable, "-c", script],
                           capture_output=True, text=True, timeout=900, env=dict(os.environ))
-    print(proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.returncode == 0 and "ran" in proc.stdout, f"{tool} reported errors"
     report = proc.stdout + proc.stderr
+    print(report[-3000:])
+    assert proc.returncode == 0 and "ran" in proc.stdout, f"{tool} reported errors; first lines:\n{report[:3000]}"
     assert ("ERROR SUMMARY: 0 errors" in report) or ("RACECHECK SUMMARY: 0 hazards" in report), report[-2000:]

@@ -48,6 +48,8 @@ constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
 constexpr int kBarScore = 1;             // score warps only: S partials written
 constexpr int kBarKvReady = 2;           // 2, 3: value -> score, tile t is in shared memory
 constexpr int kBarPReady = 4;            // 4, 5: score -> value, P and the O rescale of tile t
+constexpr int kBarValue = 6;             // value warps only: every P.V of tile t is done
+constexpr int kIndexRing = 8;            // tiles of kv_indices staged in shared memory
 
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
 // the same 74,752 B ring; 16 keeps two tiles in flight while the groups work on the other
@@ -70,6 +72,7 @@ struct TileConfig {
     float row_scale[2][kRowsPerCta];                   // each tile's rescale of O, by parity
     float row_max[kRowsPerCta];                        // final running max (log2 domain)
     float row_sum[kRowsPerCta];                        // final running sum of exp2
+    int64_t index[kIndexRing][KEYS];                   // kv_indices of tiles ahead (int32: low half)
   };
   static constexpr int kSmemBytes = sizeof(Shared);
   static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
@@ -108,6 +111,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   // src-size 0 zero-fills: keys past the split's end become 0, never stale or NaN data.
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));
+}
+// 4- or 8-byte asynchronous copy (kv_indices entries).
+template <int BYTES>
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(BYTES));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -369,15 +377,35 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int vtid = tid - kGroupThreads, vwarp = warp - kScoreWarps;
   // Gather: kLoadThreadsPerKey threads per key row, 16 B each per step. A row reference is
   // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
-  // References are resolved kRowsAhead tiles before their copy (a shift register), and each
-  // tile's rows are pulled into L2 two tiles before their copy, so neither the index load
-  // nor the HBM miss waits on the path that feeds the score warps.
+  // The kv_indices a tile needs are copied to shared memory (cp.async, in the same groups
+  // as the rows) kIndexAhead tiles before the tile's own copy, and each tile's rows are
+  // pulled into L2 one tile before it: no load result is ever waited on in a register.
+  constexpr int kIndexAhead = kStages;
+  static_assert(kIndexAhead + 1 <= kIndexRing, "index ring too small");
   const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
-  auto fetch_row = [&](int tile) -> int64_t {
-    const int key = key_begin + tile * KEYS + ld_key;
+  const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
+  auto tile_key = [&](int tile) { return key_begin + tile * KEYS + ld_key; };
+  auto index_src = [&](int key) {
+    return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
+  };
+  auto row_of = [&](int tile, bool staged) -> int64_t {  // staged: the index is in sm.index
+    const int key = tile_key(tile);
     if (tile >= num_tiles || key >= key_end) return -1;
-    if (key < prefix_len) return load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-    return -2 - static_cast<int64_t>(q_start + key - prefix_len);
+    if (key >= prefix_len) return -2 - static_cast<int64_t>(q_start + key - prefix_len);
+    if (!staged) return load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+    const int64_t v = sm.index[tile % kIndexRing][ld_key];
+    return prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
+  };
+  auto stage_index = [&](int tile, bool async) {  // one thread per key row
+    const int key = tile_key(tile);
+    if (ld_part != 0 || tile >= num_tiles || key >= prefix_end) return;
+    int64_t* dst = &sm.index[tile % kIndexRing][ld_key];
+    if (!async)
+      *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+    else if (prm.kv_indices_64)
+      cp_async_small<8>(dst, index_src(key));
+    else
+      cp_async_small<4>(dst, index_src(key));
   };
   auto row_src = [&](int64_t row) {
     return row >= 0 ? prm.kv_pool + row * kDimQK : row <= -2 ? prm.k_extend + (-2 - row) * kDimQK : prm.kv_pool;
@@ -400,17 +428,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     for (int line = ld_part; line < kDimQK * 2 / 128; line += Cfg::kLoadThreadsPerKey) prefetch_l2(src + line * 64);
   };
 
-  // Fill the ring, then hand tile 0 over once this thread's copies of it have landed.
+  // Fill the ring and stage the indices of the next kIndexAhead tiles, then hand tile 0
+  // over once this thread's copies of it have landed. Group k of this thread's cp.async
+  // groups holds tile k (and the index of tile k + kIndexAhead).
   for (int s = 0; s < kStages; ++s) {
-    if (s < num_tiles) load_tile(fetch_row(s), s);
+    if (s < num_tiles) load_tile(row_of(s, false), s);
     cp_async_commit();
   }
-  constexpr int kRowsAhead = 4;
-  int64_t ahead[kRowsAhead];   // before iteration t's shift: rows of tiles t-1+stages .. t+2+stages
 #pragma unroll
-  for (int i = 0; i < kRowsAhead; ++i) ahead[i] = fetch_row(kStages + i);
-  prefetch_rows(ahead[0]);
-  prefetch_rows(ahead[1]);
+  for (int i = 0; i < kIndexAhead; ++i) stage_index(kStages + i, false);
+  __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
+  prefetch_rows(row_of(kStages, true));
   cp_async_wait<kStages - 1>();
   barrier_arrive(kBarKvReady, kThreads);
 
@@ -422,35 +450,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
 
-  // Group k of this thread's cp.async groups holds tile k: the prologue commits tiles
-  // 0..stages-1, iteration t >= 1 commits tile t-1+stages (empty past the end).
   const int pv_col0 = vwarp * kVColsPerWarp;
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int par = tile & 1;
-    if constexpr (kStages >= 3) {
-      // Hand tile+1 over before waiting for P(tile): the score warps start on it while this
-      // group still waits, refills and multiplies. Committed so far: stages + tile - 1.
-      if (tile + 1 < num_tiles) {
-        cp_async_wait<kStages - 3>();
-        barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
-      }
+    // Hand tile+1 over before waiting for P(tile): the score warps start on it while this
+    // group multiplies tile. Committed so far: groups 0 .. stages+tile-1.
+    if (tile + 1 < num_tiles) {
+      cp_async_wait<kStages - 2>();
+      __syncwarp();   // also makes the staged indices of this warp's lanes visible to each other
+      barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
     }
-    barrier_sync(kBarPReady + par, kThreads);  // P(tile) is ready; every value warp is past P.V(tile-1)
-    if (tile >= 1) {
-      // The stage of tile-1 is free (score and value warps are both done with it): refill it.
-      if (tile - 1 + kStages < num_tiles) load_tile(ahead[0], (tile - 1) % kStages);
-      cp_async_commit();
-      prefetch_rows(ahead[2]);
-#pragma unroll
-      for (int i = 0; i + 1 < kRowsAhead; ++i) ahead[i] = ahead[i + 1];
-      ahead[kRowsAhead - 1] = fetch_row(tile + kStages + kRowsAhead - 1);
-    }
-    if constexpr (kStages < 3) {   // a two-stage ring refills the stage tile+1 needs only now
-      if (tile + 1 < num_tiles) {
-        cp_async_wait<kStages - 2>();
-        barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
-      }
-    }
+    barrier_sync(kBarPReady + par, kThreads);  // P(tile) is ready
 
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
 #pragma unroll
@@ -485,6 +495,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       }
     }
 #endif
+    // Every value warp is done with this stage (and the score warps were before P_READY):
+    // refill it with tile + stages, stage the index of the tile kIndexAhead beyond that, and
+    // pull the next tile's rows into L2.
+    barrier_sync(kBarValue, kGroupThreads);
+    const int next = tile + kStages;
+    if (next < num_tiles) load_tile(row_of(next, true), tile % kStages);
+    stage_index(next + kIndexAhead, true);
+    cp_async_commit();
+    prefetch_rows(row_of(next + 1, true));
   }
   cp_async_wait<0>();
   __syncthreads();   // the score warps' final row sums are in smem
