@@ -180,7 +180,7 @@ def _gpu_name() -> str | None:
 def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[str] = ("triton", "sm120_mla", "flashmla"),
                contexts: Sequence[int] = DEFAULT_CONTEXTS, spec: Sequence[str] = ("none", "dflash"),
                draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
-               tp: int = -1, repeats: int = 1, weights: str = "auto", mem_fraction_static: float = 0.8,
+               tp: int = -1, ep_size: int = 1, repeats: int = 1, weights: str = "auto", mem_fraction_static: float = 0.8,
                cuda_graph: bool = True, spec_fallback: str | None = "ngram", nvml: bool = True,
                nvml_interval_s: float = 0.2, expert: bool = True, record: bool = False,
                progress: bool = True, seed: int = 0, startup_timeout_s: float = 900.0,
@@ -204,6 +204,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     for b in backends:  # before any launch: a typo should not cost a server start
         check_attention_backend(b)
     tp = resolve_tp(tp)
+    if not (isinstance(ep_size, int) and ep_size >= 1 and tp % ep_size == 0):
+        raise ValueError(f"ep_size: must be a positive divisor of tp={tp}, got {ep_size!r}")
     model_dir = materialize_model(model, layers, weights=weights)
     model_cfg = json.loads((model_dir / "config.json").read_text())
     heads = heads_per_rank(model_cfg, tp)
@@ -212,7 +214,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     if repeats < 1:
         raise ValueError(f"repeats: must be positive, got {repeats}")
     gpu = _gpu_name()
-    common = {"tp": tp, "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
+    common = {"tp": tp, "ep_size": ep_size, "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
               "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
     if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
         common["commit"] = os.environ["SM120_COMMIT"]
@@ -250,6 +252,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         # 10M slots, 77 GB for the draft's K and V, start-up OOM). Batch 1 needs a few
         # contexts' worth of slots.
         extra = ("--max-total-tokens", str(4 * ctx_len)) if plan.spec == "dflash" else ()
+        if ep_size > 1:   # experts sharded over ep_size of the tp ranks (SGLang's own EP MoE)
+            extra += ("--ep-size", str(ep_size))
         cfg = ServerConfig(
             model_path=model_dir, attention_backend=plan.backend, tp=tp,
             mem_fraction_static=mem_fraction_static, extra_args=extra,
@@ -405,6 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
+    p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over this many of the tp ranks")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--no-cuda-graph", action="store_true")
@@ -424,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         res = run_matrix(model=a.model, layers=a.layers, backends=a.backends, contexts=a.contexts, spec=a.spec,
                          draft_tokens=a.draft_tokens, ngram_draft_tokens=a.ngram_draft_tokens,
-                         decode_tokens=a.decode_tokens, tp=a.tp, repeats=a.repeats, weights=a.weights,
+                         decode_tokens=a.decode_tokens, tp=a.tp, ep_size=a.ep_size, repeats=a.repeats, weights=a.weights,
                          mem_fraction_static=a.mem_fraction_static, cuda_graph=not a.no_cuda_graph,
                          spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
                          record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,

@@ -467,3 +467,12 @@ def test_nvml_records_round_trip_and_pick_point():
     assert sc.pick_point(recs, backend="triton")["run_id"] == "a"
     assert len(sc.select_point(long, p)) == 3
     assert sc.ctx_label(131072) == "128k" and sc.ctx_label(1000) == "1000"
+
+
+def test_run_matrix_ep_size_is_checked_and_recorded(fake, tmp_path):
+    with pytest.raises(ValueError, match="ep_size: must be a positive divisor of tp=1"):
+        decode_bench.run_matrix(backends=["triton"], tp=1, ep_size=2, launcher=fake, log=lambda s: None)
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                  spec=["none"], decode_tokens=8, tp=1, ep_size=1, nvml=False,
+                                  progress=False, launcher=fake, log_dir=tmp_path, log=lambda s: None)
+    assert [r["ep_size"] for r in res.decode] == [1]

@@ -49,6 +49,9 @@ constexpr int kBarScore = 1;             // score warps only: S partials written
 constexpr int kBarKvReady = 2;           // 2, 3: value -> score, tile t is in shared memory
 constexpr int kBarPReady = 4;            // 4, 5: score -> value, P and the O rescale of tile t
 constexpr int kBarValue = 6;             // value warps only: every P.V of tile t is done
+constexpr int kBarEnd = 7;               // all warps: the final row sums are in shared memory
+// (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
+// that undefined, and compute-sanitizer's synccheck rejects it; a counted bar.sync is fine.)
 constexpr int kIndexRing = 8;            // tiles of kv_indices staged in shared memory
 
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
@@ -362,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       sm.row_max[sm_row] = m_run;
       sm.row_sum[sm_row] = l_run;
     }
-    __syncthreads();
+    barrier_sync(kBarEnd, kThreads);
     if (tid < kRowsPerCta) {
       const int64_t pi = partial_index(tid);
       if (pi >= 0) {
@@ -506,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     prefetch_rows(row_of(next + 1, true));
   }
   cp_async_wait<0>();
-  __syncthreads();   // the score warps' final row sums are in smem
+  barrier_sync(kBarEnd, kThreads);   // the score warps' final row sums are in smem
 
   // Normalised partial output of each row of this split.
 #pragma unroll
