@@ -180,7 +180,7 @@ def _gpu_name() -> str | None:
 def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[str] = ("triton", "sm120_mla", "flashmla"),
                contexts: Sequence[int] = DEFAULT_CONTEXTS, spec: Sequence[str] = ("none", "dflash"),
                draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
-               tp: int = -1, ep_size: int = 1, repeats: int = 1, weights: str = "auto", mem_fraction_static: float = 0.8,
+               tp: int = -1, ep_size: int = 1, allreduce_fusion: bool = False, repeats: int = 1, weights: str = "auto", mem_fraction_static: float = 0.8,
                cuda_graph: bool = True, spec_fallback: str | None = "ngram", nvml: bool = True,
                nvml_interval_s: float = 0.2, expert: bool = True, record: bool = False,
                progress: bool = True, seed: int = 0, startup_timeout_s: float = 900.0,
@@ -214,7 +214,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     if repeats < 1:
         raise ValueError(f"repeats: must be positive, got {repeats}")
     gpu = _gpu_name()
-    common = {"tp": tp, "ep_size": ep_size, "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
+    # FlashInfer's fused all-reduce JIT-compiles its kernels at every server start when no
+    # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
+    # default; the same for every backend, so the comparison stands.
+    fusion = allreduce_fusion and tp > 1
+    common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
               "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
     if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
         common["commit"] = os.environ["SM120_COMMIT"]
@@ -254,6 +258,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         extra = ("--max-total-tokens", str(4 * ctx_len)) if plan.spec == "dflash" else ()
         if ep_size > 1:   # experts sharded over ep_size of the tp ranks (SGLang's own EP MoE)
             extra += ("--ep-size", str(ep_size))
+        if tp > 1 and not fusion:
+            extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
         cfg = ServerConfig(
             model_path=model_dir, attention_backend=plan.backend, tp=tp,
             mem_fraction_static=mem_fraction_static, extra_args=extra,
@@ -275,6 +281,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     for rep in range(repeats):
                         if over_budget(30.0):
                             log(f"  SKIPPED ctx={ctx}: time budget")
+                            emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "ctx": ctx,
+                                                    "error": "time budget (after the server start)",
+                                                    "startup_s": round(srv.startup_s, 1)}])
                             continue
                         row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
                                                      nvml, nvml_interval_s, expert, tp)
@@ -410,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
     p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over this many of the tp ranks")
+    p.add_argument("--allreduce-fusion", action="store_true",
+                   help="keep FlashInfer's fused all-reduce at tp > 1 (its JIT build adds minutes to each start)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--no-cuda-graph", action="store_true")
@@ -429,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         res = run_matrix(model=a.model, layers=a.layers, backends=a.backends, contexts=a.contexts, spec=a.spec,
                          draft_tokens=a.draft_tokens, ngram_draft_tokens=a.ngram_draft_tokens,
-                         decode_tokens=a.decode_tokens, tp=a.tp, ep_size=a.ep_size, repeats=a.repeats, weights=a.weights,
+                         decode_tokens=a.decode_tokens, tp=a.tp, ep_size=a.ep_size, allreduce_fusion=a.allreduce_fusion, repeats=a.repeats, weights=a.weights,
                          mem_fraction_static=a.mem_fraction_static, cuda_graph=not a.no_cuda_graph,
                          spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
                          record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,

@@ -70,12 +70,13 @@ class Inputs:
 
 # Each builder returns a zero-argument callable that runs one step on preallocated buffers.
 
-def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None):
+def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None,
+                    kernel_defines: tuple[str, ...] = ()):
     s = x.shape
     T = s.batch * s.q_len
     out = torch.empty(T, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
     lse = torch.empty(T, s.heads, device=x.q.device, dtype=torch.float32)
-    ws = MlaVerifyWorkspace(T, s.heads, x.q.device, num_splits=num_splits,
+    ws = MlaVerifyWorkspace(T, s.heads, x.q.device, num_splits=num_splits, kernel_defines=kernel_defines,
                             **({"tile_keys": tile_keys} if tile_keys else {}))
     if s.q_len == 1:   # decode: the token is already in the pool, no k_extend
         args = (x.q, x.pool, x.qo_indptr, x.kv_indptr_full, x.kv_indices_full)

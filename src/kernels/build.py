@@ -43,35 +43,41 @@ def _arch_flags(capability: tuple[int, int]) -> list[str]:
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
-def build_key(capability: tuple[int, int]) -> str:
+def _define_flags(defines: tuple[str, ...]) -> list[str]:
+    return [f"-D{d}" for d in defines]
+
+
+def build_key(capability: tuple[int, int], defines: tuple[str, ...] = ()) -> str:
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((KERNEL_DIR / name).read_bytes())
     h.update(CPP_DECLS.encode())
-    h.update(" ".join(NVCC_FLAGS + _arch_flags(capability)).encode())
+    h.update(" ".join(NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines)).encode())
     return h.hexdigest()[:16]
 
 
-def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool = False):
+def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool = False,
+                       defines: tuple[str, ...] = ()):
     """Compile (once, cached and locked) and import the extension for a GPU capability
-    (default: the current device's)."""
+    (default: the current device's). `defines` builds a variant (the ablation switches in
+    mla_verify.cuh, e.g. ("ABLATE_NO_LOADS",)); the default build has none."""
     import torch
 
     if capability is None:
         if not torch.cuda.is_available():
             raise RuntimeError("the sm120_mla kernel needs a CUDA GPU; none is visible to torch")
         capability = torch.cuda.get_device_capability()
-    return _load_for(tuple(capability), verbose)
+    return _load_for(tuple(capability), verbose, tuple(defines))
 
 
 @functools.lru_cache(maxsize=None)
-def _load_for(capability: tuple[int, int], verbose: bool):
+def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ...] = ()):
     from torch.utils.cpp_extension import load_inline
 
     if capability < (8, 0):
         raise RuntimeError(f"the sm120_mla kernel needs sm_80 or newer (mma.sync bf16, cp.async); "
                            f"this GPU is sm_{capability[0]}{capability[1]}")
-    name = f"sm120_mla_{build_key(capability)}"
+    name = f"sm120_mla_{build_key(capability, defines)}"
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     cu = (KERNEL_DIR / "mla_verify.cu").read_text()
@@ -81,7 +87,7 @@ def _load_for(capability: tuple[int, int], verbose: bool):
             cpp_sources=[CPP_DECLS],
             cuda_sources=[cu],
             functions=["mla_verify_forward"],
-            extra_cuda_cflags=NVCC_FLAGS + _arch_flags(capability) + [f"-I{KERNEL_DIR}"],
+            extra_cuda_cflags=NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines) + [f"-I{KERNEL_DIR}"],
             extra_include_paths=[str(KERNEL_DIR)],
             build_directory=str(build_dir),
             verbose=verbose,

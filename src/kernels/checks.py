@@ -30,7 +30,7 @@ FIXED_CASES = [
 ]
 
 
-def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None, tile_keys: int = 32):
+def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None, tile_keys: int = 16):
     """The kernel on a `make_verify_case` dict, with NaN-poisoned out and lse."""
     q = case["q"]
     T, H, _ = q.shape

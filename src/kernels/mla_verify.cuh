@@ -17,6 +17,9 @@
 // second kernel merges the splits by their LSE and writes every row of `out` and `lse`.
 //
 // This file holds no torch code, so nvcc can compile it alone for resource reports.
+// ABLATE_NO_LOADS / _NO_QK / _NO_SOFTMAX / _NO_PV each remove one part of the per-tile
+// work (the output is then wrong): `python -m sm120_workbook.kernels.ablation` times
+// them to show where a tile's time goes. The default build defines none.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,9 +52,9 @@ constexpr int kBarScore = 1;             // score warps only: S partials written
 constexpr int kBarKvReady = 2;           // 2, 3: value -> score, tile t is in shared memory
 constexpr int kBarPReady = 4;            // 4, 5: score -> value, P and the O rescale of tile t
 constexpr int kBarValue = 6;             // value warps only: every P.V of tile t is done
-constexpr int kBarEnd = 7;               // all warps: the final row sums are in shared memory
+constexpr int kBarEnd = 7;               // score -> value: the final row sums are in shared memory
 // (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
-// that undefined, and compute-sanitizer's synccheck rejects it; a counted bar.sync is fine.)
+// that undefined, and compute-sanitizer's synccheck rejects it.)
 constexpr int kIndexRing = 8;            // tiles of kv_indices staged in shared memory
 
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
@@ -146,12 +149,14 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
 }
 
 // Named barriers: `sync` waits until `count` threads have arrived; `arrive` counts this
-// warp in and goes on. Both order the shared-memory writes made before them.
+// warp in and goes on. Both order the shared-memory writes made before them. The score and
+// value warps reach a barrier from different instructions, so these are the non-.aligned
+// forms (`bar.sync` means `barrier.sync.aligned`, which requires one instruction for all).
 __device__ __forceinline__ void barrier_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void barrier_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
@@ -365,7 +370,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       sm.row_max[sm_row] = m_run;
       sm.row_sum[sm_row] = l_run;
     }
-    barrier_sync(kBarEnd, kThreads);
+    barrier_arrive(kBarEnd, kThreads);
+    barrier_sync(kBarScore, kGroupThreads);   // warp 0 reads every row's sums below
     if (tid < kRowsPerCta) {
       const int64_t pi = partial_index(tid);
       if (pi >= 0) {

@@ -18,7 +18,7 @@ ROWS_PER_CTA = 32
 MAX_SPLITS = 128
 MAX_Q_LEN = 16
 TILE_KEYS = (16, 32)      # keys per softmax round: the two compiled variants
-DEFAULT_TILE_KEYS = 32
+DEFAULT_TILE_KEYS = 16      # measured faster at every shape since v6 (NOTES.md)
 
 
 def _fail(arg: str, msg: str):
@@ -77,7 +77,7 @@ class MlaVerifyWorkspace:
     """
 
     def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None,
-                 tile_keys: int = DEFAULT_TILE_KEYS):
+                 tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = ()):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             _fail("max_tokens", f"must be a positive int, got {max_tokens!r}")
         if not isinstance(heads, int) or not 1 <= heads <= 128:
@@ -87,6 +87,7 @@ class MlaVerifyWorkspace:
         if tile_keys not in TILE_KEYS:
             _fail("tile_keys", f"must be one of {TILE_KEYS}, got {tile_keys!r}")
         self.tile_keys = tile_keys
+        self.kernel_defines = tuple(kernel_defines)   # a build variant, for ablations only
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -211,7 +212,7 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     if dev.type != "cuda":
         _fail("q", f"must be a CUDA tensor, got {dev}")
 
-    mod = load_kernel_module(torch.cuda.get_device_capability(dev))
+    mod = load_kernel_module(torch.cuda.get_device_capability(dev), defines=workspace.kernel_defines)
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
                            mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
                            float(sm_scale), max_q_len, splits, workspace.tile_keys)
