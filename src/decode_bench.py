@@ -180,7 +180,8 @@ def _gpu_name() -> str | None:
 def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[str] = ("triton", "sm120_mla", "flashmla"),
                contexts: Sequence[int] = DEFAULT_CONTEXTS, spec: Sequence[str] = ("none", "dflash"),
                draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
-               tp: int = -1, ep_size: int = 1, allreduce_fusion: bool = False, repeats: int = 1, weights: str = "auto", mem_fraction_static: float = 0.8,
+               tp: int = -1, ep_size: int = 1, allreduce_fusion: bool = False, repeats: int = 1,
+               weights: str = "auto", mem_fraction_static: float = 0.8,
                cuda_graph: bool = True, spec_fallback: str | None = "ngram", nvml: bool = True,
                nvml_interval_s: float = 0.2, expert: bool = True, record: bool = False,
                progress: bool = True, seed: int = 0, startup_timeout_s: float = 900.0,
@@ -218,7 +219,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
     # default; the same for every backend, so the comparison stands.
     fusion = allreduce_fusion and tp > 1
-    common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
+    common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "gpu": gpu, "model": model,
+              "layers": layers, "heads_per_rank": heads,
               "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
     if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
         common["commit"] = os.environ["SM120_COMMIT"]
@@ -440,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         res = run_matrix(model=a.model, layers=a.layers, backends=a.backends, contexts=a.contexts, spec=a.spec,
                          draft_tokens=a.draft_tokens, ngram_draft_tokens=a.ngram_draft_tokens,
-                         decode_tokens=a.decode_tokens, tp=a.tp, ep_size=a.ep_size, allreduce_fusion=a.allreduce_fusion, repeats=a.repeats, weights=a.weights,
+                         decode_tokens=a.decode_tokens, tp=a.tp, ep_size=a.ep_size,
+                         allreduce_fusion=a.allreduce_fusion, repeats=a.repeats, weights=a.weights,
                          mem_fraction_static=a.mem_fraction_static, cuda_graph=not a.no_cuda_graph,
                          spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
                          record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,

@@ -11,7 +11,7 @@ import random
 import torch
 
 from ..reference import make_verify_case, mla_verify_reference
-from .verify_attention import DIM_V, MlaVerifyWorkspace, mla_verify_attention
+from .verify_attention import DEFAULT_TILE_KEYS, DIM_V, MlaVerifyWorkspace, mla_verify_attention
 
 REL_TOL, ABS_TOL, LSE_TOL = 1e-2, 5e-2, 1e-3
 
@@ -30,7 +30,8 @@ FIXED_CASES = [
 ]
 
 
-def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None, tile_keys: int = 16):
+def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
+               tile_keys: int = DEFAULT_TILE_KEYS):
     """The kernel on a `make_verify_case` dict, with NaN-poisoned out and lse."""
     q = case["q"]
     T, H, _ = q.shape
