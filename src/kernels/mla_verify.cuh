@@ -170,9 +170,11 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64
 
 // grid: (row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
 //
+// handover_model.py states this schedule step by step and checks it for races and
+// deadlocks on a CPU (tests/test_handover_model.py): keep the two in step.
 // Pipeline for tile t (parity-alternating barrier ids, see kBarKvReady / kBarPReady):
-//   value warps: wait P_READY(t) -> load tile t-1+stages into the stage tile t-1 used
-//                -> wait for tile t+1's copies, arrive KV_READY(t+1) -> O += P.V(t)
+//   value warps: tile t+1 landed: arrive KV_READY(t+1) -> wait P_READY(t) -> O += P.V(t)
+//                -> (all value warps done) refill that stage with tile t+stages
 //   score warps: wait KV_READY(t) -> S = Q.K(t) -> softmax -> P(t), arrive P_READY(t)
 // so the score warps work on tile t+1 while the value warps multiply tile t.
 template <int KEYS>

@@ -1,0 +1,125 @@
+"""The split kernel's hand-over protocol as a program a CPU can check.
+
+mla_verify_split_kernel's score warps and value warps pass tiles to each other through
+named barriers: one group `arrive`s, the other `sync`s. Nothing else orders them, so a
+slip in that schedule is a data race that tests may never hit. This module states the two
+groups' steps in the kernel's order (`score_steps`, `value_steps`) and runs them under many
+random schedules with vector clocks, reporting
+
+- a barrier round that one group enters twice before the other has come (the hardware
+  would count the extra arrival into the wrong round),
+- a deadlock, and
+- two accesses to the same shared-memory buffer, one of them a write, that no barrier
+  orders (a race).
+
+A group is one agent: its four warps keep program order among themselves through the
+group's own barriers (kBarScore, kBarValue), which this model does not need to see. A
+cp.async copy is a write at the time it is issued, which is when its slot must be free.
+
+    from sm120_workbook.kernels.handover_model import check
+    check(num_tiles=9, stages=4)   # raises ProtocolError on a broken schedule
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+# Barrier ids as in mla_verify.cuh.
+KV_READY, P_READY, END = 2, 4, 7
+SCORE, VALUE = 0, 1
+
+
+class ProtocolError(AssertionError):
+    pass
+
+
+def score_steps(num_tiles: int, stages: int, parity: bool = True):
+    """The score warps' steps, in the kernel's order."""
+    for t in range(num_tiles):
+        par = t & 1 if parity else 0
+        yield "sync", KV_READY + par
+        yield "read", ("stage", t % stages)          # S = Q.K(t)
+        yield "write", ("p", par)                    # softmax(t)
+        yield "write", ("row_scale", par)
+        yield "arrive", P_READY + par
+    yield "write", ("row_sums",)
+    yield "arrive", END
+
+
+def value_steps(num_tiles: int, stages: int, parity: bool = True, refill_before_p_ready: bool = False):
+    """The value warps' steps, in the kernel's order. `refill_before_p_ready` moves the
+    stage refill ahead of the P_READY wait: a deliberate bug, for testing the checker."""
+    for s in range(min(stages, num_tiles)):
+        yield "write", ("stage", s)                  # prologue: fill the ring
+    yield "arrive", KV_READY
+    for t in range(num_tiles):
+        par = t & 1 if parity else 0
+        if refill_before_p_ready and t + stages < num_tiles:
+            yield "write", ("stage", t % stages)
+        if t + 1 < num_tiles:                        # tile t+1 has landed: hand it over
+            yield "arrive", KV_READY + ((t + 1) & 1 if parity else 0)
+        yield "sync", P_READY + par
+        yield "read", ("row_scale", par)             # O rescale and O += P.V(t)
+        yield "read", ("p", par)
+        yield "read", ("stage", t % stages)
+        if not refill_before_p_ready and t + stages < num_tiles:
+            yield "write", ("stage", t % stages)     # refill with tile t + stages
+    yield "sync", END
+    yield "read", ("row_sums",)
+
+
+@dataclass
+class _Round:
+    arrived: dict = field(default_factory=dict)      # agent -> its clock at arrival
+    waiting: set = field(default_factory=set)        # agents blocked in sync
+
+
+def run(score, value, rng: random.Random) -> None:
+    """One random schedule of the two step streams; raises ProtocolError on a violation."""
+    programs = [iter(score), iter(value)]
+    clock = [[0, 0], [0, 0]]
+    pending = [next(p, None) for p in programs]
+    blocked = [False, False]
+    rounds: dict[int, _Round] = {}
+    accesses: dict[tuple, list] = {}
+
+    def step(a: int) -> None:
+        op, arg = pending[a]
+        clock[a][a] += 1
+        if op in ("read", "write"):
+            for b, kind, at in accesses.setdefault(arg, []):
+                if b != a and "write" in (kind, op) and at[b] > clock[a][b]:
+                    raise ProtocolError(f"race on {arg}: {('score', 'value')[b]} {kind} and "
+                                        f"{('score', 'value')[a]} {op} are not ordered by a barrier")
+            accesses[arg].append((a, op, list(clock[a])))
+        else:
+            rnd = rounds.setdefault(arg, _Round())
+            if a in rnd.arrived:
+                raise ProtocolError(f"{('score', 'value')[a]} entered barrier {arg} twice in one round")
+            rnd.arrived[a] = list(clock[a])
+            if op == "sync":
+                rnd.waiting.add(a)
+                blocked[a] = True
+            if len(rnd.arrived) == 2:                # round complete: arrivals happen before releases
+                joined = [max(c[i] for c in rnd.arrived.values()) for i in range(2)]
+                for w in rnd.waiting:
+                    clock[w] = [max(x, y) for x, y in zip(clock[w], joined)]
+                    blocked[w] = False
+                del rounds[arg]
+        pending[a] = next(programs[a], None)
+
+    while pending[0] is not None or pending[1] is not None:
+        ready = [a for a in (SCORE, VALUE) if pending[a] is not None and not blocked[a]]
+        if not ready:
+            raise ProtocolError(f"deadlock: both groups wait (score at {pending[0]}, value at {pending[1]})")
+        step(rng.choice(ready))
+    if any(blocked) or rounds:
+        raise ProtocolError(f"unfinished barrier rounds at exit: {sorted(rounds)}")
+
+
+def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **variant) -> None:
+    """Run the kernel's protocol under `schedules` random interleavings."""
+    rng = random.Random(seed)
+    parity = variant.pop("parity", True)
+    for _ in range(schedules):
+        run(score_steps(num_tiles, stages, parity), value_steps(num_tiles, stages, parity, **variant), rng)

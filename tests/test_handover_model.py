@@ -1,0 +1,43 @@
+"""The split kernel's score/value hand-over schedule, checked for races and deadlocks on a CPU."""
+from __future__ import annotations
+
+import pytest
+
+from sm120_workbook.kernels.handover_model import ProtocolError, check
+
+
+@pytest.mark.parametrize("stages", [2, 4])          # TileConfig<32> and TileConfig<16>
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
+def test_kernel_schedule_has_no_race_or_deadlock(num_tiles, stages):
+    check(num_tiles, stages, schedules=150)
+
+
+def test_checker_catches_one_buffer_and_barrier_id_for_every_tile():
+    # Without parity the score group writes P(t+1) while the value group may still read P(t).
+    with pytest.raises(ProtocolError, match="race on \\('p'"):
+        check(6, 4, parity=False)
+
+
+def test_checker_catches_an_arrival_counted_into_the_wrong_round():
+    import random
+
+    from sm120_workbook.kernels.handover_model import run
+
+    rng = random.Random(0)
+    for _ in range(20):   # the value group arrives twice; the score group syncs once
+        with pytest.raises(ProtocolError, match="twice in one round|unfinished"):
+            run([("sync", 2)], [("arrive", 2), ("arrive", 2)], rng)
+
+
+def test_checker_catches_a_refill_before_the_score_warps_are_done():
+    with pytest.raises(ProtocolError, match="race on \\('stage'"):
+        check(9, 4, refill_before_p_ready=True)
+
+
+def test_checker_catches_a_deadlock():
+    import random
+
+    from sm120_workbook.kernels.handover_model import run
+
+    with pytest.raises(ProtocolError, match="deadlock"):
+        run([("sync", 4), ("arrive", 2)], [("sync", 2), ("arrive", 4)], random.Random(0))
