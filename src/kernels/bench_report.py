@@ -157,3 +157,35 @@ def nsplit_chart(df: pd.DataFrame):
         y=alt.Y("time_us:Q", title="time (µs)"), color="tile_keys:N",
         tooltip=["num_splits", "tile_keys", alt.Tooltip("time_us:Q", format=".1f")],
     ).properties(title="NSPLIT at batch 1, 8 heads, q_len 16, 64k context", width=420, height=240)
+
+
+def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536) -> pd.DataFrame:
+    """One row per recorded benchmark run at one shape: the kernel version, its time and
+    FlashMLA's time in the same run (so runs on different days compare through the ratio)."""
+    rows = []
+    for run_id, run in df.groupby("run_id"):
+        sel = default_rows(run)
+        sel = sel[(sel["batch"] == batch) & (sel["heads"] == heads) & (sel["q_len"] == q_len) & (sel["ctx"] == ctx)]
+        ours, ref = sel[sel["impl"] == "sm120_mla"], sel[sel["impl"] == "flashmla"]
+        if ours.empty:
+            continue
+        t, r = float(ours["time_us"].iloc[0]), float(ref["time_us"].iloc[0]) if len(ref) else float("nan")
+        rows.append({"kernel_version": ours["kernel_version"].iloc[0] if "kernel_version" in ours else None,
+                     "run_id": run_id, "commit": str(ours["commit"].iloc[0])[:7], "sm120_mla_us": round(t, 1),
+                     "flashmla_us": round(r, 1), "flashmla / sm120_mla": round(r / t, 2)})
+    return pd.DataFrame(rows).sort_values("run_id").reset_index(drop=True) if rows else pd.DataFrame()
+
+
+def version_history_chart(hist: pd.DataFrame, title: str):
+    import altair as alt
+
+    long = hist.melt(id_vars=["run_id", "kernel_version"], value_vars=["sm120_mla_us", "flashmla_us"],
+                     var_name="impl", value_name="time_us")
+    long["impl"] = long["impl"].str.removesuffix("_us")
+    long["run"] = long["kernel_version"].fillna("?") + " (" + long["run_id"].str[9:13] + ")"
+    return alt.Chart(long).mark_line(point=True).encode(
+        x=alt.X("run:N", sort=None, title="kernel version (run time, UTC)"),
+        y=alt.Y("time_us:Q", title="time (µs)", scale=alt.Scale(zero=True)),
+        color=alt.Color("impl:N", sort=IMPL_ORDER),
+        tooltip=["run", "impl", alt.Tooltip("time_us:Q", format=".1f")],
+    ).properties(width=420, height=240, title=title)
