@@ -16,7 +16,7 @@ TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: help setup run test test-cpu lab kernel-resources wheelhouse clean
+.PHONY: help setup run test test-cpu lab kernel-resources wheelhouse gpu-check clean
 
 help:
 	@echo "make run      run the workbook (papermill) into runs/<timestamp>/"
@@ -24,6 +24,7 @@ help:
 	@echo "make lab      JupyterLab with widgets"
 	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
 	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1 .. .whl4)"
+	@echo "make gpu-check OUT=dir [TAG=vN]   on the GPU machine: every kernel check, over all GPUs"
 
 setup: $(STAMP)
 
@@ -63,6 +64,13 @@ kernel-resources: $(STAMP)
 wheelhouse:
 	@test -x ../shared/device/wheelhouse.sh || { echo "error: ../shared/device/wheelhouse.sh not found"; exit 1; }
 	../shared/device/wheelhouse.sh
+
+# On the GPU machine, where the wheels sit in /tmp/site (README): tests, sanitizers, backend
+# tests, benchmark and ablation side by side over the visible GPUs, into $(OUT).
+GPU_PY ?= python3
+gpu-check:
+	@test -n "$(OUT)" || { echo "error: set OUT=<folder> for the logs and records"; exit 1; }
+	$(GPU_PY) -m sm120_workbook.kernels.gpu_check --out $(OUT) $(if $(TAG),--tag $(TAG))
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

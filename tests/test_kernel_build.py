@@ -109,3 +109,20 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
                                f"-I{KERNEL_DIR}", "-o", str(tmp_path / "a.cubin"), str(src)],
                               capture_output=True, text=True)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+
+
+def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):
+    from sm120_workbook.kernels.gpu_check import assign, jobs
+
+    js = jobs(tmp_path, "vX")
+    names = {j[0] for j in js}
+    assert {"tests", "sanitizer", "bench", "ablation"} <= names
+    assert all("--tag" in j[1] for j in js if j[0] in ("bench", "ablation"))
+    for gpus in (1, 2, 4, 8):
+        queues = assign(js, gpus)
+        assert sorted(j[0] for q in queues for j in q) == sorted(names)   # every job once
+        for q in queues:   # a timed job runs last on its GPU, after any untimed job there
+            timed = [i for i, j in enumerate(q) if j[2]]
+            assert all(i >= len(q) - len(timed) for i in timed)
+    four = assign(js, 4)
+    assert [sum(j[2] for j in q) for q in four].count(1) == 2 and all(sum(j[2] for j in q) <= 1 for q in four)
