@@ -59,7 +59,8 @@ constexpr int kIndexRing = 8;            // tiles of kv_indices staged in shared
 
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
 // the same 74,752 B ring; 16 keeps two tiles in flight while the groups work on the other
-// two, 32 halves the hand-overs per key. Both stay under sm_120's 99 KB.
+// two, 32 halves the hand-overs per key but leaves no tile in flight. 16 is faster at every
+// shape measured (NOTES.md) and the default. Both stay under sm_120's 99 KB.
 template <int KEYS>
 struct TileConfig {
   static constexpr int kKeys = KEYS;
