@@ -320,6 +320,18 @@ def _batches(runner, mode, gen, lens_list, tree_mask=True):
     return [verify_batch(runner, lens, GPU_NDT, gen, tree_mask) for lens in lens_list]
 
 
+def _triton_and_sm120(gpu_setup, mode, tree_mask, seed):
+    """SGLang's Triton backend and ours on one runner, with three batches of fresh inputs."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
+
+    runner, layer = gpu_setup
+    triton, sm120 = TritonAttnBackend(runner), Sm120MlaAttnBackend(runner)
+    batches = _batches(runner, mode, torch.Generator().manual_seed(seed), LENS, tree_mask)
+    return triton, sm120, layer, batches
+
+
 MODES = [("decode", True), ("verify", True), ("verify", False)]
 LENS = [[37, 300, 1029], [1500, 5, 777], [64, 1200, 2]]
 
@@ -327,14 +339,8 @@ LENS = [[37, 300, 1029], [1500, 5, 777], [64, 1200, 2]]
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,tree_mask", MODES, ids=["decode", "verify-tree", "verify-chain"])
 def test_gpu_eager_matches_triton(gpu_setup, mode, tree_mask):
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
-
-    runner, layer = gpu_setup
-    triton, sm120 = TritonAttnBackend(runner), Sm120MlaAttnBackend(runner)
-    gen = torch.Generator().manual_seed(11)
-    for i, batch in enumerate(_batches(runner, mode, gen, LENS, tree_mask)):
+    triton, sm120, layer, batches = _triton_and_sm120(gpu_setup, mode, tree_mask, seed=11)
+    for i, batch in enumerate(batches):
         want = run_eager(triton, layer, *batch)
         got = run_eager(sm120, layer, *batch)
         _assert_bf16_close(got, want, f"{mode} eager batch {i}")
@@ -344,14 +350,7 @@ def test_gpu_eager_matches_triton(gpu_setup, mode, tree_mask):
 @pytest.mark.parametrize("mode,tree_mask", MODES, ids=["decode", "verify-tree", "verify-chain"])
 def test_gpu_cuda_graph_replay_matches_triton(gpu_setup, mode, tree_mask):
     """Capture once, replay with new lengths, masks, KV locations and inputs."""
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
-
-    runner, layer = gpu_setup
-    triton, sm120 = TritonAttnBackend(runner), Sm120MlaAttnBackend(runner)
-    gen = torch.Generator().manual_seed(12)
-    batches = _batches(runner, mode, gen, LENS, tree_mask)
+    triton, sm120, layer, batches = _triton_and_sm120(gpu_setup, mode, tree_mask, seed=12)
     sm120.init_cuda_graph_state(GPU_MAX_REQUESTS, GPU_MAX_REQUESTS * GPU_NDT)
     fb0, q0, k0, v0 = batches[0]
     q_buf, k_buf, v_buf = q0.clone(), k0.clone(), v0.clone()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .build import load_kernel_module
+
 
 def jobs(out: Path, tag: str | None) -> list[tuple[str, list[str], bool]]:
     """(name, command, timed): timed jobs should not share their GPU with another job."""
@@ -62,9 +64,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU; none is visible to torch")
     a.out.mkdir(parents=True, exist_ok=True)
-    # Build once before the jobs start, so they do not all wait on the same nvcc run.
-    subprocess.run([sys.executable, "-c", "from sm120_workbook.kernels.build import load_kernel_module as l; l()"],
-                   check=True)
+    load_kernel_module()   # build once here, so the jobs find it cached instead of queueing on the lock
     queues = assign(jobs(a.out, a.tag), torch.cuda.device_count())
     results: dict[str, int] = {}
     runners = []
