@@ -89,9 +89,11 @@ def test_ablation_variants_build_apart_from_the_default():
     from sm120_workbook.kernels.ablation import VARIANTS
     from sm120_workbook.kernels.build import build_key
 
-    keys = {build_key((9, 0), defines) for defines in VARIANTS.values()}
-    assert len(keys) == len(VARIANTS)                    # no variant shares the default's cache
+    defines = {v.defines for v in VARIANTS.values()}
+    keys = {build_key((9, 0), d) for d in defines}
+    assert len(keys) == len(defines)                     # each set of defines has its own cache
     assert build_key((9, 0)) == build_key((9, 0), ())
+    assert VARIANTS["full"].defines == () and VARIANTS["full"].tile_keys == 16
 
 
 @pytest.mark.nvcc
@@ -102,10 +104,11 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
     from sm120_workbook.kernels.build import KERNEL_DIR
 
     src = tmp_path / "a.cu"
-    src.write_text('#include "mla_verify.cuh"\n'
-                   "template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n")
-    for name, defines in VARIANTS.items():
-        proc = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-arch=sm_120a", *[f"-D{d}" for d in defines],
+    for name, v in VARIANTS.items():
+        src.write_text('#include "mla_verify.cuh"\n'
+                       f"template __global__ void sm120_mla::mla_verify_split_kernel<{v.tile_keys}>"
+                       "(const sm120_mla::Params);\n")
+        proc = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-arch=sm_120a", *[f"-D{d}" for d in v.defines],
                                f"-I{KERNEL_DIR}", "-o", str(tmp_path / "a.cubin"), str(src)],
                               capture_output=True, text=True)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"

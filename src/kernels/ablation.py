@@ -3,6 +3,7 @@
 Each variant builds mla_verify.cuh with ABLATE_* switches that drop the KV loads, the QK
 product, the softmax or the P.V product (its output is then meaningless; only the time is
 kept). If removing a part leaves the time unchanged, that part is not on the critical path.
+Other variants change a tuning define (PREFETCH_AHEAD) or the tile shape; those stay correct.
 Timed like the benchmark (CUDA-graph replay, L2 flushed, median), in one run.
 
     python -m sm120_workbook.kernels.ablation [--out data/results/kernel_ablation.jsonl]
@@ -12,42 +13,65 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
 
+
+@dataclass(frozen=True)
+class Variant:
+    defines: tuple[str, ...] = ()
+    tile_keys: int = 16
+
+
+_MATH = ("ABLATE_NO_QK", "ABLATE_NO_SOFTMAX", "ABLATE_NO_PV")
 VARIANTS = {
-    "full": (),
-    "no_loads": ("ABLATE_NO_LOADS",),
-    "no_qk": ("ABLATE_NO_QK",),
-    "no_softmax": ("ABLATE_NO_SOFTMAX",),
-    "no_pv": ("ABLATE_NO_PV",),
-    "loads_only": ("ABLATE_NO_QK", "ABLATE_NO_SOFTMAX", "ABLATE_NO_PV"),
+    "full": Variant(),
+    "no_loads": Variant(("ABLATE_NO_LOADS",)),
+    "no_qk": Variant(("ABLATE_NO_QK",)),
+    "no_softmax": Variant(("ABLATE_NO_SOFTMAX",)),
+    "no_pv": Variant(("ABLATE_NO_PV",)),
+    "loads_only": Variant(_MATH),
+    # with the loads gone too: which part of the math is on the critical path
+    "no_loads_no_qk": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_QK")),
+    "no_loads_no_softmax": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_SOFTMAX")),
+    "no_loads_no_pv": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_PV")),
+    "handovers_only": Variant(("ABLATE_NO_LOADS",) + _MATH),
+    # how far ahead of its cp.async a tile's rows are pulled into L2 (PREFETCH_AHEAD)
+    "prefetch4": Variant(("PREFETCH_AHEAD=4",)),
+    "prefetch8": Variant(("PREFETCH_AHEAD=8",)),
+    "prefetch12": Variant(("PREFETCH_AHEAD=12",)),
+    "prefetch8_loads_only": Variant(("PREFETCH_AHEAD=8",) + _MATH),
+    "tk32": Variant(tile_keys=32),
+    "tk32_prefetch8": Variant(("PREFETCH_AHEAD=8",), tile_keys=32),
+    "tk32_prefetch12": Variant(("PREFETCH_AHEAD=12",), tile_keys=32),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 
 
 def build_all(variants=VARIANTS) -> None:
     """Compile every variant at once, one process each (nvcc is single-threaded)."""
+    defines = sorted({v.defines for v in variants.values()})
     procs = [subprocess.Popen([sys.executable, "-c",
                                "from sm120_workbook.kernels.build import load_kernel_module as l; "
-                               f"l(defines={defines!r})"]) for defines in variants.values()]
-    failed = [name for name, p in zip(variants, procs) if p.wait() != 0]
+                               f"l(defines={d!r})"]) for d in defines]
+    failed = [d for d, p in zip(defines, procs) if p.wait() != 0]
     if failed:
         raise RuntimeError(f"variant build failed: {failed}")
 
 
-def run(shapes=SHAPES, variants=VARIANTS, tile_keys: int = 16, reps: int = 30) -> list[dict]:
+def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:
     records = []
     for shape in shapes:
         x = Inputs(shape)
-        for name, defines in variants.items():
-            t = time_graph_us(build_sm120_mla(x, tile_keys=tile_keys, kernel_defines=defines), reps=reps)
-            records.append({"impl": "sm120_mla", "variant": name, "defines": list(defines), **shape.__dict__,
-                            "tile_keys": tile_keys, **t})
-            print(f"b{shape.batch} h{shape.heads:<3d} q{shape.q_len:<2d} ctx {shape.ctx:6d}  {name:11s} "
+        for name, v in variants.items():
+            t = time_graph_us(build_sm120_mla(x, tile_keys=v.tile_keys, kernel_defines=v.defines), reps=reps)
+            records.append({"impl": "sm120_mla", "variant": name, "defines": list(v.defines), **shape.__dict__,
+                            "tile_keys": v.tile_keys, **t})
+            print(f"b{shape.batch} h{shape.heads:<3d} q{shape.q_len:<2d} ctx {shape.ctx:6d}  {name:20s} "
                   f"{t['time_us']:8.1f} us", flush=True)
     return records
 
@@ -57,11 +81,14 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_ablation.jsonl)")
     ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
+                    help="run only these (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the ablation needs a CUDA GPU; none is visible to torch")
-    build_all()
-    records = [dict(r, kernel_version=args.tag) for r in run(reps=args.reps)]
+    variants = {n: VARIANTS[n] for n in (args.variants or VARIANTS)}
+    build_all(variants)
+    records = [dict(r, kernel_version=args.tag) for r in run(variants=variants, reps=args.reps)]
     from ..results import append_records
 
     path = append_records("kernel_ablation", records,

@@ -55,7 +55,14 @@ constexpr int kBarValue = 6;             // value warps only: every P.V of tile 
 constexpr int kBarEnd = 7;               // score -> value: the final row sums are in shared memory
 // (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
 // that undefined, and compute-sanitizer's synccheck rejects it.)
-constexpr int kIndexRing = 8;            // tiles of kv_indices staged in shared memory
+constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared memory
+// How many tiles ahead of its cp.async a tile's rows are pulled into L2 (prefetch.global.L2
+// costs no shared memory, so it deepens the pipeline past the ring's kStages tiles). A
+// build define so that the benchmark can sweep it; NOTES.md has the measurements.
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1
+#endif
+constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
 // the same 74,752 B ring; 16 keeps two tiles in flight while the groups work on the other
@@ -391,9 +398,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
   // The kv_indices a tile needs are copied to shared memory (cp.async, in the same groups
   // as the rows) kIndexAhead tiles before the tile's own copy, and each tile's rows are
-  // pulled into L2 one tile before it: no load result is ever waited on in a register.
-  constexpr int kIndexAhead = kStages;
-  static_assert(kIndexAhead + 1 <= kIndexRing, "index ring too small");
+  // pulled into L2 kPrefetchAhead tiles before it: no load result is ever waited on in a
+  // register.
+  // A tile's index is staged in the cp.async group of iteration (tile - kIndexAhead), and
+  // iteration i has waited for groups <= i + 1. The L2 prefetch of tile X reads its index at
+  // iteration X - kStages - kPrefetchAhead, hence kIndexAhead >= kStages + kPrefetchAhead - 1;
+  // a slot is rewritten only after its last reader (the tile's own copy): ring > ahead.
+  constexpr int kIndexAhead = kStages + kPrefetchAhead - 1 > kStages ? kStages + kPrefetchAhead - 1 : kStages;
+  static_assert(kPrefetchAhead >= 1 && kIndexAhead + 1 <= kIndexRing, "index ring too small for PREFETCH_AHEAD");
   const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
   const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
   auto tile_key = [&](int tile) { return key_begin + tile * KEYS + ld_key; };
@@ -450,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
   for (int i = 0; i < kIndexAhead; ++i) stage_index(kStages + i, false);
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
-  prefetch_rows(row_of(kStages, true));
+  for (int i = 0; i < kPrefetchAhead; ++i) prefetch_rows(row_of(kStages + i, true));
   cp_async_wait<kStages - 1>();
   barrier_arrive(kBarKvReady, kThreads);
 
@@ -509,13 +521,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #endif
     // Every value warp is done with this stage (and the score warps were before P_READY):
     // refill it with tile + stages, stage the index of the tile kIndexAhead beyond that, and
-    // pull the next tile's rows into L2.
+    // pull the rows of the tile kPrefetchAhead beyond it into L2.
     barrier_sync(kBarValue, kGroupThreads);
     const int next = tile + kStages;
     if (next < num_tiles) load_tile(row_of(next, true), tile % kStages);
     stage_index(next + kIndexAhead, true);
     cp_async_commit();
-    prefetch_rows(row_of(next + 1, true));
+    prefetch_rows(row_of(next + kPrefetchAhead, true));
   }
   cp_async_wait<0>();
   barrier_sync(kBarEnd, kThreads);   // the score warps' final row sums are in smem

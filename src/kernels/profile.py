@@ -1,0 +1,45 @@
+"""One kernel call for a profiler to look at: warm up, then run the call between
+cudaProfilerStart and cudaProfilerStop, so that Nsight Compute sees only that launch.
+
+    ncu --profile-from-start off --set full -o prof \\
+        python -m sm120_workbook.kernels.profile --heads 8 --q-len 16 --ctx 65536
+    ncu --import prof.ncu-rep --page source --csv --print-source sass > sass.csv
+
+The source page gives the warp-stall samples of every SASS instruction (NOTES.md reads
+them); a define (e.g. --define PREFETCH_AHEAD=8) profiles a build variant.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .bench import Inputs, Shape, build_sm120_mla
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--q-len", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=65536)
+    ap.add_argument("--tile-keys", type=int, default=None)
+    ap.add_argument("--define", action="append", default=[], help="a build define, e.g. PREFETCH_AHEAD=8")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profiling needs a CUDA GPU; none is visible to torch")
+    x = Inputs(Shape(a.batch, a.heads, a.q_len, a.ctx))
+    fn = build_sm120_mla(x, tile_keys=a.tile_keys, kernel_defines=tuple(a.define))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled one call: b{a.batch} h{a.heads} q{a.q_len} ctx {a.ctx}, "
+          f"{fn.num_splits} splits, {fn.tile_keys}-key tiles, defines {a.define or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
