@@ -12,8 +12,13 @@ def test_kernel_schedule_has_no_race_or_deadlock(num_tiles, stages):
     check(num_tiles, stages, schedules=150)
 
 
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
+def test_late_refill_schedule_has_no_race_or_deadlock(num_tiles):
+    check(num_tiles, 4, schedules=150, late_refill=True)   # LATE_REFILL=1, 16-key tiles
+
+
 def test_checker_catches_one_buffer_and_barrier_id_for_every_tile():
-    # Without parity the score group writes P(t+1) while the value group may still read P(t).
+    # With one P buffer the score group writes P(t+1) while the value group reads P(t).
     with pytest.raises(ProtocolError, match="race on \\('p'"):
         check(6, 4, parity=False)
 
@@ -31,7 +36,7 @@ def test_checker_catches_an_arrival_counted_into_the_wrong_round():
 
 def test_checker_catches_a_refill_before_the_score_warps_are_done():
     with pytest.raises(ProtocolError, match="race on \\('stage'"):
-        check(9, 4, refill_before_p_ready=True)
+        check(9, 4, refill_before_handover=True)
 
 
 def test_checker_catches_a_deadlock():

@@ -1,10 +1,10 @@
 """The split kernel's hand-over protocol as a program a CPU can check.
 
 mla_verify_split_kernel's score warps and value warps pass tiles to each other through
-named barriers: one group `arrive`s, the other `sync`s. Nothing else orders them, so a
-slip in that schedule is a data race that tests may never hit. This module states the two
-groups' steps in the kernel's order (`score_steps`, `value_steps`) and runs them under many
-random schedules with vector clocks, reporting
+named barriers. Nothing else orders them, so a slip in that schedule is a data race that
+tests may never hit. This module states the two groups' steps in the kernel's order
+(`score_steps`, `value_steps`) and runs them under many random schedules with vector
+clocks, reporting
 
 - a barrier round that one group enters twice before the other has come (the hardware
   would count the extra arrival into the wrong round),
@@ -12,9 +12,11 @@ random schedules with vector clocks, reporting
 - two accesses to the same shared-memory buffer, one of them a write, that no barrier
   orders (a race).
 
-A group is one agent: its four warps keep program order among themselves through the
-group's own barriers (kBarScore, kBarValue), which this model does not need to see. A
-cp.async copy is a write at the time it is issued, which is when its slot must be free.
+A barrier step is `sync` (wait for the round) or `arrive` (count in and go on); the kernel
+uses only `sync` since v12, and `arrive` stays for testing the checker. A group is one
+agent: its four warps keep program order among themselves through the group's own
+barriers (kBarScore, kBarValue), which this model does not need to see. A cp.async copy is
+a write at the time it is issued, which is when its slot must be free.
 
     from sm120_workbook.kernels.handover_model import check
     check(num_tiles=9, stages=4)   # raises ProtocolError on a broken schedule
@@ -25,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 
 # Barrier ids as in mla_verify.cuh.
-KV_READY, P_READY, END = 2, 4, 7
+HANDOVER, END = 2, 4
 SCORE, VALUE = 0, 1
 
 
@@ -34,35 +36,38 @@ class ProtocolError(AssertionError):
 
 
 def score_steps(num_tiles: int, stages: int, parity: bool = True):
-    """The score warps' steps, in the kernel's order."""
+    """The score warps' steps, in the kernel's order. `parity` False puts P(t) and the row
+    scale of every tile in one buffer: a deliberate bug, for testing the checker."""
+    yield "sync", HANDOVER                           # tile 0 has landed
     for t in range(num_tiles):
         par = t & 1 if parity else 0
-        yield "sync", KV_READY + par
         yield "read", ("stage", t % stages)          # S = Q.K(t)
         yield "write", ("p", par)                    # softmax(t)
         yield "write", ("row_scale", par)
-        yield "arrive", P_READY + par
+        yield "sync", HANDOVER                       # P(t) ready; tile t+1 landed
     yield "write", ("row_sums",)
-    yield "arrive", END
+    yield "sync", END
 
 
-def value_steps(num_tiles: int, stages: int, parity: bool = True, refill_before_p_ready: bool = False):
-    """The value warps' steps, in the kernel's order. `refill_before_p_ready` moves the
-    stage refill ahead of the P_READY wait: a deliberate bug, for testing the checker."""
+def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: bool = False,
+                refill_before_handover: bool = False):
+    """The value warps' steps, in the kernel's order. `late_refill` is the LATE_REFILL
+    build; `refill_before_handover` refills tile t's stage before the hand-over that the
+    score warps' last read of it precedes: a deliberate bug, for testing the checker."""
     for s in range(min(stages, num_tiles)):
         yield "write", ("stage", s)                  # prologue: fill the ring
-    yield "arrive", KV_READY
+    yield "sync", HANDOVER
     for t in range(num_tiles):
         par = t & 1 if parity else 0
-        if refill_before_p_ready and t + stages < num_tiles:
+        if refill_before_handover and t + stages < num_tiles:
             yield "write", ("stage", t % stages)
-        if t + 1 < num_tiles:                        # tile t+1 has landed: hand it over
-            yield "arrive", KV_READY + ((t + 1) & 1 if parity else 0)
-        yield "sync", P_READY + par
+        yield "sync", HANDOVER                       # tile t+1 landed: take P(t)
+        if late_refill and t >= 1 and t - 1 + stages < num_tiles:
+            yield "write", ("stage", (t - 1) % stages)   # refill with tile t-1+stages
         yield "read", ("row_scale", par)             # O rescale and O += P.V(t)
         yield "read", ("p", par)
         yield "read", ("stage", t % stages)
-        if not refill_before_p_ready and t + stages < num_tiles:
+        if not (late_refill or refill_before_handover) and t + stages < num_tiles:
             yield "write", ("stage", t % stages)     # refill with tile t + stages
     yield "sync", END
     yield "read", ("row_sums",)

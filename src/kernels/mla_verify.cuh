@@ -46,15 +46,23 @@ constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per
 // fall in different banks (1168 B stride = 292 words, 4 banks apart).
 constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
 
-// Named barriers (0 is __syncthreads). Each hand-over alternates between two ids by tile
-// parity, so a group that runs a tile ahead can never add its arrivals to the wrong round.
+// Named barriers (0 is __syncthreads). Both groups meet once per tile at kBarHandover: the
+// score warps bring P(t) and the O rescale of tile t, the value warps bring tile t+1 landed
+// in shared memory; then the score warps compute tile t+1 while the value warps multiply
+// tile t. Every barrier is a sync on both sides, so each one orders all the shared-memory
+// accesses before it against all those after it (racecheck checks exactly that).
 constexpr int kBarScore = 1;             // score warps only: S partials written
-constexpr int kBarKvReady = 2;           // 2, 3: value -> score, tile t is in shared memory
-constexpr int kBarPReady = 4;            // 4, 5: score -> value, P and the O rescale of tile t
-constexpr int kBarValue = 6;             // value warps only: every P.V of tile t is done
-constexpr int kBarEnd = 7;               // score -> value: the final row sums are in shared memory
+constexpr int kBarHandover = 2;          // all warps: P(t) ready, tile t+1 landed
+constexpr int kBarValue = 3;             // value warps only: every P.V of tile t is done
+constexpr int kBarEnd = 4;               // all warps: the final row sums are in shared memory
 // (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
 // that undefined, and compute-sanitizer's synccheck rejects it.)
+// LATE_REFILL: refill the stage of tile t-1 right after kBarHandover(t) (every warp is done
+// with it by then) instead of after a value-only barrier at the end of tile t: one barrier
+// fewer per tile, one tile fewer in flight. Needs 3+ stages (16-key tiles).
+#ifndef LATE_REFILL
+#define LATE_REFILL 0
+#endif
 constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared memory
 // How many tiles ahead of its cp.async a tile's rows are pulled into L2 (prefetch.global.L2
 // costs no shared memory, so it deepens the pipeline past the ring's kStages tiles). A
@@ -156,15 +164,18 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Named barriers: `sync` waits until `count` threads have arrived; `arrive` counts this
-// warp in and goes on. Both order the shared-memory writes made before them. The score and
-// value warps reach a barrier from different instructions, so these are the non-.aligned
-// forms (`bar.sync` means `barrier.sync.aligned`, which requires one instruction for all).
+// Named barriers: wait until `count` threads have arrived, ordering the shared-memory
+// accesses before against those after. The loop's barriers use `bar.sync`
+// (barrier.sync.aligned), which every thread of a warp must execute together: the callers
+// reconverge their warp first (__syncwarp), as warp-specialised CUTLASS kernels do. The
+// non-.aligned form works from diverged warps too, but its SASS adds a WARPSYNC and a
+// divergent fallback at every call: v10 measured it 11% slower, so it is kept for the
+// one barrier outside the loop.
 __device__ __forceinline__ void barrier_sync(int id, int count) {
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-__device__ __forceinline__ void barrier_arrive(int id, int count) {
-  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+__device__ __forceinline__ void barrier_sync_diverged(int id, int count) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
@@ -180,10 +191,10 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64
 //
 // handover_model.py states this schedule step by step and checks it for races and
 // deadlocks on a CPU (tests/test_handover_model.py): keep the two in step.
-// Pipeline for tile t (parity-alternating barrier ids, see kBarKvReady / kBarPReady):
-//   value warps: tile t+1 landed: arrive KV_READY(t+1) -> wait P_READY(t) -> O += P.V(t)
+// Pipeline for tile t (kBarHandover(t) is the t-th round of the hand-over barrier):
+//   score warps: S = Q.K(t) -> softmax -> P(t) -> kBarHandover(t)
+//   value warps: tile t+1 landed -> kBarHandover(t) -> O += P.V(t)
 //                -> (all value warps done) refill that stage with tile t+stages
-//   score warps: wait KV_READY(t) -> S = Q.K(t) -> softmax -> P(t), arrive P_READY(t)
 // so the score warps work on tile t+1 while the value warps multiply tile t.
 template <int KEYS>
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
@@ -275,9 +286,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
     const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + ((lane >> 4) & 1) * 8 * kKvRowStride +
                                  dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+    barrier_sync(kBarHandover, kThreads);   // tile 0 is in shared memory
     for (int tile = 0; tile < num_tiles; ++tile) {
-      const int par = tile & 1;
-      barrier_sync(kBarKvReady + par, kThreads);   // tile in smem; P[par] free again
+      const int par = tile & 1;   // P and row_scale alternate buffers: P(t-1) is still being read
 
       // S partial = Q[32 rows, 144 dims] . K[KEYS keys, 144 dims]^T
       {
@@ -374,14 +385,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         if (tid % kSoftmaxThreadsPerRow == 0) sm.row_scale[par][sm_row] = alpha;
       }
 #endif
-      barrier_arrive(kBarPReady + par, kThreads);
+      __syncwarp();
+      barrier_sync(kBarHandover, kThreads);   // P(tile) ready; tile+1 in shared memory
     }
     if (tid % kSoftmaxThreadsPerRow == 0) {
       sm.row_max[sm_row] = m_run;
       sm.row_sum[sm_row] = l_run;
     }
-    barrier_arrive(kBarEnd, kThreads);
-    barrier_sync(kBarScore, kGroupThreads);   // warp 0 reads every row's sums below
+    barrier_sync_diverged(kBarEnd, kThreads);   // also: warp 0 reads every row's sums below
     if (tid < kRowsPerCta) {
       const int64_t pi = partial_index(tid);
       if (pi >= 0) {
@@ -405,6 +416,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   // iteration X - kStages - kPrefetchAhead, hence kIndexAhead >= kStages + kPrefetchAhead - 1;
   // a slot is rewritten only after its last reader (the tile's own copy): ring > ahead.
   constexpr int kIndexAhead = kStages + kPrefetchAhead - 1 > kStages ? kStages + kPrefetchAhead - 1 : kStages;
+  constexpr int kRefillLag = LATE_REFILL ? 1 : 0;   // see LATE_REFILL
+  static_assert(!kRefillLag || kStages >= 3, "LATE_REFILL needs 3+ stages: use 16-key tiles");
   static_assert(kPrefetchAhead >= 1 && kIndexAhead + 1 <= kIndexRing, "index ring too small for PREFETCH_AHEAD");
   const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
   const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
@@ -452,6 +465,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     for (int line = ld_part; line < kDimQK * 2 / 128; line += Cfg::kLoadThreadsPerKey) prefetch_l2(src + line * 64);
   };
 
+  // The stage of tile `done` is free (no warp reads it again): refill it with the tile
+  // `stages` beyond, stage the index of the tile kIndexAhead beyond that, and pull the rows
+  // of the tile kPrefetchAhead beyond it into L2.
+  auto refill = [&](int done) {
+    const int next = done + kStages;
+    if (next < num_tiles) load_tile(row_of(next, true), done % kStages);
+    stage_index(next + kIndexAhead, true);
+    cp_async_commit();
+    prefetch_rows(row_of(next + kPrefetchAhead, true));
+  };
+
   // Fill the ring and stage the indices of the next kIndexAhead tiles, then hand tile 0
   // over once this thread's copies of it have landed. Group k of this thread's cp.async
   // groups holds tile k (and the index of tile k + kIndexAhead).
@@ -464,7 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
   for (int i = 0; i < kPrefetchAhead; ++i) prefetch_rows(row_of(kStages + i, true));
   cp_async_wait<kStages - 1>();
-  barrier_arrive(kBarKvReady, kThreads);
+  __syncwarp();
+  barrier_sync(kBarHandover, kThreads);   // tile 0 is in shared memory
 
   float o[2][kVColsPerWarp / 8][4];
 #pragma unroll
@@ -477,14 +502,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int pv_col0 = vwarp * kVColsPerWarp;
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int par = tile & 1;
-    // Hand tile+1 over before waiting for P(tile): the score warps start on it while this
-    // group multiplies tile. Committed so far: groups 0 .. stages+tile-1.
-    if (tile + 1 < num_tiles) {
-      cp_async_wait<kStages - 2>();
-      __syncwarp();   // also makes the staged indices of this warp's lanes visible to each other
-      barrier_arrive(kBarKvReady + (par ^ 1), kThreads);
-    }
-    barrier_sync(kBarPReady + par, kThreads);  // P(tile) is ready
+    // Hand tile+1 over and take P(tile): the score warps start on tile+1 while this group
+    // multiplies tile. Cp.async group g holds tile g; committed so far: every group up to
+    // stages+tile-1 (stages+tile-2 with the late refill, after tile 0).
+    if (tile + 1 < num_tiles) cp_async_wait<kStages - 2 - kRefillLag>();
+    __syncwarp();   // also makes the staged indices of this warp's lanes visible to each other
+    barrier_sync(kBarHandover, kThreads);  // P(tile) is ready; the score warps have tile+1
+    if (kRefillLag && tile > 0) refill(tile - 1);
 
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
 #pragma unroll
@@ -519,18 +543,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       }
     }
 #endif
-    // Every value warp is done with this stage (and the score warps were before P_READY):
-    // refill it with tile + stages, stage the index of the tile kIndexAhead beyond that, and
-    // pull the rows of the tile kPrefetchAhead beyond it into L2.
-    barrier_sync(kBarValue, kGroupThreads);
-    const int next = tile + kStages;
-    if (next < num_tiles) load_tile(row_of(next, true), tile % kStages);
-    stage_index(next + kIndexAhead, true);
-    cp_async_commit();
-    prefetch_rows(row_of(next + kPrefetchAhead, true));
+    if (!kRefillLag) {
+      barrier_sync(kBarValue, kGroupThreads);   // every value warp is done with this stage
+      refill(tile);
+    }
   }
   cp_async_wait<0>();
-  barrier_sync(kBarEnd, kThreads);   // the score warps' final row sums are in smem
+  barrier_sync_diverged(kBarEnd, kThreads);   // the score warps' final row sums are in smem
 
   // Normalised partial output of each row of this split.
 #pragma unroll
