@@ -40,16 +40,15 @@ VARIANTS = {
     "no_loads_no_softmax": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_SOFTMAX")),
     "no_loads_no_pv": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_PV")),
     "handovers_only": Variant(("ABLATE_NO_LOADS",) + _MATH),
-    # how far ahead of its cp.async a tile's rows are pulled into L2 (PREFETCH_AHEAD), the
-    # stage refill after the hand-over (LATE_REFILL), and 32-key tiles
-    "prefetch4": Variant(("PREFETCH_AHEAD=4",)),
+    # L2 prefetch of the rows PREFETCH_AHEAD tiles ahead (default 0: none), the stage
+    # refill after the hand-over (LATE_REFILL), 32-key tiles, and what the non-.aligned
+    # hand-over barrier costs (ABLATE_ALIGNED_HANDOVER: undefined per PTX, timing only)
+    "prefetch1": Variant(("PREFETCH_AHEAD=1",)),
     "prefetch8": Variant(("PREFETCH_AHEAD=8",)),
     "late_refill": Variant(("LATE_REFILL=1",)),
-    "late_refill_prefetch4": Variant(("LATE_REFILL=1", "PREFETCH_AHEAD=4")),
-    "late_refill_prefetch8": Variant(("LATE_REFILL=1", "PREFETCH_AHEAD=8")),
     "late_refill_handovers_only": Variant(("LATE_REFILL=1", "ABLATE_NO_LOADS") + _MATH),
+    "aligned_handover": Variant(("ABLATE_ALIGNED_HANDOVER",)),
     "tk32": Variant(tile_keys=32),
-    "tk32_prefetch8": Variant(("PREFETCH_AHEAD=8",), tile_keys=32),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

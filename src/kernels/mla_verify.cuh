@@ -65,10 +65,12 @@ constexpr int kBarEnd = 4;               // all warps: the final row sums are in
 #endif
 constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared memory
 // How many tiles ahead of its cp.async a tile's rows are pulled into L2 (prefetch.global.L2
-// costs no shared memory, so it deepens the pipeline past the ring's kStages tiles). A
-// build define so that the benchmark can sweep it; NOTES.md has the measurements.
+// costs no shared memory, so it could deepen the pipeline past the ring's kStages tiles).
+// Measured (NOTES.md, v11): 1, 4, 8 and 12 tiles ahead all time the same, so the default
+// is 0, no prefetch, which saves the value warps ~50 instructions a tile. A build define,
+// so that the ablation can sweep it.
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1
+#define PREFETCH_AHEAD 0
 #endif
 constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 
@@ -165,17 +167,22 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
 }
 
 // Named barriers: wait until `count` threads have arrived, ordering the shared-memory
-// accesses before against those after. The loop's barriers use `bar.sync`
-// (barrier.sync.aligned), which every thread of a warp must execute together: the callers
-// reconverge their warp first (__syncwarp), as warp-specialised CUTLASS kernels do. The
-// non-.aligned form works from diverged warps too, but its SASS adds a WARPSYNC and a
-// divergent fallback at every call: v10 measured it 11% slower, so it is kept for the
-// one barrier outside the loop.
+// accesses before against those after. `bar.sync` (barrier.sync.aligned) requires every
+// participating thread to execute the same instruction; it serves the barriers internal to
+// one group (kBarScore, kBarValue). The barriers both groups meet at (kBarHandover,
+// kBarEnd) are reached from the two groups' different code, which only the non-.aligned
+// form allows (synccheck rejects the aligned one there, and racecheck then does not count
+// it as ordering anything). Its SASS adds a WARPSYNC and a divergent fallback, so it is
+// kept to those two.
 __device__ __forceinline__ void barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void barrier_sync_diverged(int id, int count) {
+#ifdef ABLATE_ALIGNED_HANDOVER   // timing only: what the non-.aligned form costs
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#else
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#endif
 }
 
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
@@ -286,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
     const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + ((lane >> 4) & 1) * 8 * kKvRowStride +
                                  dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
-    barrier_sync(kBarHandover, kThreads);   // tile 0 is in shared memory
+    barrier_sync_diverged(kBarHandover, kThreads);   // tile 0 is in shared memory
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int par = tile & 1;   // P and row_scale alternate buffers: P(t-1) is still being read
 
@@ -386,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       }
 #endif
       __syncwarp();
-      barrier_sync(kBarHandover, kThreads);   // P(tile) ready; tile+1 in shared memory
+      barrier_sync_diverged(kBarHandover, kThreads);   // P(tile) ready; tile+1 in shared memory
     }
     if (tid % kSoftmaxThreadsPerRow == 0) {
       sm.row_max[sm_row] = m_run;
@@ -416,22 +423,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   // iteration X - kStages - kPrefetchAhead, hence kIndexAhead >= kStages + kPrefetchAhead - 1;
   // a slot is rewritten only after its last reader (the tile's own copy): ring > ahead.
   constexpr int kIndexAhead = kStages + kPrefetchAhead - 1 > kStages ? kStages + kPrefetchAhead - 1 : kStages;
-  constexpr int kRefillLag = LATE_REFILL ? 1 : 0;   // see LATE_REFILL
-  static_assert(!kRefillLag || kStages >= 3, "LATE_REFILL needs 3+ stages: use 16-key tiles");
-  static_assert(kPrefetchAhead >= 1 && kIndexAhead + 1 <= kIndexRing, "index ring too small for PREFETCH_AHEAD");
+  constexpr int kRefillLag = LATE_REFILL && kStages >= 3 ? 1 : 0;   // see LATE_REFILL (16-key tiles only)
+  static_assert(kPrefetchAhead >= 0 && kIndexAhead + 1 <= kIndexRing, "index ring too small for PREFETCH_AHEAD");
   const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
   const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
   auto tile_key = [&](int tile) { return key_begin + tile * KEYS + ld_key; };
   auto index_src = [&](int key) {
     return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
   };
-  auto row_of = [&](int tile, bool staged) -> int64_t {  // staged: the index is in sm.index
+  // This thread's key row of a tile: a pool row, a k_extend row, or nullptr past key_end.
+  auto row_of = [&](int tile, bool staged) -> const __nv_bfloat16* {  // staged: index in sm.index
     const int key = tile_key(tile);
-    if (tile >= num_tiles || key >= key_end) return -1;
-    if (key >= prefix_len) return -2 - static_cast<int64_t>(q_start + key - prefix_len);
-    if (!staged) return load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-    const int64_t v = sm.index[tile % kIndexRing][ld_key];
-    return prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
+    if (tile >= num_tiles || key >= key_end) return nullptr;
+    if (key >= prefix_len) return prm.k_extend + static_cast<int64_t>(q_start + key - prefix_len) * kDimQK;
+    int64_t row;
+    if (!staged) {
+      row = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+    } else {
+      const int64_t v = sm.index[tile % kIndexRing][ld_key];
+      row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
+    }
+    return prm.kv_pool + row * kDimQK;
   };
   auto stage_index = [&](int tile, bool async) {  // one thread per key row
     const int key = tile_key(tile);
@@ -444,25 +456,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     else
       cp_async_small<4>(dst, index_src(key));
   };
-  auto row_src = [&](int64_t row) {
-    return row >= 0 ? prm.kv_pool + row * kDimQK : row <= -2 ? prm.k_extend + (-2 - row) * kDimQK : prm.kv_pool;
-  };
-  auto load_tile = [&](int64_t row, int stage) {
-    const __nv_bfloat16* src = row_src(row);
-    __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride];
+  // One base address and constant offsets per thread, so each cp.async is one instruction.
+  // A missing row copies 0 bytes (zero-fill) from a valid address.
+  auto load_tile = [&](const __nv_bfloat16* row, int stage) {
+    const bool valid = row != nullptr;
+    const __nv_bfloat16* src = (valid ? row : prm.kv_pool) + ld_part * 8;
+    __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride + ld_part * 8];
 #ifdef ABLATE_NO_LOADS
     return;
 #endif
 #pragma unroll
     for (int j = 0; j < Cfg::kLoadSteps; ++j) {
-      const int part = ld_part + Cfg::kLoadThreadsPerKey * j;
-      if (part < kChunksPerKey) cp_async_16(dst + part * 8, src + (row != -1 ? part * 8 : 0), row != -1);
+      const int step = Cfg::kLoadThreadsPerKey * 8 * j;
+      if (ld_part + Cfg::kLoadThreadsPerKey * j < kChunksPerKey) cp_async_16(dst + step, src + step, valid);
     }
   };
-  auto prefetch_rows = [&](int64_t row) {   // the key row's 9 lines of 128 B
-    if (row == -1) return;
-    const __nv_bfloat16* src = row_src(row);
-    for (int line = ld_part; line < kDimQK * 2 / 128; line += Cfg::kLoadThreadsPerKey) prefetch_l2(src + line * 64);
+  auto prefetch_rows = [&](const __nv_bfloat16* row) {   // the key row's 9 lines of 128 B
+    if (row == nullptr) return;
+#pragma unroll
+    for (int j = 0; j * Cfg::kLoadThreadsPerKey < kDimQK * 2 / 128; ++j)
+      if (ld_part + j * Cfg::kLoadThreadsPerKey < kDimQK * 2 / 128) prefetch_l2(row + (ld_part + j * Cfg::kLoadThreadsPerKey) * 64);
   };
 
   // The stage of tile `done` is free (no warp reads it again): refill it with the tile
@@ -473,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     if (next < num_tiles) load_tile(row_of(next, true), done % kStages);
     stage_index(next + kIndexAhead, true);
     cp_async_commit();
-    prefetch_rows(row_of(next + kPrefetchAhead, true));
+    if (kPrefetchAhead > 0) prefetch_rows(row_of(next + kPrefetchAhead, true));
   };
 
   // Fill the ring and stage the indices of the next kIndexAhead tiles, then hand tile 0
@@ -489,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   for (int i = 0; i < kPrefetchAhead; ++i) prefetch_rows(row_of(kStages + i, true));
   cp_async_wait<kStages - 1>();
   __syncwarp();
-  barrier_sync(kBarHandover, kThreads);   // tile 0 is in shared memory
+  barrier_sync_diverged(kBarHandover, kThreads);   // tile 0 is in shared memory
 
   float o[2][kVColsPerWarp / 8][4];
 #pragma unroll
@@ -507,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     // stages+tile-1 (stages+tile-2 with the late refill, after tile 0).
     if (tile + 1 < num_tiles) cp_async_wait<kStages - 2 - kRefillLag>();
     __syncwarp();   // also makes the staged indices of this warp's lanes visible to each other
-    barrier_sync(kBarHandover, kThreads);  // P(tile) is ready; the score warps have tile+1
+    barrier_sync_diverged(kBarHandover, kThreads);  // P(tile) is ready; the score warps have tile+1
     if (kRefillLag && tile > 0) refill(tile - 1);
 
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
