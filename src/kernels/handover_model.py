@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 
 # Barrier ids as in mla_verify.cuh.
-HANDOVER, END = 2, 4
+HANDOVER = END = 0   # both are cta_sync (barrier 0) in the kernel
 SCORE, VALUE = 0, 1
 
 

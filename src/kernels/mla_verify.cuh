@@ -46,18 +46,21 @@ constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per
 // fall in different banks (1168 B stride = 292 words, 4 banks apart).
 constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
 
-// Named barriers (0 is __syncthreads). Both groups meet once per tile at kBarHandover: the
+// Barriers. Both groups meet once per tile at the hand-over (cta_sync): the
 // score warps bring P(t) and the O rescale of tile t, the value warps bring tile t+1 landed
 // in shared memory; then the score warps compute tile t+1 while the value warps multiply
 // tile t. Every barrier is a sync on both sides, so each one orders all the shared-memory
 // accesses before it against all those after it (racecheck checks exactly that).
+// The two barriers of all warps, the per-tile hand-over (P(t) ready, tile t+1 landed) and
+// the end (final row sums in shared memory), take turns on barrier 0 with every thread of
+// the CTA (cta_sync): with a named barrier and a thread count, compute-sanitizer's racecheck
+// reported the P hand-over as a race, though every access is ordered. Two named barriers
+// serve one group each:
 constexpr int kBarScore = 1;             // score warps only: S partials written
-constexpr int kBarHandover = 2;          // all warps: P(t) ready, tile t+1 landed
-constexpr int kBarValue = 3;             // value warps only: every P.V of tile t is done
-constexpr int kBarEnd = 4;               // all warps: the final row sums are in shared memory
+constexpr int kBarValue = 2;             // value warps only: every P.V of tile t is done
 // (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
 // that undefined, and compute-sanitizer's synccheck rejects it.)
-// LATE_REFILL: refill the stage of tile t-1 right after kBarHandover(t) (every warp is done
+// LATE_REFILL: refill the stage of tile t-1 right after hand-over t (every warp is done
 // with it by then) instead of after a value-only barrier at the end of tile t: one barrier
 // fewer per tile, one tile fewer in flight. Needs 3+ stages (16-key tiles).
 #ifndef LATE_REFILL
@@ -166,22 +169,22 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Named barriers: wait until `count` threads have arrived, ordering the shared-memory
+// Barriers wait until every participating thread has arrived, ordering the shared-memory
 // accesses before against those after. `bar.sync` (barrier.sync.aligned) requires every
 // participating thread to execute the same instruction; it serves the barriers internal to
-// one group (kBarScore, kBarValue). The barriers both groups meet at (kBarHandover,
-// kBarEnd) are reached from the two groups' different code, which only the non-.aligned
-// form allows (synccheck rejects the aligned one there, and racecheck then does not count
-// it as ordering anything). Its SASS adds a WARPSYNC and a divergent fallback, so it is
-// kept to those two.
+// one group (kBarScore, kBarValue: `count` threads). The barriers of all warps are reached
+// from the two groups' different code, which only the non-.aligned form allows (synccheck
+// rejects the aligned one there, and racecheck then does not count it as ordering
+// anything). Its SASS adds a WARPSYNC and a divergent fallback; measured, that costs
+// nothing here (ablation variant aligned_handover, NOTES.md).
 __device__ __forceinline__ void barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-__device__ __forceinline__ void barrier_sync_diverged(int id, int count) {
+__device__ __forceinline__ void cta_sync() {
 #ifdef ABLATE_ALIGNED_HANDOVER   // timing only: what the non-.aligned form costs
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  asm volatile("bar.sync 0;\n" ::: "memory");
 #else
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  asm volatile("barrier.sync 0;\n" ::: "memory");
 #endif
 }
 
@@ -198,9 +201,9 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64
 //
 // handover_model.py states this schedule step by step and checks it for races and
 // deadlocks on a CPU (tests/test_handover_model.py): keep the two in step.
-// Pipeline for tile t (kBarHandover(t) is the t-th round of the hand-over barrier):
-//   score warps: S = Q.K(t) -> softmax -> P(t) -> kBarHandover(t)
-//   value warps: tile t+1 landed -> kBarHandover(t) -> O += P.V(t)
+// Pipeline for tile t (hand-over(t): the (t+1)-th cta_sync, after one for tile 0):
+//   score warps: S = Q.K(t) -> softmax -> P(t) -> hand-over(t)
+//   value warps: tile t+1 landed -> hand-over(t) -> O += P.V(t)
 //                -> (all value warps done) refill that stage with tile t+stages
 // so the score warps work on tile t+1 while the value warps multiply tile t.
 template <int KEYS>
@@ -293,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
     const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + ((lane >> 4) & 1) * 8 * kKvRowStride +
                                  dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
-    barrier_sync_diverged(kBarHandover, kThreads);   // tile 0 is in shared memory
+    cta_sync();   // tile 0 is in shared memory
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int par = tile & 1;   // P and row_scale alternate buffers: P(t-1) is still being read
 
@@ -376,8 +379,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
           p[j] = exp2f(sc[j] - base);
           psum += p[j];
         }
-#pragma unroll
-        for (int off = 1; off < kSoftmaxThreadsPerRow; off <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
         __nv_bfloat16* prow = &sm.p[par][sm_row][sm_key];
 #pragma unroll
         for (int j = 0; j < NK; j += 4) {
@@ -387,19 +388,23 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
               make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
         }
         const float alpha = exp2f(m_run - base);  // 0 when m_run is -inf, 1 when the max stays
+        // Each thread sums its own keys; alpha is the same in the row's threads, so the row
+        // sum is the sum of the threads' sums, reduced once after the last tile.
         l_run = l_run * alpha + psum;
         m_run = m_new;
         if (tid % kSoftmaxThreadsPerRow == 0) sm.row_scale[par][sm_row] = alpha;
       }
 #endif
       __syncwarp();
-      barrier_sync_diverged(kBarHandover, kThreads);   // P(tile) ready; tile+1 in shared memory
+      cta_sync();   // P(tile) ready; tile+1 in shared memory
     }
+#pragma unroll
+    for (int off = 1; off < kSoftmaxThreadsPerRow; off <<= 1) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);
     if (tid % kSoftmaxThreadsPerRow == 0) {
       sm.row_max[sm_row] = m_run;
       sm.row_sum[sm_row] = l_run;
     }
-    barrier_sync_diverged(kBarEnd, kThreads);   // also: warp 0 reads every row's sums below
+    cta_sync();   // also: warp 0 reads every row's sums below
     if (tid < kRowsPerCta) {
       const int64_t pi = partial_index(tid);
       if (pi >= 0) {
@@ -502,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   for (int i = 0; i < kPrefetchAhead; ++i) prefetch_rows(row_of(kStages + i, true));
   cp_async_wait<kStages - 1>();
   __syncwarp();
-  barrier_sync_diverged(kBarHandover, kThreads);   // tile 0 is in shared memory
+  cta_sync();   // tile 0 is in shared memory
 
   float o[2][kVColsPerWarp / 8][4];
 #pragma unroll
@@ -520,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     // stages+tile-1 (stages+tile-2 with the late refill, after tile 0).
     if (tile + 1 < num_tiles) cp_async_wait<kStages - 2 - kRefillLag>();
     __syncwarp();   // also makes the staged indices of this warp's lanes visible to each other
-    barrier_sync_diverged(kBarHandover, kThreads);  // P(tile) is ready; the score warps have tile+1
+    cta_sync();  // P(tile) is ready; the score warps have tile+1
     if (kRefillLag && tile > 0) refill(tile - 1);
 
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
@@ -562,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     }
   }
   cp_async_wait<0>();
-  barrier_sync_diverged(kBarEnd, kThreads);   // the score warps' final row sums are in smem
+  cta_sync();   // the score warps' final row sums are in smem
 
   // Normalised partial output of each row of this split.
 #pragma unroll
