@@ -53,9 +53,7 @@ constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
 // accesses before it against all those after it (racecheck checks exactly that).
 // The two barriers of all warps, the per-tile hand-over (P(t) ready, tile t+1 landed) and
 // the end (final row sums in shared memory), take turns on barrier 0 with every thread of
-// the CTA (cta_sync): with a named barrier and a thread count, compute-sanitizer's racecheck
-// reported the P hand-over as a race, though every access is ordered. Two named barriers
-// serve one group each:
+// the CTA (cta_sync). Two named barriers serve one group each:
 constexpr int kBarScore = 1;             // score warps only: S partials written
 constexpr int kBarValue = 2;             // value warps only: every P.V of tile t is done
 // (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
@@ -171,22 +169,27 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
 
 // Barriers wait until every participating thread has arrived, ordering the shared-memory
 // accesses before against those after. `bar.sync` (barrier.sync.aligned) requires every
-// participating thread to execute the same instruction; it serves the barriers internal to
-// one group (kBarScore, kBarValue: `count` threads). The barriers of all warps are reached
-// from the two groups' different code, which only the non-.aligned form allows (synccheck
-// rejects the aligned one there, and racecheck then does not count it as ordering
-// anything). Its SASS adds a WARPSYNC and a divergent fallback; measured, that costs
-// nothing here (ablation variant aligned_handover, NOTES.md).
+// participating thread to execute the same instruction, with its warp converged. The group
+// barriers (kBarScore, kBarValue: `count` threads) are one instruction per group. The
+// barriers of all warps are reached from the two groups' different code, so cta_sync is a
+// function that is never inlined: every thread then executes its one `bar.sync` (ptxas sees
+// the callee, so the call costs a CALL and a RET and no registers). Reached from two sites
+// instead, the aligned form is undefined (synccheck: "divergent threads"), and racecheck did
+// not count it, nor the non-.aligned `barrier.sync`, as ordering the P hand-over.
 __device__ __forceinline__ void barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-__device__ __forceinline__ void cta_sync() {
-#ifdef ABLATE_ALIGNED_HANDOVER   // timing only: what the non-.aligned form costs
+#ifndef ABLATE_INLINE_CTA_SYNC
+__device__ __noinline__ void cta_sync() {
+  __syncwarp();
   asm volatile("bar.sync 0;\n" ::: "memory");
-#else
-  asm volatile("barrier.sync 0;\n" ::: "memory");
-#endif
 }
+#else   // timing only: what the call costs (two instruction sites: undefined per PTX)
+__device__ __forceinline__ void cta_sync() {
+  __syncwarp();
+  asm volatile("bar.sync 0;\n" ::: "memory");
+}
+#endif
 
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
 __device__ __forceinline__ void prefetch_l2(const void* p) {

@@ -33,7 +33,7 @@ def _nvcc() -> str:
     return exe
 
 
-def _kernel_label(mangled: str) -> str:
+def _kernel_label(mangled: str) -> str | None:
     """Readable names: mla_verify_split_kernel<16> mangles to ...ILi16E..."""
     if "mla_verify_split_kernel" in mangled:
         for keys in (16, 32):
@@ -41,7 +41,7 @@ def _kernel_label(mangled: str) -> str:
                 return f"mla_verify_split_kernel<{keys}>"
     if "mla_verify_combine_kernel" in mangled:
         return "mla_verify_combine_kernel"
-    return mangled
+    return None   # a device function (cta_sync), not a kernel
 
 
 def ptxas_report(arch: str) -> dict[str, dict]:
@@ -60,7 +60,8 @@ def ptxas_report(arch: str) -> dict[str, dict]:
     for line in proc.stderr.splitlines():
         if m := _FUNC.search(line):
             current = _kernel_label(m.group(1))
-            report[current] = {}
+            if current:
+                report[current] = {}
         elif current and (m := _SPILL.search(line)):
             report[current].update(stack_bytes=int(m[1]), spill_store_bytes=int(m[2]), spill_load_bytes=int(m[3]))
         elif current and (m := _USED.search(line)):
