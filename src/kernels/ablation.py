@@ -41,13 +41,11 @@ VARIANTS = {
     "no_loads_no_pv": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_PV")),
     "handovers_only": Variant(("ABLATE_NO_LOADS",) + _MATH),
     # L2 prefetch of the rows PREFETCH_AHEAD tiles ahead (default 0: none), the stage
-    # refill after the hand-over (LATE_REFILL), 32-key tiles, and what calling the one
-    # all-warp barrier costs (ABLATE_INLINE_CTA_SYNC: undefined per PTX, timing only)
+    # refill after the hand-over (LATE_REFILL) and 32-key tiles
     "prefetch1": Variant(("PREFETCH_AHEAD=1",)),
     "prefetch8": Variant(("PREFETCH_AHEAD=8",)),
     "late_refill": Variant(("LATE_REFILL=1",)),
     "late_refill_handovers_only": Variant(("LATE_REFILL=1", "ABLATE_NO_LOADS") + _MATH),
-    "inline_cta_sync": Variant(("ABLATE_INLINE_CTA_SYNC",)),
     "tk32": Variant(tile_keys=32),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))

@@ -169,27 +169,18 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
 
 // Barriers wait until every participating thread has arrived, ordering the shared-memory
 // accesses before against those after. `bar.sync` (barrier.sync.aligned) requires every
-// participating thread to execute the same instruction, with its warp converged. The group
-// barriers (kBarScore, kBarValue: `count` threads) are one instruction per group. The
-// barriers of all warps are reached from the two groups' different code, so cta_sync is a
-// function that is never inlined: every thread then executes its one `bar.sync` (ptxas sees
-// the callee, so the call costs a CALL and a RET and no registers). Reached from two sites
-// instead, the aligned form is undefined (synccheck: "divergent threads"), and racecheck did
-// not count it, nor the non-.aligned `barrier.sync`, as ordering the P hand-over.
+// participating thread to execute the same instruction; it serves the barriers internal to
+// one group (kBarScore, kBarValue: `count` threads). The barriers of all warps are reached
+// from the two groups' different code, which only the non-.aligned form allows (synccheck
+// rejects the aligned one there). Its SASS adds a WARPSYNC and a divergent fallback;
+// measured, that costs nothing here, while a never-inlined function holding one aligned
+// `bar.sync 0` for every thread cost 5% (NOTES.md, v14 and v15).
 __device__ __forceinline__ void barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-#ifndef ABLATE_INLINE_CTA_SYNC
-__device__ __noinline__ void cta_sync() {
-  __syncwarp();
-  asm volatile("bar.sync 0;\n" ::: "memory");
-}
-#else   // timing only: what the call costs (two instruction sites: undefined per PTX)
 __device__ __forceinline__ void cta_sync() {
-  __syncwarp();
-  asm volatile("bar.sync 0;\n" ::: "memory");
+  asm volatile("barrier.sync 0;\n" ::: "memory");
 }
-#endif
 
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
