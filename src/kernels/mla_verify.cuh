@@ -46,14 +46,13 @@ constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per
 // fall in different banks (1168 B stride = 292 words, 4 banks apart).
 constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
 
-// Barriers. Both groups meet once per tile at the hand-over (cta_sync): the
-// score warps bring P(t) and the O rescale of tile t, the value warps bring tile t+1 landed
-// in shared memory; then the score warps compute tile t+1 while the value warps multiply
-// tile t. Every barrier is a sync on both sides, so each one orders all the shared-memory
-// accesses before it against all those after it (racecheck checks exactly that).
-// The two barriers of all warps, the per-tile hand-over (P(t) ready, tile t+1 landed) and
-// the end (final row sums in shared memory), take turns on barrier 0 with every thread of
-// the CTA (cta_sync). Two named barriers serve one group each:
+// Barriers. Both groups meet once per tile at the hand-over (cta_sync: barrier 0, every
+// thread of the CTA): the score warps bring P(t) and the O rescale of tile t, the value
+// warps bring tile t+1 landed in shared memory; then the score warps compute tile t+1
+// while the value warps multiply tile t. Every barrier is a sync on both sides, so each one
+// orders all the shared-memory accesses before it against all those after it
+// (handover_model.py checks the schedule). cta_sync also ends the split (final row sums in
+// shared memory). Two named barriers serve one group each:
 constexpr int kBarScore = 1;             // score warps only: S partials written
 constexpr int kBarValue = 2;             // value warps only: every P.V of tile t is done
 // (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
