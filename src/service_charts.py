@@ -24,7 +24,8 @@ def _need(df, cols, name="df"):
 
 
 def decode_points(df):
-    """One row per measured point: median over repeats of tok/s, accept length and step time."""
+    """One row per measured point: median over repeats of tok/s, accept length and step time,
+    from the newest commit that measured the point."""
     _need(df, ["backend", "spec", "ctx", "tok_s", "accept_len", "verify_step_ms"])
     d = df.copy()
     for k in POINT_KEYS:
@@ -33,10 +34,18 @@ def decode_points(df):
     d["draft_tokens"] = d["draft_tokens"].fillna(0).astype(int)
     # The expert-distribution recorder costs time on every forward pass: show whether it ran.
     d["expert_record"] = d["expert_record"].fillna(False).astype(bool) if "expert_record" in d else False
+    # A point measured again with newer code (a faster kernel) is that code's: keep the newest
+    # commit's records of each point, and repeats within it.
+    if "commit" in d and "date" in d:
+        d["commit"] = d["commit"].fillna("?").astype(str).str[:7]
+        newest = d.sort_values("date").groupby(POINT_KEYS, dropna=False)["commit"].transform("last")
+        d = d[d["commit"] == newest]
+    else:
+        d["commit"] = "?"
     agg = (d.groupby(POINT_KEYS, dropna=False)
              .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
                   verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"),
-                  expert_record=("expert_record", "any"))
+                  expert_record=("expert_record", "any"), commit=("commit", "first"))
              .reset_index())
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
@@ -57,7 +66,7 @@ def speedup_over(points, baseline: str = "triton"):
 
 def decode_table(points):
     """The compact table a notebook prints (rounded, deterministic order)."""
-    cols = ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs", "expert_record"]
+    cols = ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs", "expert_record", "commit"]
     t = points[cols].copy()
     return t.round({"tok_s": 1, "accept_len": 2, "verify_step_ms": 2})
 

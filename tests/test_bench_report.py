@@ -36,3 +36,23 @@ def test_targets_table_says_missed_when_missed():
     t = br.targets_table(df).set_index("target")
     assert not t.loc["q16 h8 64k: <= FlashMLA", "met"]
     assert not t.loc["q16 h8 64k: >= 100x Triton verify", "met"] and t.loc["q16 h8 64k: >= 100x Triton verify", "ratio"] == 96.5
+
+
+def test_baselines_missing_from_the_latest_run_come_from_the_newest_run_that_has_them():
+    df = pd.DataFrame([
+        _rec("20261129T120000Z", "v9", "sm120_mla", 126.8), _rec("20261129T120000Z", "v9", "triton_verify", 12238.2),
+        _rec("20261129T130000Z", "v14", "sm120_mla", 107.8), _rec("20261129T130000Z", "v14", "flashmla", 56.7),
+    ])
+    latest = br.latest_run(df)
+    table = br.with_missing_baselines(latest, df)
+    assert sorted(table["impl"]) == ["flashmla", "sm120_mla", "triton_verify"]   # v9's sm120_mla row stays out
+    assert br.baselines_from(table) == {"triton_verify": "20261129T120000Z"}
+    assert br.baselines_from(latest) == {}
+    t = br.targets_table(table).set_index("target")
+    assert t.loc["q16 h8 64k: >= 100x Triton verify", "met"]   # 12238.2 / 107.8 = 113.5
+
+
+def test_a_target_without_a_baseline_is_not_measured_rather_than_missed():
+    df = pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0, q_len=1, ctx=32768)])
+    row = br.targets_table(df).set_index("target").loc["decode h8 32k: >= 1x Triton decode"]
+    assert row["met"] is None and "not measured" in row["measured"]

@@ -439,7 +439,7 @@ def test_decode_points_speedup_and_charts(seed, tmp_path):
     assert sp[sp["backend"] == "triton"]["speedup"].round(9).eq(1.0).all()
     table = sc.decode_table(pts)
     assert list(table.columns) == ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs",
-                                   "expert_record"]
+                                   "expert_record", "commit"]
     assert set(table["ctx_label"]) == {"4k", "16k", "64k"}
     for name, chart in (("speed", sc.decode_speed_chart(pts)), ("speedup", sc.speedup_chart(sp))):
         assert chart.to_dict()["facet"]["column"]["field"] == "spec_title"
@@ -448,6 +448,22 @@ def test_decode_points_speedup_and_charts(seed, tmp_path):
         sc.speedup_over(pts, "flashmla")
     with pytest.raises(ValueError, match="missing columns"):
         sc.decode_points(pd.DataFrame([{"backend": "triton"}]))
+
+
+def test_decode_points_keep_the_newest_commit_of_a_point():
+    import pandas as pd
+
+    from sm120_workbook import service_charts as sc
+
+    recs = _synthetic_decode_records(0)
+    for r in recs:
+        r.update(commit="aaaaaaa1111", date="2026-11-29T12:00:00+00:00")
+    newer = [dict(r, commit="bbbbbbb2222", date="2026-11-29T15:00:00+00:00", tok_s=r["tok_s"] * 2)
+             for r in recs if r["backend"] == "sm120_mla" and r["spec"] == "ngram"]
+    pts = sc.decode_points(pd.DataFrame(recs + newer)).set_index(["backend", "spec", "ctx"])
+    assert set(pts.loc[("sm120_mla", "ngram"), "commit"]) == {"bbbbbbb"}   # the old kernel's runs are not mixed in
+    assert set(pts.loc[("sm120_mla", "ngram"), "runs"]) == {2}
+    assert set(pts.loc[("triton", "ngram"), "commit"]) == {"aaaaaaa"}
 
 
 def test_nvml_records_round_trip_and_pick_point():

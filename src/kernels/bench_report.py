@@ -28,6 +28,31 @@ def latest_run(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["run_id"] == sorted(df["run_id"].unique())[-1]].copy()
 
 
+def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
+    """`run` plus, for each baseline impl it lacks (e.g. a run made without SGLang's Triton
+    kernels installed), that impl's rows from the newest run that has it. Their `run_id`
+    says where they come from; ratios against them are across runs (baselines_from)."""
+    if run.empty:
+        return run
+    parts = [run]
+    for impl in IMPL_ORDER:
+        if impl == "sm120_mla" or (run["impl"] == impl).any():
+            continue
+        older = all_runs[all_runs["impl"] == impl]
+        if len(older):
+            parts.append(older[older["run_id"] == sorted(older["run_id"].unique())[-1]])
+    return pd.concat(parts, ignore_index=True)
+
+
+def baselines_from(table: pd.DataFrame) -> dict[str, str]:
+    """impl -> run_id for the impls whose rows come from another run than sm120_mla's."""
+    if table.empty or not (table["impl"] == "sm120_mla").any():
+        return {}
+    ours = set(table.loc[table["impl"] == "sm120_mla", "run_id"])
+    other = table[~table["run_id"].isin(ours)]
+    return {impl: ", ".join(sorted(g["run_id"].unique())) for impl, g in other.groupby("impl")}
+
+
 def default_rows(df: pd.DataFrame, tile_keys: int | None = None) -> pd.DataFrame:
     """One row per (impl, shape): sm120_mla at its automatic split count and the given (or,
     when None, the faster) tile size; other impls as they are."""
@@ -58,8 +83,9 @@ def bandwidth_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFram
     sel = df[(df["batch"] == batch) & (df["heads"] == heads) & (df["q_len"] == q_len)]
     t = sel.pivot_table(index="ctx", columns="impl", values="gbps", aggfunc="max")
     t = t[[c for c in IMPL_ORDER if c in t.columns]].round(0)
-    if "sm120_mla" in t and len(sel):
-        t["sm120_mla % of copy"] = (100 * t["sm120_mla"] / sel["copy_gbps"].iloc[0]).round(1)
+    ours = sel[sel["impl"] == "sm120_mla"]
+    if "sm120_mla" in t and len(ours):
+        t["sm120_mla % of copy"] = (100 * t["sm120_mla"] / ours["copy_gbps"].iloc[0]).round(1)
     return t
 
 
@@ -116,7 +142,13 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
             need = 3.0 if ctx == 65536 else 1.0
             rows.append({"target": f"decode h{heads} {ctx // 1024}k: >= {need:g}x Triton decode",
                          "measured": f"{ours:.1f} vs {td:.1f} us", "ratio": round(td / ours, 2), "met": bool(td / ours >= need)})
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    # A missing time (an impl or shape not in the records) is "not measured", never "missed".
+    unknown = out["measured"].str.contains("nan")
+    out["met"] = out["met"].astype(object)
+    out.loc[unknown, "met"] = None
+    out.loc[unknown, "measured"] = out.loc[unknown, "measured"].str.replace("nan", "not measured")
+    return out
 
 
 def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: int = 1):
