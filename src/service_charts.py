@@ -56,12 +56,23 @@ def speedup_over(points, baseline: str = "triton"):
     """tok/s of each backend divided by the baseline backend's at the same point."""
     _need(points, POINT_KEYS + ["tok_s"], "points")
     keys = [k for k in POINT_KEYS if k != "backend"]
-    base = points[points["backend"] == baseline][keys + ["tok_s"]].rename(columns={"tok_s": "base_tok_s"})
+    carry = ["tok_s"] + (["commit"] if "commit" in points else [])
+    base = points[points["backend"] == baseline][keys + carry].rename(
+        columns={"tok_s": "base_tok_s", "commit": "base_commit"})
     if len(base) == 0:
         raise ValueError(f"points: no rows of the baseline backend {baseline!r}")
     m = points.merge(base, on=keys, how="inner")
     m["speedup"] = m["tok_s"] / m["base_tok_s"]
     return m
+
+
+def speedup_table(sp):
+    """Speedups as a table, with the commit of each side: points of different commits come
+    from separate server runs (e.g. a newer kernel against an older baseline run)."""
+    cols = [c for c in ("backend", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit")
+            if c in sp]
+    t = sp[cols].copy()
+    return t.round({"tok_s": 1, "base_tok_s": 1, "speedup": 2}).reset_index(drop=True)
 
 
 def decode_table(points):

@@ -492,3 +492,20 @@ def test_run_matrix_ep_size_is_checked_and_recorded(fake, tmp_path):
                                   spec=["none"], decode_tokens=8, tp=1, ep_size=1, nvml=False,
                                   progress=False, launcher=fake, log_dir=tmp_path, log=lambda s: None)
     assert [r["ep_size"] for r in res.decode] == [1]
+
+
+def test_speedup_table_names_both_commits():
+    import pandas as pd
+
+    from sm120_workbook import service_charts as sc
+
+    recs = _synthetic_decode_records(1)
+    for r in recs:
+        newer = r["backend"] == "sm120_mla"
+        r.update(commit="bbbbbbb2222" if newer else "aaaaaaa1111",
+                 date="2026-11-29T15:00:00+00:00" if newer else "2026-11-29T12:00:00+00:00")
+    sp = sc.speedup_over(sc.decode_points(pd.DataFrame(recs)), "triton")
+    t = sc.speedup_table(sp[sp["backend"] == "sm120_mla"])
+    assert list(t.columns) == ["backend", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit"]
+    assert set(t["commit"]) == {"bbbbbbb"} and set(t["base_commit"]) == {"aaaaaaa"}
+    assert t["speedup"].between(1.45, 1.55).all()
