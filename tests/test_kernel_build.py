@@ -114,6 +114,17 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
 
 
+def test_gpu_check_profile_job_is_timed_and_reads_its_own_export(tmp_path):
+    from sm120_workbook.kernels.gpu_check import jobs
+
+    assert "profile" not in {j[0] for j in jobs(tmp_path, "vX")}
+    prof = {j[0]: j for j in jobs(tmp_path, "vX", ncu="/usr/local/cuda/bin/ncu")}["profile"]
+    assert prof[2] and prof[1][:2] == ["bash", "-c"]
+    script = prof[1][2]
+    assert "sm120_workbook.kernels.profile" in script and str(tmp_path / "prof_sass.csv") in script
+    assert "sm120_workbook.kernels.sass_profile" in script
+
+
 def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):
     from sm120_workbook.kernels.gpu_check import assign, jobs
 

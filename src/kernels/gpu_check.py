@@ -2,11 +2,13 @@
 
 Device time is scarce (minutes per session), so the checks that a kernel change needs run
 side by side: the correctness tests, the three compute-sanitizer tools, the SGLang backend
-tests (where SGLang imports), the benchmark and the ablation. Timing jobs get a GPU of
-their own where there are enough GPUs; otherwise jobs share GPUs in turn. Each job's log
-and records land in --out; a summary says which passed.
+tests (where SGLang imports), the benchmark, the ablation and, with --ncu, an Nsight
+Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their
+own where there are enough GPUs; otherwise jobs share GPUs in turn. The records land in
+--out, and the jobs' logs end up in one file, gpu_check.log (the device machine returns
+at most 8 files), with a summary of which passed.
 
-    python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v10
+    python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import argparse
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -24,7 +27,11 @@ import torch
 from .build import load_kernel_module
 
 
-def jobs(out: Path, tag: str | None) -> list[tuple[str, list[str], bool]]:
+def ncu_path() -> str | None:
+    return shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
+
+
+def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, list[str], bool]]:
     """(name, command, timed): timed jobs should not share their GPU with another job."""
     py, tag_args = sys.executable, (["--tag", tag] if tag else [])
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
@@ -38,6 +45,13 @@ def jobs(out: Path, tag: str | None) -> list[tuple[str, list[str], bool]]:
     ]
     if importlib.util.find_spec("sglang") is not None:
         out_jobs.insert(2, ("backend", pytest + ["tests/test_backend_gpu.py"], False))
+    if ncu:   # one launch of the split kernel at b1 q16 h8 64k, its SASS with stall samples
+        rep, csv = "/tmp/sm120_prof", str(out / "prof_sass.csv")
+        script = (f"{shlex.quote(ncu)} --profile-from-start off --set full --import-source yes -k regex:split "
+                  f"-o {rep} -f {shlex.quote(py)} -m sm120_workbook.kernels.profile && "
+                  f"{shlex.quote(ncu)} --import {rep}.ncu-rep --page source --csv --print-source sass > {shlex.quote(csv)} && "
+                  f"{shlex.quote(py)} -m sm120_workbook.kernels.sass_profile {shlex.quote(csv)}")
+        out_jobs.append(("profile", ["bash", "-c", script], True))
     return out_jobs
 
 
@@ -60,24 +74,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for logs and records")
     ap.add_argument("--tag", default=None, help="kernel version label for the records (NOTES.md)")
+    ap.add_argument("--ncu", action="store_true", help="also profile the headline shape with Nsight Compute")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU; none is visible to torch")
+    ncu = ncu_path() if a.ncu else None
+    if a.ncu and not ncu:
+        sys.exit("--ncu: Nsight Compute (ncu) is not on PATH nor in /usr/local/cuda*/bin")
     a.out.mkdir(parents=True, exist_ok=True)
+    logs = a.out / "logs"   # one per job while they run; merged into gpu_check.log at the end
+    logs.mkdir(exist_ok=True)
     load_kernel_module()   # build once here, so the jobs find it cached instead of queueing on the lock
     # The ablation's variant builds (CPU only, a minute or two) overlap the correctness jobs
     # instead of delaying the ablation; it finds them cached.
     prebuild = subprocess.Popen([sys.executable, "-c", "from sm120_workbook.kernels.ablation import build_all; build_all()"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    queues = assign(jobs(a.out, a.tag), torch.cuda.device_count())
+    queues = assign(jobs(a.out, a.tag, ncu), torch.cuda.device_count())
     results: dict[str, int] = {}
     runners = []
     for gpu, queue in enumerate(queues):
         if not queue:
             continue
         # one line per job, in turn: its log, then its exit status for the summary
-        script = "\n".join(f"{shlex.join(cmd)} > {shlex.quote(str(a.out / (name + '.log')))} 2>&1; "
-                           f"echo {name} $? >> {shlex.quote(str(a.out / 'status'))}" for name, cmd, _ in queue)
+        script = "\n".join(f"{shlex.join(cmd)} > {shlex.quote(str(logs / (name + '.log')))} 2>&1; "
+                           f"echo {name} $? >> {shlex.quote(str(logs / 'status'))}" for name, cmd, _ in queue)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), PYTHONUNBUFFERED="1")
         runners.append(subprocess.Popen(["bash", "-c", script], env=env))
         print(f"GPU {gpu}: {', '.join(name for name, _, _ in queue)}", flush=True)
@@ -85,14 +105,19 @@ def main(argv=None) -> int:
     for r in runners:
         r.wait()
     prebuild.wait()
-    for line in (a.out / "status").read_text().splitlines():
+    for line in (logs / "status").read_text().splitlines():
         name, rc = line.split()
         results[name] = int(rc)
-    (a.out / "status").unlink()
-    print(f"all jobs done in {time.monotonic() - t0:.0f} s")
+    summary = [f"all jobs done in {time.monotonic() - t0:.0f} s"]
     for name, rc in results.items():
-        tail = (a.out / f"{name}.log").read_text().strip().splitlines()[-1:] or [""]
-        print(f"{'PASS' if rc == 0 else 'FAIL'} {name:10s} {tail[0][:150]}")
+        tail = (logs / f"{name}.log").read_text().strip().splitlines()[-1:] or [""]
+        summary.append(f"{'PASS' if rc == 0 else 'FAIL'} {name:10s} {tail[0][:150]}")
+    with open(a.out / "gpu_check.log", "w") as f:
+        f.write("\n".join(summary) + "\n")
+        for name, rc in results.items():
+            f.write(f"\n===== {name} (exit {rc}) =====\n" + (logs / f"{name}.log").read_text())
+    shutil.rmtree(logs)
+    print("\n".join(summary) + f"\nlogs: {a.out / 'gpu_check.log'}")
     return 0 if results and all(rc == 0 for rc in results.values()) else 1
 
 
