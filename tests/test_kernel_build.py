@@ -140,3 +140,24 @@ def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):
             assert all(i >= len(q) - len(timed) for i in timed)
     four = assign(js, 4)
     assert [sum(j[2] for j in q) for q in four].count(1) == 2 and all(sum(j[2] for j in q) <= 1 for q in four)
+
+
+def test_gpu_check_runs_the_queues_and_merges_the_logs(tmp_path, monkeypatch):
+    # main() with the GPU parts stubbed: two GPUs, one passing and one failing job.
+    import subprocess
+
+    from sm120_workbook.kernels import gpu_check as gc
+
+    monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(gc, "load_kernel_module", lambda: None)
+    monkeypatch.setattr(gc, "start_prebuild", lambda: subprocess.Popen(["true"]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setattr(gc, "jobs", lambda out, tag, ncu=None: [
+        ("ok", ["bash", "-c", "echo gpu $CUDA_VISIBLE_DEVICES; echo fine"], True),
+        ("bad", ["bash", "-c", "echo gpu $CUDA_VISIBLE_DEVICES; echo broke; exit 3"], True)])
+    assert gc.main(["--out", str(tmp_path), "--tag", "vX"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log"]   # the job logs merged away
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "PASS ok" in log and "FAIL bad" in log and "broke" in log
+    assert "===== ok (exit 0) =====\ngpu 5\nfine" in log and "===== bad (exit 3) =====\ngpu 7" in log

@@ -70,6 +70,13 @@ def assign(job_list, num_gpus: int) -> list[list[tuple[str, list[str], bool]]]:
     return queues
 
 
+def start_prebuild() -> subprocess.Popen:
+    """The ablation's variant builds (CPU only, a minute or two) overlap the correctness jobs
+    instead of delaying the ablation, which then finds them cached."""
+    return subprocess.Popen([sys.executable, "-c", "from sm120_workbook.kernels.ablation import build_all; build_all()"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for logs and records")
@@ -85,11 +92,10 @@ def main(argv=None) -> int:
     logs = a.out / "logs"   # one per job while they run; merged into gpu_check.log at the end
     logs.mkdir(exist_ok=True)
     load_kernel_module()   # build once here, so the jobs find it cached instead of queueing on the lock
-    # The ablation's variant builds (CPU only, a minute or two) overlap the correctness jobs
-    # instead of delaying the ablation; it finds them cached.
-    prebuild = subprocess.Popen([sys.executable, "-c", "from sm120_workbook.kernels.ablation import build_all; build_all()"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prebuild = start_prebuild()
     queues = assign(jobs(a.out, a.tag, ncu), torch.cuda.device_count())
+    # GPU i of this process is the i-th entry of an existing CUDA_VISIBLE_DEVICES, if any
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     results: dict[str, int] = {}
     runners = []
     for gpu, queue in enumerate(queues):
@@ -98,7 +104,8 @@ def main(argv=None) -> int:
         # one line per job, in turn: its log, then its exit status for the summary
         script = "\n".join(f"{shlex.join(cmd)} > {shlex.quote(str(logs / (name + '.log')))} 2>&1; "
                            f"echo {name} $? >> {shlex.quote(str(logs / 'status'))}" for name, cmd, _ in queue)
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[gpu] if gpu < len(visible) else str(gpu),
+                   PYTHONUNBUFFERED="1")
         runners.append(subprocess.Popen(["bash", "-c", script], env=env))
         print(f"GPU {gpu}: {', '.join(name for name, _, _ in queue)}", flush=True)
     t0 = time.monotonic()
