@@ -6,6 +6,7 @@ The same functions serve a live run (records in memory) and recorded results (da
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 POINT_KEYS = ["gpu", "model", "layers", "tp", "weights", "backend", "spec", "draft_tokens", "ctx"]
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM"}
@@ -73,6 +74,47 @@ def speedup_table(sp):
             if c in sp]
     t = sp[cols].copy()
     return t.round({"tok_s": 1, "base_tok_s": 1, "speedup": 2}).reset_index(drop=True)
+
+
+# The live-service issue's targets at TP1 with speculation on: sm120_mla over triton.
+SPEEDUP_TARGETS = {4096: 3.0, 16384: 4.3, 65536: 6.1}
+
+
+def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton") -> pd.DataFrame:
+    """The service targets, measured: `ours` over `baseline` with speculation at each target
+    context, and `ours` with speculation against `ours` without it at every context both
+    have. A point with a side missing reads "not measured" (met None), never "missed"; the
+    commits say when the two sides come from separate runs."""
+    _need(points, POINT_KEYS + ["tok_s"], "points")
+    rows = []
+    specs = [s for s in points["spec"].unique() if s != "none"]
+
+    def side(backend, spec, ctx):
+        sel = points[(points["backend"] == backend) & (points["spec"] == spec) & (points["ctx"] == ctx)]
+        if not len(sel):
+            return None
+        r = sel.sort_values("tok_s").iloc[-1]
+        return float(r["tok_s"]), str(r.get("commit", "?"))
+
+    for spec in specs:
+        for ctx, need in SPEEDUP_TARGETS.items():
+            a, b = side(ours, spec, ctx), side(baseline, spec, ctx)
+            row = {"target": f"{spec} {ctx_label(ctx)}: {ours} >= {need:g}x {baseline}"}
+            if a and b:
+                row.update(measured=f"{a[0]:.0f} vs {b[0]:.0f} tok/s", ratio=round(a[0] / b[0], 2),
+                           met=a[0] / b[0] >= need, commits=f"{a[1]} / {b[1]}")
+            else:
+                row.update(measured="not measured", ratio=float("nan"), met=None, commits="")
+            rows.append(row)
+        for ctx in sorted(points["ctx"].unique()):
+            a, b = side(ours, spec, ctx), side(ours, "none", ctx)
+            if a and b:
+                rows.append({"target": f"{spec} {ctx_label(ctx)}: {ours} speculation >= plain decode",
+                             "measured": f"{a[0]:.0f} vs {b[0]:.0f} tok/s", "ratio": round(a[0] / b[0], 2),
+                             "met": a[0] >= b[0], "commits": f"{a[1]} / {b[1]}"})
+    out = pd.DataFrame(rows, columns=["target", "measured", "ratio", "met", "commits"])
+    out["met"] = out["met"].astype(object)
+    return out
 
 
 def decode_table(points):

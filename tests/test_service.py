@@ -509,3 +509,20 @@ def test_speedup_table_names_both_commits():
     assert list(t.columns) == ["backend", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit"]
     assert set(t["commit"]) == {"bbbbbbb"} and set(t["base_commit"]) == {"aaaaaaa"}
     assert t["speedup"].between(1.45, 1.55).all()
+
+
+def test_service_targets_measured_not_asserted():
+    import pandas as pd
+
+    from sm120_workbook import service_charts as sc
+
+    recs = _synthetic_decode_records(2)   # sm120_mla is 1.5x triton everywhere; ngram 4.5x plain
+    pts = sc.decode_points(pd.DataFrame(recs))
+    t = sc.service_targets(pts).set_index("target")
+    row = t.loc["ngram 4k: sm120_mla >= 3x triton"]
+    assert row["met"] is False and 1.45 < row["ratio"] < 1.55
+    assert t.loc["ngram 64k: sm120_mla speculation >= plain decode", "met"] is True
+    # a side that was never measured is "not measured", not "missed"
+    t2 = sc.service_targets(pts[~((pts["backend"] == "triton") & (pts["ctx"] == 16384))]).set_index("target")
+    assert t2.loc["ngram 16k: sm120_mla >= 4.3x triton", "met"] is None
+    assert t2.loc["ngram 16k: sm120_mla >= 4.3x triton", "measured"] == "not measured"
