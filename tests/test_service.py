@@ -526,3 +526,6 @@ def test_service_targets_measured_not_asserted():
     t2 = sc.service_targets(pts[~((pts["backend"] == "triton") & (pts["ctx"] == 16384))]).set_index("target")
     assert t2.loc["ngram 16k: sm120_mla >= 4.3x triton", "met"] is None
     assert t2.loc["ngram 16k: sm120_mla >= 4.3x triton", "measured"] == "not measured"
+    # a baseline measured on another model is no pair for it
+    other = pts.assign(model=pts["model"].where(pts["backend"] != "triton", "kimi_k2"))
+    assert sc.service_targets(other).set_index("target").loc["ngram 4k: sm120_mla >= 3x triton", "met"] is None

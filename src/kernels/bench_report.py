@@ -40,7 +40,7 @@ def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.Data
             continue
         older = all_runs[all_runs["impl"] == impl]
         if len(older):
-            parts.append(older[older["run_id"] == sorted(older["run_id"].unique())[-1]])
+            parts.append(latest_run(older))
     return pd.concat(parts, ignore_index=True)
 
 
@@ -144,7 +144,7 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
                          "measured": f"{ours:.1f} vs {td:.1f} us", "ratio": round(td / ours, 2), "met": bool(td / ours >= need)})
     out = pd.DataFrame(rows)
     # A missing time (an impl or shape not in the records) is "not measured", never "missed".
-    unknown = out["measured"].str.contains("nan")
+    unknown = out["ratio"].isna()
     out["met"] = out["met"].astype(object)
     out.loc[unknown, "met"] = None
     out.loc[unknown, "measured"] = out.loc[unknown, "measured"].str.replace("nan", "not measured")
