@@ -47,6 +47,7 @@ DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
 EXPERT_RESULTS = "service_expert_load"
 FAILURE_RESULTS = "service_failures"
+PROFILE_RESULTS = "service_step_profile"
 SPEC_MODES = ("none", "dflash", "ngram")
 DEFAULT_CONTEXTS = (4096, 16384, 65536, 131072)
 RECORD_FIELDS = ("backend", "spec", "draft_tokens", "tp", "gpu", "model", "layers", "ctx", "tok_s",
@@ -163,6 +164,7 @@ class MatrixResult:
     nvml: list[dict]
     expert: list[dict]
     failures: list[dict]
+    profiles: list[dict] = dataclasses.field(default_factory=list)
 
     def frames(self):
         import pandas as pd
@@ -187,7 +189,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                progress: bool = True, seed: int = 0, startup_timeout_s: float = 900.0,
                time_budget_s: float | None = None, command: str | None = None,
                launcher: Sequence[str] | None = None, results_dir: Path | None = None,
-               log_dir: Path | None = None,
+               log_dir: Path | None = None, profile_steps: int = 0,
+               profile_contexts: Sequence[int] | None = None,
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
@@ -196,6 +199,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     starts that would not finish within this many seconds of the call. launcher: the server
     command prefix (tests use a fake server); results_dir: where record=True appends
     (default data/results/); log_dir: server logs (default runs/service_logs/).
+    profile_steps: after a server's measured points, profile this many decode/verify steps
+    at each of `profile_contexts` (default: all) with SGLang's torch profiler, and record
+    where a step's time goes (step_profile.summarize_trace) in service_step_profile.jsonl.
     """
     from tqdm.auto import tqdm
 
@@ -224,9 +230,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
               "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
     if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
         common["commit"] = os.environ["SM120_COMMIT"]
+    if not isinstance(profile_steps, int) or profile_steps < 0:
+        raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
     out = MatrixResult([], [], [], [])
     lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
-             FAILURE_RESULTS: out.failures}
+             FAILURE_RESULTS: out.failures, PROFILE_RESULTS: out.profiles}
 
     def emit(name: str, recs: list[dict]) -> None:
         # Appended as soon as measured, so a crash or a job timeout loses nothing already done.
@@ -304,6 +312,20 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                         if not progress:
                             log(f"  ctx={ctx}: {row['tok_s']:.1f} tok/s, accept {row['accept_len']:.2f}, "
                                 f"step {row['verify_step_ms']:.2f} ms, ttft {row['ttft_s']:.1f} s")
+                for ctx in (plan.contexts if profile_steps else ()):
+                    if profile_contexts is not None and ctx not in profile_contexts:
+                        continue
+                    if over_budget(60.0):
+                        log(f"  SKIPPED profile ctx={ctx}: time budget")
+                        continue
+                    prof = profile_point(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed + ctx,
+                                         profile_steps, Path(srv.log_path).parent / f"{run_id}-profile")
+                    emit(PROFILE_RESULTS, [{**common, "run_id": run_id, "backend": plan.backend,
+                                            "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
+                                            "cuda_graph": cuda_graph, "expert_record": expert, **prof}])
+                    log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "
+                        f"{100 * (prof['busy_share'] or 0):.0f}%: "
+                        + ", ".join(f"{k} {v:.2f}" for k, v in list(prof["gpu_ms_per_step"].items())[:4]))
         except ServerStartError as e:
             log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}")
             emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
@@ -317,6 +339,38 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": repr(e)[:2000]}])
     bar.close()
     return out
+
+
+def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: int, seed: int,
+                  steps: int, out_dir: Path) -> dict:
+    """One request of ctx ids with SGLang's torch profiler on for `steps` decode/verify steps,
+    started at the first streamed token (so no prefill chunk is in the window); returns
+    step_profile.summarize_trace of rank 0's trace plus the request's own step time."""
+    import threading
+
+    from .step_profile import load_trace, summarize_trace
+
+    profile_id = f"p{uuid.uuid4().hex[:8]}"
+    errors: list[BaseException] = []
+
+    def start():
+        try:
+            srv.start_profile(out_dir, steps, profile_id)
+        except BaseException as e:  # noqa: BLE001 - reported below, after the request
+            errors.append(e)
+
+    thread = threading.Thread(target=start, daemon=True)
+    srv.flush_cache()
+    res = srv.generate(random_input_ids(ctx, vocab_size, seed), decode_tokens, on_first_token=thread.start)
+    thread.join(timeout=120)
+    if errors:
+        raise errors[0]
+    traces = srv.wait_profile_traces(out_dir, profile_id, ranks=1)
+    rank0 = next((p for p in traces if "TP-0" in p.name), traces[0])
+    summary = summarize_trace(load_trace(rank0), steps)
+    stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, srv.config.spec)
+    return {**summary, "request_step_ms": round(stats["verify_step_ms"], 4),
+            "accept_len": stats["accept_len"], "trace_file": rank0.name}
 
 
 def _results_path(results_dir: Path | None, name: str) -> Path | None:
@@ -433,6 +487,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="skip server starts that would not finish within this many seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the measured points, profile this many steps per context (torch profiler)")
+    p.add_argument("--profile-contexts", nargs="+", type=int, default=None,
+                   help="profile only these contexts (default: all measured)")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="append records here instead of data/results/ (e.g. $OUT/results on the device)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default runs/service_logs/)")
@@ -448,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
                          record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,
                          startup_timeout_s=a.startup_timeout_s, time_budget_s=a.time_budget_s,
-                         command=command, results_dir=a.results_dir, log_dir=a.log_dir)
+                         command=command, results_dir=a.results_dir, log_dir=a.log_dir,
+                         profile_steps=a.profile_steps, profile_contexts=a.profile_contexts)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -555,10 +555,11 @@ class SGLangServer:
         return r
 
     def generate(self, input_ids: Sequence[int], max_new_tokens: int, timeout_s: float = 1800,
-                 stream: bool = True) -> GenerateResult:
+                 stream: bool = True, on_first_token=None) -> GenerateResult:
         """One /generate request of token ids, greedy, ignore_eos; timed on our side.
 
-        With stream=True the first chunk marks the end of prefill (ttft_s).
+        With stream=True the first chunk marks the end of prefill (ttft_s), and
+        `on_first_token()` (if given) is called then, e.g. to profile only the decode steps.
         """
         import requests
 
@@ -594,6 +595,8 @@ class SGLangServer:
                         raise ServerError(f"/generate failed: {chunk['error']}")
                     if ttft is None:
                         ttft = time.perf_counter() - t0
+                        if on_first_token is not None:
+                            on_first_token()
                     last = chunk
         latency = time.perf_counter() - t0
         if last is None:
@@ -624,6 +627,34 @@ class SGLangServer:
         if r.status_code != 200:
             raise ServerError(f"/metrics -> HTTP {r.status_code} (was --enable-metrics given?)")
         return parse_prometheus(r.text)
+
+    # -- torch profiler (SGLang's /start_profile) --
+    def start_profile(self, output_dir: str | Path, num_steps: int, profile_id: str,
+                      activities: Sequence[str] = ("CPU", "GPU"), timeout_s: float = 600) -> None:
+        """Profile the next `num_steps` forward steps; each rank writes
+        <output_dir>/<profile_id>-TP-<rank>.trace.json.gz when they are done. With num_steps the
+        call returns only then, so run it beside the request that makes the steps."""
+        if not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"num_steps: expected a positive int, got {num_steps!r}")
+        self._post("/start_profile", timeout=timeout_s,
+                   json={"output_dir": str(output_dir), "num_steps": num_steps, "activities": list(activities),
+                         "with_stack": False, "record_shapes": False, "profile_id": profile_id})
+
+    @staticmethod
+    def wait_profile_traces(output_dir: str | Path, profile_id: str, ranks: int = 1,
+                            timeout_s: float = 120.0) -> list[Path]:
+        """The trace files of a profile, once all `ranks` exist and stopped growing."""
+        deadline = time.monotonic() + timeout_s
+        sizes: dict[Path, int] = {}
+        while time.monotonic() < deadline:
+            found = sorted(Path(output_dir).glob(f"{profile_id}*.trace.json.gz"))
+            now = {p: p.stat().st_size for p in found}
+            if len(found) >= ranks and now == sizes and all(now.values()):
+                return found
+            sizes = now
+            time.sleep(0.5)
+        raise ServerError(f"profile {profile_id}: {len(sizes)} of {ranks} traces in {output_dir} "
+                          f"after {timeout_s:.0f} s")
 
     # -- expert distribution (SGLang's /start|stop|dump_expert_distribution_record) --
     def start_expert_record(self) -> None:

@@ -103,6 +103,19 @@ class H(BaseHTTPRequestHandler):
             return
         if self.path == "/flush_cache":
             return self._reply(200)
+        if self.path == "/start_profile":   # a synthetic trace: 1 ms steps, 0.45 ms of kernels
+            import gzip
+            ev = []
+            for s in range(body["num_steps"]):
+                t = 1000.0 * s
+                ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t, "dur": 5})
+                ev.append({"ph": "X", "cat": "kernel", "name": "void sm120_mla::mla_verify_split_kernel<16>(sm120_mla::Params)", "ts": t, "dur": 100.0})
+                ev.append({"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "ts": t + 100, "dur": 200.0})
+                ev.append({"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": t + 300, "dur": 150.0})
+            os.makedirs(body["output_dir"], exist_ok=True)
+            with gzip.open(os.path.join(body["output_dir"], body["profile_id"] + "-TP-0.trace.json.gz"), "wt") as f:
+                json.dump({"traceEvents": ev}, f)
+            return self._reply(200)
         if self.path == "/start_expert_distribution_record":
             recording.update(on=True, passes=0)
             return self._reply(200)
@@ -371,6 +384,23 @@ def test_run_matrix_records_and_dflash_fallback(fake, tmp_path, monkeypatch):
     assert "commit" in d.columns and "date" in d.columns
     table = decode_bench.summary_table(res.decode)
     assert table.splitlines()[0].split() == ["backend", "spec", "ctx", "tok/s", "accept", "step", "ms"]
+
+
+def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64, 256],
+                                  spec=["ngram"], decode_tokens=12, tp=1, nvml=False, expert=False, record=True,
+                                  results_dir=tmp_path / "results", progress=False, launcher=fake,
+                                  log_dir=tmp_path / "logs", profile_steps=4, profile_contexts=[256],
+                                  log=lambda s: None)
+    assert [p["ctx"] for p in res.profiles] == [256]
+    prof = load_records("service_step_profile", path=tmp_path / "results" / "service_step_profile.jsonl")
+    r = prof.iloc[0]
+    assert r["backend"] == "sm120_mla" and r["spec"] == "ngram" and r["steps"] == 4
+    assert r["graph_launches"] == 4 and r["kernels"] == 12
+    assert r["window_ms"] == pytest.approx(3.45) and r["busy_ms"] == pytest.approx(1.8)
+    assert r["gpu_ms_per_step"] == {"gemm": 0.2, "moe": 0.15, "attention: sm120_mla": 0.1}
+    assert r["request_step_ms"] > 0 and "commit" in prof.columns
 
 
 def test_cli_refuses_unknown_backend_before_any_launch(tmp_path):

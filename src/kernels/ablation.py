@@ -47,6 +47,11 @@ VARIANTS = {
     "late_refill": Variant(("LATE_REFILL=1",)),
     "late_refill_handovers_only": Variant(("LATE_REFILL=1", "ABLATE_NO_LOADS") + _MATH),
     "tk32": Variant(tile_keys=32),
+    # no __syncwarp before the hand-over barrier (redundant since v14's non-.aligned barrier)
+    "no_syncwarp": Variant(("HANDOVER_SYNCWARP=0",)),
+    # the racecheck probe build: both groups in lock-step on barrier 0, no overlap of
+    # the mid-tile rounds (correct output; timed to show what the group barriers buy)
+    "racecheck_probe": Variant(("RACECHECK_PROBE=1",)),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

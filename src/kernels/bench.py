@@ -3,7 +3,9 @@
 Every implementation is timed the way a serving step runs it: the call is captured in a
 CUDA graph, each replay is timed with CUDA events after an L2 flush, and the median is
 kept. The copy bandwidth and bf16 matmul rate are measured in the same run, so achieved
-GB/s and the roofline use this GPU's own ceilings.
+GB/s and the roofline use this GPU's own ceilings. So is the mma.sync rate (the only tensor
+instruction the kernel may use, native on sm_120 but the legacy path on the H200): the
+second roofline, `roofline_mma_us`, is the floor for sm_120 code timed on this GPU.
 
     python -m sm120_workbook.kernels.bench [--quick] [--out data/results/kernel_bench.jsonl]
 
@@ -217,6 +219,26 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
     return grid
 
 
+MMA_PEAK_CHAINS = 8            # mma_peak.cuh: kPeakChains
+MMA_FLOPS = 2 * 16 * 8 * 16    # one mma.sync m16n8k16
+
+
+def measure_mma_sync_tflops(threads_per_block: int = 256, blocks_per_sm: int = 4, iters: int = 4096,
+                            repeats: int = 10) -> float:
+    """TFLOP/s of register-only mma.sync m16n8k16 (bf16, fp32 accumulate) over every SM:
+    the median of `repeats` launches, timed with CUDA events. blocks_per_sm=1 with 256
+    threads is the kernel's own 8 warps per SM."""
+    from ..hardware import _time_ms
+    from .build import load_kernel_module
+
+    mod = load_kernel_module()
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    out = torch.empty(sms * blocks_per_sm * threads_per_block, device="cuda")
+    times = _time_ms(torch, lambda: mod.mma_sync_peak(out, iters, threads_per_block), repeats, 2)
+    flops = out.numel() // 32 * iters * MMA_PEAK_CHAINS * MMA_FLOPS
+    return flops / (statistics.median(times) * 1e9)
+
+
 def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
     """Time every (impl, shape) of the grid; returns (records, ceilings)."""
     from tqdm.auto import tqdm
@@ -226,7 +248,9 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
 
     copy = measure_copy_bandwidth(1 << 30)
     mm = measure_bf16_matmul_tflops(8192)
-    ceilings = {"copy_gbps": copy["copy_gbps"], "matmul_tflops": mm["bf16_tflops"]}
+    ceilings = {"copy_gbps": copy["copy_gbps"], "matmul_tflops": mm["bf16_tflops"],
+                "mma_sync_tflops": measure_mma_sync_tflops(),
+                "mma_sync_tflops_8warps": measure_mma_sync_tflops(blocks_per_sm=1)}
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, cache = [], {}
     for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
@@ -246,6 +270,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
             rec["gbps"] = x.kv_bytes / (t["time_us"] * 1e3)
             cost = verify_cost(shape.heads, shape.q_len, shape.ctx + shape.q_len, batch=shape.batch)
             rec["roofline_us"] = roofline_time_us(cost, ceilings["copy_gbps"], ceilings["matmul_tflops"])
+            rec["roofline_mma_us"] = roofline_time_us(cost, ceilings["copy_gbps"], ceilings["mma_sync_tflops"])
             rec["status"] = "ok"
         except Exception as e:  # record why an alternative can't run here; never a fake number
             rec["status"] = "error"
@@ -256,11 +281,12 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
 
 
 def summary_table(records) -> str:
-    rows = ["impl           tk  b   h  q     ctx splits   time_us    GB/s  roof_us  status"]
+    rows = ["impl           tk  b   h  q     ctx splits   time_us    GB/s  roof_us  mma_us  status"]
     for r in records:
         rows.append(f"{r['impl']:14s} {str(r.get('tile_keys') or ''):>2s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {r['ctx']:7d} "
                     f"{str(r.get('num_splits') or ''):>6s} {r.get('time_us', float('nan')):9.1f} "
-                    f"{r.get('gbps', float('nan')):7.0f} {r.get('roofline_us', float('nan')):8.1f}  "
+                    f"{r.get('gbps', float('nan')):7.0f} {r.get('roofline_us', float('nan')):8.1f} "
+                    f"{r.get('roofline_mma_us', float('nan')):7.1f}  "
                     f"{r['status'] if r['status'] == 'ok' else r.get('error', '')[:60]}")
     return "\n".join(rows)
 
@@ -281,7 +307,8 @@ def main(argv=None):
     if unknown:
         sys.exit(f"--impls: unknown {sorted(unknown)}; choose from {list(BUILDERS)}")
     records, ceil = run([g for g in default_grid(args.quick) if g[0] in impls], reps=args.reps)
-    print(f"copy {ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
+    print(f"copy {ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s, "
+          f"mma.sync {ceil['mma_sync_tflops']:.0f} TFLOP/s ({ceil['mma_sync_tflops_8warps']:.0f} with 8 warps/SM)")
     print(summary_table(records))
     if not args.no_record:
         from pathlib import Path
@@ -293,6 +320,8 @@ def main(argv=None):
                               command="python -m sm120_workbook.kernels.bench " + " ".join(argv or sys.argv[1:]),
                               path=Path(args.out) if args.out else None)
         append_records("ceilings", [{"copy_gbps": ceil["copy_gbps"], "bf16_tflops": ceil["matmul_tflops"],
+                                     "mma_sync_tflops": ceil["mma_sync_tflops"],
+                                     "mma_sync_tflops_8warps": ceil["mma_sync_tflops_8warps"],
                                      "matmul_n": 8192, "copy_nbytes": 1 << 30}],
                        command="python -m sm120_workbook.kernels.bench (ceilings measured in the same run)",
                        path=Path(args.out).with_name("ceilings.jsonl") if args.out else None)

@@ -31,13 +31,15 @@ FIXED_CASES = [
 
 
 def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
-               tile_keys: int = DEFAULT_TILE_KEYS):
-    """The kernel on a `make_verify_case` dict, with NaN-poisoned out and lse."""
+               tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = ()):
+    """The kernel on a `make_verify_case` dict, with NaN-poisoned out and lse (`kernel_defines`:
+    a diagnostic build of mla_verify.cuh, e.g. ("RACECHECK_PROBE=1",))."""
     q = case["q"]
     T, H, _ = q.shape
     out = torch.full((T, H, DIM_V), float("nan"), device=q.device, dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"), device=q.device, dtype=torch.float32)
-    ws = MlaVerifyWorkspace(T, H, q.device, num_splits=num_splits, tile_keys=tile_keys)
+    ws = MlaVerifyWorkspace(T, H, q.device, num_splits=num_splits, tile_keys=tile_keys,
+                              kernel_defines=kernel_defines)
     mla_verify_attention(q, case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
                          out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=max_q_len,
                          k_extend=case["k_extend"], custom_mask=case["custom_mask"],

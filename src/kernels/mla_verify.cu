@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "mla_verify.cuh"
+#include "mma_peak.cuh"
 
 namespace {
 
@@ -81,5 +82,22 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
   mla_verify_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One launch of the mma.sync ceiling kernel: out.numel() / threads_per_block blocks, each
+// warp doing iters x kPeakChains mma.sync m16n8k16 (2 * 16 * 8 * 16 flops each).
+void mma_sync_peak(at::Tensor& out, int64_t iters, int64_t threads_per_block) {
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "out must be a contiguous CUDA float32 tensor");
+  TORCH_CHECK(threads_per_block >= 32 && threads_per_block <= 1024 && threads_per_block % 32 == 0,
+              "threads_per_block must be a multiple of 32 in 32..1024");
+  TORCH_CHECK(out.numel() % threads_per_block == 0, "out.numel() must be a multiple of threads_per_block");
+  TORCH_CHECK(iters >= 1 && iters <= (1 << 24), "iters must be in 1..2^24");
+  const c10::cuda::CUDAGuard guard(out.device());
+  sm120_mla::mma_sync_peak_kernel<<<static_cast<unsigned>(out.numel() / threads_per_block),
+                                    static_cast<unsigned>(threads_per_block), 0,
+                                    at::cuda::getCurrentCUDAStream()>>>(out.data_ptr<float>(),
+                                                                        static_cast<int>(iters));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -1,0 +1,106 @@
+"""compute-sanitizer on the kernel: one small case that wraps the cp.async ring, any build.
+
+    python -m sm120_workbook.kernels.sanitize [--tools racecheck ...] [--builds default racecheck_probe]
+        [--out data/results/kernel_sanitizer.jsonl]
+
+The case (2 requests of 129 and 40 keys, 5 heads, 7 tree-masked drafts) runs with 16-key
+tiles on 1 and 3 splits (one split: 9 tiles wrap the 4-stage ring) and with 32-key tiles.
+Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
+`racecheck_probe` (mla_verify.cuh: RACECHECK_PROBE) is the diagnostic build whose two group
+barriers become barrier-0 rounds of all 256 threads: racecheck clean on it and not on the
+default build puts the default build's reports on the named barriers, not on the schedule.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+BUILDS = {"default": (), "racecheck_probe": ("RACECHECK_PROBE=1",)}
+_SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
+
+
+def case_script(defines: tuple[str, ...] = ()) -> str:
+    """The Python program the sanitizer runs: prints 'ran' once the kernel calls are done."""
+    return (
+        "import torch\n"
+        "from sm120_workbook.reference import make_verify_case\n"
+        "from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention\n"
+        "c = make_verify_case(batch=2, heads=5, q_len=7, ctx_lens=[129, 40], mask='tree', device='cuda')\n"
+        "o = torch.empty(14, 5, 512, device='cuda', dtype=torch.bfloat16)\n"
+        "l = torch.empty(14, 5, device='cuda')\n"
+        "for tk, splits in ((16, 1), (16, 3), (32, 1)):  # 1 split: 9 tiles wrap the cp.async ring\n"
+        "    ws = MlaVerifyWorkspace(14, 5, 'cuda', num_splits=splits, tile_keys=tk,"
+        f" kernel_defines={tuple(defines)!r})\n"
+        "    mla_verify_attention(c['q'], c['kv_pool'], c['qo_indptr'], c['kv_indptr'], c['kv_indices'], out=o,"
+        " lse=l, workspace=ws, sm_scale=c['sm_scale'], max_q_len=7, k_extend=c['k_extend'],"
+        " custom_mask=c['custom_mask'], mask_indptr=c['mask_indptr'])\n"
+        "torch.cuda.synchronize(); print('ran')\n")
+
+
+def build(defines: tuple[str, ...] = ()) -> None:
+    """Compile (or find cached) the build in a child process, as the sanitized run will load it."""
+    subprocess.run([sys.executable, "-c", "from sm120_workbook.kernels.build import load_kernel_module as l; "
+                    f"l(defines={tuple(defines)!r})"], check=True)
+
+
+def parse_report(report: str) -> dict:
+    """The summary count and the first hazard/error lines of a compute-sanitizer report."""
+    m = _SUMMARY.search(report)
+    count = None if m is None else int(m.group(2) or m.group(3))
+    lines = [ln.strip() for ln in report.splitlines()
+             if ln.lstrip("= ").startswith(("Error:", "Warning:", "Invalid", "Race", "Barrier"))
+             or "hazard" in ln.lower() and "SUMMARY" not in ln]
+    return {"count": count, "summary": m.group(1) if m else None, "first_lines": lines[:8]}
+
+
+def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -> dict:
+    """Run one sanitizer tool on the case under one build; clean means exit 0, 'ran' and a 0 count."""
+    if tool not in TOOLS:
+        raise ValueError(f"tool: expected one of {TOOLS}, got {tool!r}")
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        raise RuntimeError("compute-sanitizer is not on PATH")
+    proc = subprocess.run([exe, f"--tool={tool}", "--error-exitcode=3", sys.executable, "-c", case_script(defines)],
+                          capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+    report = proc.stdout + proc.stderr
+    parsed = parse_report(report)
+    clean = proc.returncode == 0 and "ran" in proc.stdout and parsed["count"] == 0
+    return {"tool": tool, "defines": list(defines), "returncode": proc.returncode, "clean": clean,
+            **parsed, "report_tail": report[-3000:]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tools", nargs="+", choices=TOOLS, default=["racecheck"])
+    ap.add_argument("--builds", nargs="+", choices=sorted(BUILDS), default=sorted(BUILDS))
+    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_sanitizer.jsonl)")
+    ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args(argv)
+    records = []
+    for name in args.builds:
+        build(BUILDS[name])
+        for tool in args.tools:
+            r = {"build": name, **run_tool(tool, BUILDS[name]), "kernel_version": args.tag}
+            records.append(r)
+            print(f"{name:16s} {tool:10s} {'clean' if r['clean'] else 'NOT CLEAN'}  {r['summary']}", flush=True)
+            for ln in r["first_lines"][:4]:
+                print(f"    {ln}")
+    if not args.no_record:
+        from ..results import append_records
+
+        path = append_records("kernel_sanitizer", [{k: v for k, v in r.items() if k != "report_tail"} for r in records],
+                              command="python -m sm120_workbook.kernels.sanitize " + " ".join(argv or sys.argv[1:]),
+                              path=Path(args.out) if args.out else None)
+        print(f"appended to {path}")
+    return 0 if all(r["clean"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

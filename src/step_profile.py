@@ -1,0 +1,111 @@
+"""Where a served decode or verify step goes: a torch-profiler trace from SGLang, summarised.
+
+SGLang's `/start_profile` (num_steps, activities CPU+GPU) writes one Chrome trace per rank,
+`<profile_id>-TP-<rank>.trace.json.gz`. `summarize_trace` reads one and reports, over the
+profiled window: the GPU kernels by category (attention per backend, MoE, GEMMs, ...), how
+much of the window any kernel was running (the union of kernel intervals), and the window
+per step. A step whose GPU is busy for a small share of it is bound by the host (scheduler,
+speculative drafting, Python), and a faster attention kernel cannot speed it up much.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+# First match wins; patterns are searched in lower-cased kernel names.
+CATEGORIES = (
+    ("attention: sm120_mla", r"mla_verify_(split|combine)_kernel"),
+    ("attention: flashmla", r"flash_fwd_splitkv_mla|flashmla|flash_mla|mla_combine"),
+    ("attention: triton", r"^_fwd_kernel|_fwd_grouped_kernel|_fwd_kernel_stage|extend_attention|decode_att"),
+    ("moe", r"moe|topk|expert|grouped_gemm|fused_experts|count_and_sort"),
+    ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|splitk|sm90_|wgmma"),
+    ("norm / rope / activation", r"norm|rope|rotary|silu|gelu|act_and_mul|apply_rotary"),
+    ("kv cache / indices", r"kv_indices|set_mla_kv|store_kv|kv_buffer|assign_.*cache|create_flashinfer"),
+    ("sampling / speculative", r"verify|tree|sampl|argmax|top_p|top_k|softmax|accept|draft"),
+    ("copy / fill / elementwise", r"copy|memcpy|memset|fill|elementwise|vectorized|cat_|index|reduce|scatter|gather"),
+)
+_COMPILED = tuple((name, re.compile(pat)) for name, pat in CATEGORIES)
+OTHER = "other"
+
+
+def categorize(kernel_name: str) -> str:
+    n = kernel_name.lower()
+    for name, pat in _COMPILED:
+        if pat.search(n):
+            return name
+    return OTHER
+
+
+def load_trace(path: str | Path) -> dict:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def summarize_trace(trace: dict, steps: int, top: int = 8) -> dict:
+    """Per-step GPU time by kernel category over a trace of `steps` forward steps.
+
+    Returns window_ms (first kernel start to last kernel end), busy_ms (any kernel running),
+    busy_share, per_step_ms (window / steps), gpu_ms_per_step {category: ms}, kernels (count),
+    graph_launches (cudaGraphLaunch calls) and top_kernels [(name, calls, ms per step)].
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected a positive int, got {steps!r}")
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        raise ValueError("the trace has no GPU kernel events (was the GPU activity recorded?)")
+    graph_launches = sum(1 for e in events if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", ""))
+    start = min(float(e["ts"]) for e in kernels)
+    end = max(float(e["ts"]) + float(e["dur"]) for e in kernels)
+    busy = _union_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels])
+    by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_cat[categorize(e["name"])] += float(e["dur"])
+        rec = by_name[e["name"]]
+        rec[0] += 1
+        rec[1] += float(e["dur"])
+    window = end - start
+    top_k = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "steps": steps,
+        "window_ms": round(window / 1e3, 3),
+        "busy_ms": round(busy / 1e3, 3),
+        "busy_share": round(busy / window, 4) if window > 0 else None,
+        "per_step_ms": round(window / 1e3 / steps, 4),
+        "gpu_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "kernels": len(kernels),
+        "graph_launches": graph_launches,
+        "top_kernels": [[name[:120], n, round(us / 1e3 / steps, 4)] for name, (n, us) in top_k],
+    }
+
+
+def profile_frame(records) -> "pd.DataFrame":
+    """Long table of step-profile records: one row per (backend, spec, ctx, category), with
+    the per-step GPU ms and, as category 'host / idle', the rest of the step."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        key = {k: r.get(k) for k in ("backend", "spec", "ctx", "per_step_ms", "busy_share")}
+        cats = r.get("gpu_ms_per_step") or {}
+        for cat, ms in cats.items():
+            rows.append({**key, "category": cat, "ms": ms})
+        rows.append({**key, "category": "host / idle (no kernel running)",
+                     "ms": max(0.0, r["per_step_ms"] * (1 - (r.get("busy_share") or 0)))})
+    return pd.DataFrame(rows)
