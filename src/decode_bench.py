@@ -190,7 +190,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                time_budget_s: float | None = None, command: str | None = None,
                launcher: Sequence[str] | None = None, results_dir: Path | None = None,
                log_dir: Path | None = None, profile_steps: int = 0,
-               profile_contexts: Sequence[int] | None = None,
+               profile_contexts: Sequence[int] | None = None, profile_with_stack: bool = False,
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
@@ -201,7 +201,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     (default data/results/); log_dir: server logs (default runs/service_logs/).
     profile_steps: after a server's measured points, profile this many decode/verify steps
     at each of `profile_contexts` (default: all) with SGLang's torch profiler, and record
-    where a step's time goes (step_profile.summarize_trace) in service_step_profile.jsonl.
+    where a step's time goes (step_profile.summarize_trace) in service_step_profile.jsonl;
+    profile_with_stack also records the Python calls (host time by function).
     """
     from tqdm.auto import tqdm
 
@@ -319,10 +320,12 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                         log(f"  SKIPPED profile ctx={ctx}: time budget")
                         continue
                     prof = profile_point(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed + ctx,
-                                         profile_steps, Path(srv.log_path).parent / f"{run_id}-profile")
+                                         profile_steps, Path(srv.log_path).parent / f"{run_id}-profile",
+                                         with_stack=profile_with_stack)
                     emit(PROFILE_RESULTS, [{**common, "run_id": run_id, "backend": plan.backend,
                                             "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
-                                            "cuda_graph": cuda_graph, "expert_record": expert, **prof}])
+                                            "cuda_graph": cuda_graph, "expert_record": expert,
+                                            "with_stack": profile_with_stack, **prof}])
                     log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "
                         f"{100 * (prof['busy_share'] or 0):.0f}%: "
                         + ", ".join(f"{k} {v:.2f}" for k, v in list(prof["gpu_ms_per_step"].items())[:4]))
@@ -342,7 +345,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
 
 
 def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: int, seed: int,
-                  steps: int, out_dir: Path) -> dict:
+                  steps: int, out_dir: Path, with_stack: bool = False) -> dict:
     """One request of ctx ids with SGLang's torch profiler on for `steps` decode/verify steps,
     started at the first streamed token (so no prefill chunk is in the window); returns
     step_profile.summarize_trace of rank 0's trace plus the request's own step time."""
@@ -355,7 +358,7 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
 
     def start():
         try:
-            srv.start_profile(out_dir, steps, profile_id)
+            srv.start_profile(out_dir, steps, profile_id, with_stack=with_stack)
         except BaseException as e:  # noqa: BLE001 - reported below, after the request
             errors.append(e)
 
@@ -491,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="after the measured points, profile this many steps per context (torch profiler)")
     p.add_argument("--profile-contexts", nargs="+", type=int, default=None,
                    help="profile only these contexts (default: all measured)")
+    p.add_argument("--profile-with-stack", action="store_true",
+                   help="also record Python calls in the profile (host time by function)")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="append records here instead of data/results/ (e.g. $OUT/results on the device)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default runs/service_logs/)")
@@ -507,7 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,
                          startup_timeout_s=a.startup_timeout_s, time_budget_s=a.time_budget_s,
                          command=command, results_dir=a.results_dir, log_dir=a.log_dir,
-                         profile_steps=a.profile_steps, profile_contexts=a.profile_contexts)
+                         profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
+                         profile_with_stack=a.profile_with_stack)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -630,15 +630,17 @@ class SGLangServer:
 
     # -- torch profiler (SGLang's /start_profile) --
     def start_profile(self, output_dir: str | Path, num_steps: int, profile_id: str,
-                      activities: Sequence[str] = ("CPU", "GPU"), timeout_s: float = 600) -> None:
+                      activities: Sequence[str] = ("CPU", "GPU"), with_stack: bool = False,
+                      timeout_s: float = 600) -> None:
         """Profile the next `num_steps` forward steps; each rank writes
         <output_dir>/<profile_id>-TP-<rank>.trace.json.gz when they are done. With num_steps the
-        call returns only then, so run it beside the request that makes the steps."""
+        call returns only then, so run it beside the request that makes the steps. with_stack adds
+        the Python calls (host time by function; a larger trace, a slower step)."""
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps: expected a positive int, got {num_steps!r}")
         self._post("/start_profile", timeout=timeout_s,
                    json={"output_dir": str(output_dir), "num_steps": num_steps, "activities": list(activities),
-                         "with_stack": False, "record_shapes": False, "profile_id": profile_id})
+                         "with_stack": bool(with_stack), "record_shapes": False, "profile_id": profile_id})
 
     @staticmethod
     def wait_profile_traces(output_dir: str | Path, profile_id: str, ranks: int = 1,

@@ -61,7 +61,8 @@ def summarize_trace(trace: dict, steps: int, top: int = 8) -> dict:
 
     Returns window_ms (first kernel start to last kernel end), busy_ms (any kernel running),
     busy_share, per_step_ms (window / steps), gpu_ms_per_step {category: ms}, kernels (count),
-    graph_launches (cudaGraphLaunch calls) and top_kernels [(name, calls, ms per step)].
+    graph_launches (cudaGraphLaunch calls), top_kernels [(name, calls, ms per step)] and, for a
+    trace taken with_stack, top_python [(function, calls, inclusive ms per step)].
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
@@ -82,6 +83,15 @@ def summarize_trace(trace: dict, steps: int, top: int = 8) -> dict:
         rec[1] += float(e["dur"])
     window = end - start
     top_k = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    # With with_stack, the trace holds Python calls (cat python_function, nested): their
+    # inclusive time per step says where the host part of a step goes.
+    py: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "python_function" and "dur" in e:
+            rec = py[e.get("name", "?")]
+            rec[0] += 1
+            rec[1] += float(e["dur"])
+    top_py = sorted(py.items(), key=lambda kv: -kv[1][1])[:3 * top]
     return {
         "steps": steps,
         "window_ms": round(window / 1e3, 3),
@@ -92,6 +102,7 @@ def summarize_trace(trace: dict, steps: int, top: int = 8) -> dict:
         "kernels": len(kernels),
         "graph_launches": graph_launches,
         "top_kernels": [[name[:120], n, round(us / 1e3 / steps, 4)] for name, (n, us) in top_k],
+        "top_python": [[name[:160], n, round(us / 1e3 / steps, 4)] for name, (n, us) in top_py],
     }
 
 
