@@ -191,6 +191,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                launcher: Sequence[str] | None = None, results_dir: Path | None = None,
                log_dir: Path | None = None, profile_steps: int = 0,
                profile_contexts: Sequence[int] | None = None, profile_with_stack: bool = False,
+               ngram_tail: bool = False,
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
@@ -203,6 +204,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     at each of `profile_contexts` (default: all) with SGLang's torch profiler, and record
     where a step's time goes (step_profile.summarize_trace) in service_step_profile.jsonl;
     profile_with_stack also records the Python calls (host time by function).
+    ngram_tail: start the servers with $SM120_NGRAM_TAIL=1 (patches/ngram_tail.py: NGRAM
+    draft prep without a per-step copy of the prompt); records carry ngram_tail.
     """
     from tqdm.auto import tqdm
 
@@ -226,7 +229,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
     # default; the same for every backend, so the comparison stands.
     fusion = allreduce_fusion and tp > 1
-    common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "gpu": gpu, "model": model,
+    common = {"tp": tp, "ep_size": ep_size, "ngram_tail": bool(ngram_tail), "allreduce_fusion": fusion, "gpu": gpu, "model": model,
               "layers": layers, "heads_per_rank": heads,
               "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
     if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
@@ -282,8 +285,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
         try:
             log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
+            env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0"}
             with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
-                              progress=progress, launcher=launcher) as srv:
+                              progress=progress, launcher=launcher, env=env) as srv:
                 started.add((plan.backend, plan.spec))
                 log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
                 warm = min(512, max(1, min(plan.contexts) // 2))
@@ -494,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="after the measured points, profile this many steps per context (torch profiler)")
     p.add_argument("--profile-contexts", nargs="+", type=int, default=None,
                    help="profile only these contexts (default: all measured)")
+    p.add_argument("--ngram-tail", action="store_true",
+                   help="start servers with SM120_NGRAM_TAIL=1 (NGRAM draft prep without copying the prompt)")
     p.add_argument("--profile-with-stack", action="store_true",
                    help="also record Python calls in the profile (host time by function)")
     p.add_argument("--results-dir", type=Path, default=None,
@@ -513,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          startup_timeout_s=a.startup_timeout_s, time_budget_s=a.time_budget_s,
                          command=command, results_dir=a.results_dir, log_dir=a.log_dir,
                          profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
-                         profile_with_stack=a.profile_with_stack)
+                         profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -8,7 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-POINT_KEYS = ["gpu", "model", "layers", "tp", "weights", "backend", "spec", "draft_tokens", "ctx"]
+# A point is one configuration: records differing in any of these are never pooled or paired.
+# expert_record (the recorder costs time on every forward) and ngram_tail (the host-side NGRAM
+# fix, patches/ngram_tail.py) change the step time without changing the kernel.
+POINT_KEYS = ["gpu", "model", "layers", "tp", "weights", "backend", "spec", "draft_tokens", "ctx",
+              "expert_record", "ngram_tail"]
+_FLAG_KEYS = ("expert_record", "ngram_tail")   # booleans; absent in older records: False
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM"}
 
 
@@ -29,12 +34,12 @@ def decode_points(df):
     from the newest commit that measured the point."""
     _need(df, ["backend", "spec", "ctx", "tok_s", "accept_len", "verify_step_ms"])
     d = df.copy()
+    for k in _FLAG_KEYS:
+        d[k] = d[k].fillna(False).astype(bool) if k in d else False
     for k in POINT_KEYS:
         if k not in d.columns:
             d[k] = "?"
     d["draft_tokens"] = d["draft_tokens"].fillna(0).astype(int)
-    # The expert-distribution recorder costs time on every forward pass: show whether it ran.
-    d["expert_record"] = d["expert_record"].fillna(False).astype(bool) if "expert_record" in d else False
     # A point measured again with newer code (a faster kernel) is that code's: keep the newest
     # commit's records of each point, and repeats within it.
     if "commit" in d and "date" in d:
@@ -46,7 +51,7 @@ def decode_points(df):
     agg = (d.groupby(POINT_KEYS, dropna=False)
              .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
                   verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"),
-                  expert_record=("expert_record", "any"), commit=("commit", "first"))
+                  commit=("commit", "first"))
              .reset_index())
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))

@@ -12,6 +12,8 @@ What it does in each process:
   `add_attention_backend_choices` (sglang/srt/server_args.py). A new name changes no run
   that does not select it.
 - installs the need_sort override (`kv_sort`) when $SM120_KV_SORT=1, and nothing otherwise.
+- installs the NGRAM draft-prep fix (`ngram_tail`: no per-step copy of the whole prompt)
+  when $SM120_NGRAM_TAIL=1, and nothing otherwise.
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
   the name wherever they accept `triton` (`install_spec_compat`). The backend's factory
   installs the same patches when it first builds the backend, so an in-process `Engine`
@@ -27,7 +29,7 @@ import logging
 import os
 import sys
 
-from . import kv_sort
+from . import kv_sort, ngram_tail
 
 BACKEND_NAME = "sm120_mla"
 _BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
@@ -215,6 +217,7 @@ def load_plugin() -> None:
     _ensure_log_handler()
     register_backend()
     kv_sort.install_from_env()
+    ngram_tail.install_from_env()
     selected = backend_selected_in_argv()
     if selected:
         _install_spec_compat_or_warn()
@@ -233,4 +236,4 @@ _last_message: str | None = None
 
 __all__ = ["BACKEND_NAME", "load_plugin", "register_backend", "is_registered",
            "unregister_backend", "backend_selected_in_argv", "install_spec_compat",
-           "uninstall_spec_compat", "spec_compat_installed", "kv_sort"]
+           "uninstall_spec_compat", "spec_compat_installed", "kv_sort", "ngram_tail"]
