@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -326,6 +327,12 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     prof = profile_point(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed + ctx,
                                          profile_steps, Path(srv.log_path).parent / f"{run_id}-profile",
                                          with_stack=profile_with_stack)
+                    if record:   # the trace beside the results, named as the record names it
+                        dest = (Path(results_dir) if results_dir else _default_results_dir()).parent / "traces"
+                        dest.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(prof.pop("trace_path"), dest / prof["trace_file"])
+                    else:
+                        prof.pop("trace_path")
                     emit(PROFILE_RESULTS, [{**common, "run_id": run_id, "backend": plan.backend,
                                             "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
                                             "cuda_graph": cuda_graph, "expert_record": expert,
@@ -377,7 +384,13 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
     summary = summarize_trace(load_trace(rank0), steps)
     stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, srv.config.spec)
     return {**summary, "request_step_ms": round(stats["verify_step_ms"], 4),
-            "accept_len": stats["accept_len"], "trace_file": rank0.name}
+            "accept_len": stats["accept_len"], "trace_file": rank0.name, "trace_path": str(rank0)}
+
+
+def _default_results_dir() -> Path:
+    from .results import results_dir
+
+    return results_dir()
 
 
 def _results_path(results_dir: Path | None, name: str) -> Path | None:

@@ -55,7 +55,14 @@ def decode_points(df):
              .reset_index())
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
+    agg["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail) for r in agg.itertuples()]
     return agg.sort_values(["backend", "spec", "ctx"]).reset_index(drop=True)
+
+
+def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False) -> str:
+    """How charts and tables name a configuration: the backend, plus what differs from the
+    usual run (expert recorder on, SGLang's NGRAM draft prep unpatched)."""
+    return backend + ("" if expert_record else " (recorder off)") + (" + ngram_tail" if ngram_tail else "")
 
 
 def speedup_over(points, baseline: str = "triton"):
@@ -75,7 +82,7 @@ def speedup_over(points, baseline: str = "triton"):
 def speedup_table(sp):
     """Speedups as a table, with the commit of each side: points of different commits come
     from separate server runs (e.g. a newer kernel against an older baseline run)."""
-    cols = [c for c in ("backend", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit")
+    cols = [c for c in ("config", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit")
             if c in sp]
     t = sp[cols].copy()
     return t.round({"tok_s": 1, "base_tok_s": 1, "speedup": 2}).reset_index(drop=True)
@@ -123,7 +130,7 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton") -
 
 def decode_table(points):
     """The compact table a notebook prints (rounded, deterministic order)."""
-    cols = ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs", "expert_record", "commit"]
+    cols = ["config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs", "commit"]
     t = points[cols].copy()
     return t.round({"tok_s": 1, "accept_len": 2, "verify_step_ms": 2})
 
@@ -137,14 +144,14 @@ def decode_speed_chart(points, title: str = ""):
     """Decode tok/s against context (log-log), one line per backend, one panel per spec mode."""
     import altair as alt
 
-    _need(points, ["backend", "spec_title", "ctx", "tok_s", "ctx_label"], "points")
+    _need(points, ["config", "spec_title", "ctx", "tok_s", "ctx_label"], "points")
     ticks = sorted(points["ctx"].unique().tolist())
     base = alt.Chart(points).encode(
         x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
                 axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
         y=alt.Y("tok_s:Q", title="decode tok/s (batch 1)", scale=alt.Scale(type="log")),
-        color=alt.Color("backend:N", title="attention backend"),
-        tooltip=["backend", "spec", "ctx_label", alt.Tooltip("tok_s:Q", format=".1f"),
+        color=alt.Color("config:N", title="attention backend"),
+        tooltip=["config", "spec", "ctx_label", alt.Tooltip("tok_s:Q", format=".1f"),
                  alt.Tooltip("accept_len:Q", format=".2f"), alt.Tooltip("verify_step_ms:Q", format=".2f")])
     return ((base.mark_line() + base.mark_point(filled=True))
             .properties(width=260, height=220)
@@ -156,7 +163,7 @@ def speedup_chart(speedups, baseline: str = "triton", title: str = ""):
     """Speedup over the baseline backend against context, one panel per spec mode."""
     import altair as alt
 
-    _need(speedups, ["backend", "spec_title", "ctx", "speedup"], "speedups")
+    _need(speedups, ["config", "backend", "spec_title", "ctx", "speedup"], "speedups")
     d = speedups[speedups["backend"] != baseline]
     if len(d) == 0:
         raise ValueError(f"speedups: only the baseline backend {baseline!r} was measured")
@@ -165,8 +172,8 @@ def speedup_chart(speedups, baseline: str = "triton", title: str = ""):
         x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
                 axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
         y=alt.Y("speedup:Q", title=f"tok/s ÷ {baseline} tok/s"),
-        color=alt.Color("backend:N", title="attention backend"),
-        tooltip=["backend", "spec", "ctx_label", alt.Tooltip("speedup:Q", format=".2f")])
+        color=alt.Color("config:N", title="attention backend"),
+        tooltip=["config", "spec", "ctx_label", alt.Tooltip("speedup:Q", format=".2f")])
     rule = alt.Chart().mark_rule(color="gray", strokeDash=[4, 3]).encode(y=alt.datum(1.0))
     return (alt.layer(base.mark_line() + base.mark_point(filled=True), rule, data=d)
             .properties(width=260, height=200)
@@ -215,14 +222,14 @@ def select_point(df, point: dict):
 def load_service_results(model: str | None = None) -> dict:
     """Recorded live-service results from data/results/ as DataFrames, filtered to `model`.
 
-    Keys: decode, nvml, expert, failures (empty frames where nothing is recorded).
+    Keys: decode, nvml, expert, failures, profiles (empty frames where nothing is recorded).
     """
-    from .decode_bench import DECODE_RESULTS, EXPERT_RESULTS, FAILURE_RESULTS, NVML_RESULTS
+    from .decode_bench import DECODE_RESULTS, EXPERT_RESULTS, FAILURE_RESULTS, NVML_RESULTS, PROFILE_RESULTS
     from .results import load_records
 
     out = {}
     for key, name in (("decode", DECODE_RESULTS), ("nvml", NVML_RESULTS), ("expert", EXPERT_RESULTS),
-                      ("failures", FAILURE_RESULTS)):
+                      ("failures", FAILURE_RESULTS), ("profiles", PROFILE_RESULTS)):
         df = load_records(name)
         if model is not None and len(df) and "model" in df.columns:
             df = df[df["model"] == model].reset_index(drop=True)
@@ -235,4 +242,5 @@ def live_results(result) -> dict:
     import pandas as pd
 
     return {"decode": pd.DataFrame(result.decode), "nvml": pd.DataFrame(result.nvml),
-            "expert": pd.DataFrame(result.expert), "failures": pd.DataFrame(result.failures)}
+            "expert": pd.DataFrame(result.expert), "failures": pd.DataFrame(result.failures),
+            "profiles": pd.DataFrame(result.profiles)}

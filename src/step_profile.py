@@ -56,7 +56,7 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize_trace(trace: dict, steps: int, top: int = 8) -> dict:
+def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40) -> dict:
     """Per-step GPU time by kernel category over a trace of `steps` forward steps.
 
     Returns window_ms (first kernel start to last kernel end), busy_ms (any kernel running),
@@ -91,7 +91,7 @@ def summarize_trace(trace: dict, steps: int, top: int = 8) -> dict:
             rec = py[e.get("name", "?")]
             rec[0] += 1
             rec[1] += float(e["dur"])
-    top_py = sorted(py.items(), key=lambda kv: -kv[1][1])[:3 * top]
+    top_py = sorted(py.items(), key=lambda kv: -kv[1][1])[:top_python]
     return {
         "steps": steps,
         "window_ms": round(window / 1e3, 3),
@@ -119,4 +119,38 @@ def profile_frame(records) -> "pd.DataFrame":
             rows.append({**key, "category": cat, "ms": ms})
         rows.append({**key, "category": "host / idle (no kernel running)",
                      "ms": max(0.0, r["per_step_ms"] * (1 - (r.get("busy_share") or 0)))})
+    return pd.DataFrame(rows)
+
+
+def step_profile_chart(records, title: str = ""):
+    """Per-step time of each profiled point as stacked bars: GPU time by kernel category, then
+    the part of the step with no kernel running (host work: scheduler, drafting, Python)."""
+    import altair as alt
+
+    df = profile_frame(records)
+    if len(df) == 0:
+        raise ValueError("records: no step profiles to chart")
+    df["point"] = [f"{b} / {s} / {c // 1024}k" for b, s, c in zip(df["backend"], df["spec"], df["ctx"])]
+    order = sorted(df["point"].unique(), key=lambda p: (p.split(" / ")[1], int(p.split(" / ")[2][:-1]), p))
+    return (alt.Chart(df).mark_bar()
+            .encode(y=alt.Y("point:N", sort=order, title=None),
+                    x=alt.X("sum(ms):Q", title="ms per step (profiled window / steps)"),
+                    color=alt.Color("category:N", title="where the step goes"),
+                    tooltip=["point", "category", alt.Tooltip("ms:Q", format=".3f")])
+            .properties(width=520, height=28 * df["point"].nunique(),
+                        title=title or "Where a served step goes (torch profiler, SGLang /start_profile)"))
+
+
+def profile_table(records):
+    """One row per profiled point: step ms, GPU busy share, attention ms and host/idle ms."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        cats = r.get("gpu_ms_per_step") or {}
+        attention = sum(v for k, v in cats.items() if k.startswith("attention"))
+        rows.append({"backend": r["backend"], "spec": r["spec"], "ctx": r["ctx"],
+                     "step_ms": round(r["per_step_ms"], 2), "gpu_busy_%": round(100 * (r.get("busy_share") or 0), 1),
+                     "attention_ms": round(attention, 3),
+                     "host_idle_ms": round(r["per_step_ms"] * (1 - (r.get("busy_share") or 0)), 2)})
     return pd.DataFrame(rows)

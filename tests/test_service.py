@@ -401,6 +401,7 @@ def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):
     assert r["window_ms"] == pytest.approx(3.45) and r["busy_ms"] == pytest.approx(1.8)
     assert r["gpu_ms_per_step"] == {"gemm": 0.2, "moe": 0.15, "attention: sm120_mla": 0.1}
     assert r["request_step_ms"] > 0 and "commit" in prof.columns
+    assert (tmp_path / "traces" / r["trace_file"]).is_file()   # beside results/, as data/traces
 
 
 def test_cli_refuses_unknown_backend_before_any_launch(tmp_path):
@@ -468,8 +469,8 @@ def test_decode_points_speedup_and_charts(seed, tmp_path):
     assert sp[sp["backend"] == "sm120_mla"]["speedup"].between(1.45, 1.55).all()
     assert sp[sp["backend"] == "triton"]["speedup"].round(9).eq(1.0).all()
     table = sc.decode_table(pts)
-    assert list(table.columns) == ["backend", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs",
-                                   "expert_record", "commit"]
+    assert list(table.columns) == ["config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs",
+                                   "commit"]
     assert set(table["ctx_label"]) == {"4k", "16k", "64k"}
     for name, chart in (("speed", sc.decode_speed_chart(pts)), ("speedup", sc.speedup_chart(sp))):
         assert chart.to_dict()["facet"]["column"]["field"] == "spec_title"
@@ -524,6 +525,27 @@ def test_run_matrix_ep_size_is_checked_and_recorded(fake, tmp_path):
     assert [r["ep_size"] for r in res.decode] == [1]
 
 
+def test_configs_are_separate_points_and_never_paired_across():
+    """The NGRAM host fix and a recorder-off run are their own configurations: pooled and
+    paired only with their like, and labelled in tables and charts."""
+    import pandas as pd
+
+    from sm120_workbook.service_charts import decode_points, speedup_over
+
+    base = {"gpu": "H200", "model": "m", "layers": 4, "tp": 1, "weights": "bf16", "spec": "ngram",
+            "draft_tokens": 8, "ctx": 65536, "accept_len": 6.7, "verify_step_ms": 1.0, "commit": "c",
+            "date": "2026-11-29", "expert_record": True}
+    df = pd.DataFrame([{**base, "backend": "triton", "tok_s": 120.0},
+                       {**base, "backend": "sm120_mla", "tok_s": 1190.0},
+                       {**base, "backend": "sm120_mla", "tok_s": 2357.0, "ngram_tail": True},
+                       {**base, "backend": "sm120_mla", "tok_s": 827.0, "expert_record": False}])
+    pts = decode_points(df)
+    assert sorted(pts["config"]) == ["sm120_mla", "sm120_mla (recorder off)", "sm120_mla + ngram_tail", "triton"]
+    sp = speedup_over(pts, "triton")
+    assert sorted(sp["config"]) == ["sm120_mla", "triton"]
+    assert sp.loc[sp["config"] == "sm120_mla", "speedup"].item() == pytest.approx(1190 / 120)
+
+
 def test_speedup_table_names_both_commits():
     import pandas as pd
 
@@ -536,7 +558,7 @@ def test_speedup_table_names_both_commits():
                  date="2026-11-29T15:00:00+00:00" if newer else "2026-11-29T12:00:00+00:00")
     sp = sc.speedup_over(sc.decode_points(pd.DataFrame(recs)), "triton")
     t = sc.speedup_table(sp[sp["backend"] == "sm120_mla"])
-    assert list(t.columns) == ["backend", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit"]
+    assert list(t.columns) == ["config", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit"]
     assert set(t["commit"]) == {"bbbbbbb"} and set(t["base_commit"]) == {"aaaaaaa"}
     assert t["speedup"].between(1.45, 1.55).all()
 

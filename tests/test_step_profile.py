@@ -43,6 +43,19 @@ def test_overlapping_kernels_count_once_in_busy_time(tmp_path):
     assert df.loc[df["category"].str.startswith("host"), "ms"].item() == pytest.approx(0.125)
 
 
+def test_chart_and_table_from_records(tmp_path):
+    from sm120_workbook.charts import save_chart
+    from sm120_workbook.step_profile import profile_table, step_profile_chart
+
+    recs = [{"backend": b, "spec": "ngram", "ctx": c, "per_step_ms": ms, "busy_share": bs,
+             "gpu_ms_per_step": {"attention: " + b: att, "gemm": 0.7}}
+            for b, c, ms, bs, att in (("triton", 65536, 56.0, 0.92, 50.4), ("sm120_mla", 65536, 6.9, 0.21, 0.25))]
+    t = profile_table(recs)
+    assert list(t["attention_ms"]) == [50.4, 0.25] and list(t["host_idle_ms"]) == [4.48, 5.45]
+    save_chart(step_profile_chart(recs), "profile", str(tmp_path))
+    assert any(tmp_path.iterdir())
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="steps"):
         summarize_trace({"traceEvents": []}, steps=0)

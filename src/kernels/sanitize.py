@@ -75,6 +75,21 @@ def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -
             **parsed, "report_tail": report[-3000:]}
 
 
+def recorded_table(df=None):
+    """The newest recorded result of each (build, tool) from data/results/kernel_sanitizer.jsonl."""
+    from ..results import load_records
+
+    df = load_records("kernel_sanitizer") if df is None else df
+    if len(df) == 0:
+        return df
+    cols = [c for c in ("build", "tool", "clean", "summary", "kernel_version", "commit", "date") if c in df]
+    newest = df.sort_values("date").groupby(["build", "tool"], as_index=False).tail(1)
+    t = newest[cols].copy()
+    if "commit" in t:
+        t["commit"] = t["commit"].astype(str).str[:7]
+    return t.sort_values(["build", "tool"]).reset_index(drop=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=["racecheck"])
