@@ -17,6 +17,27 @@ def test_late_refill_schedule_has_no_race_or_deadlock(num_tiles):
     check(num_tiles, 4, schedules=150, late_refill=True)   # LATE_REFILL=1, 16-key tiles
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
+def test_racecheck_probe_schedule_is_lock_step_and_race_free(num_tiles, stages):
+    # RACECHECK_PROBE=1: every barrier is barrier 0, so the groups must meet the same rounds
+    # in the same order (a group entering one round twice raises), and it orders even one P buffer.
+    check(num_tiles, stages, schedules=150, probe=True)
+    check(num_tiles, stages, schedules=50, probe=True, parity=False)
+
+
+def test_checker_catches_a_probe_whose_groups_miss_a_round():
+    import random
+
+    from sm120_workbook.kernels.handover_model import run, score_steps, value_steps
+
+    # the value group without its mid-tile rounds: the score group's extra round deadlocks or
+    # pairs with the wrong hand-over
+    with pytest.raises(ProtocolError):
+        for seed in range(20):
+            run(score_steps(5, 4, probe=True), value_steps(5, 4), random.Random(seed))
+
+
 def test_checker_catches_one_buffer_and_barrier_id_for_every_tile():
     # With one P buffer the score group writes P(t+1) while the value group reads P(t).
     with pytest.raises(ProtocolError, match="race on \\('p'"):

@@ -114,6 +114,32 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
 
 
+@pytest.mark.nvcc
+def test_mma_peak_kernel_compiles_without_spills(tmp_path):
+    import subprocess
+
+    from sm120_workbook.kernels.build import KERNEL_DIR, SOURCES
+
+    assert "mma_peak.cuh" in SOURCES   # part of the build hash
+    src = tmp_path / "p.cu"
+    src.write_text('#include "mma_peak.cuh"\n')
+    for arch in ("sm_120a", "sm_90a"):
+        proc = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
+                               f"-I{KERNEL_DIR}", "-o", str(tmp_path / "p.cubin"), str(src)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "mma_sync_peak_kernel" in proc.stderr and " 0 bytes spill stores" in proc.stderr
+
+
+def test_gpu_check_sanitizer_job_records_both_builds(tmp_path):
+    from sm120_workbook.kernels.gpu_check import jobs
+
+    san = {j[0]: j for j in jobs(tmp_path, "vX")}["sanitizer"]
+    cmd = san[1]
+    assert cmd[1:3] == ["-m", "sm120_workbook.kernels.sanitize"] and not san[2]
+    assert {"memcheck", "racecheck", "synccheck"} <= set(cmd) and str(tmp_path / "kernel_sanitizer.jsonl") in cmd
+
+
 def test_gpu_check_profile_job_is_timed_and_reads_its_own_export(tmp_path):
     from sm120_workbook.kernels.gpu_check import jobs
 

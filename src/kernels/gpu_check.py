@@ -6,7 +6,8 @@ tests (where SGLang imports), the benchmark, the ablation and, with --ncu, an Ns
 Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their
 own where there are enough GPUs; otherwise jobs share GPUs in turn. The records land in
 --out, and the jobs' logs end up in one file, gpu_check.log (the device machine returns
-at most 8 files), with a summary of which passed.
+at most 8 files: records and the profile CSV are at most five more), with a summary of
+which passed.
 
     python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu]
 """
@@ -37,7 +38,9 @@ def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, 
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
     out_jobs = [
         ("tests", pytest + ["tests/test_kernel_gpu.py", "-k", "not sanitizer"], False),
-        ("sanitizer", pytest + ["tests/test_kernel_gpu.py", "-k", "sanitizer"], False),
+        # the three tools on the shipped build and the racecheck probe, recorded
+        ("sanitizer", [py, "-m", "sm120_workbook.kernels.sanitize", "--tools", "memcheck", "racecheck", "synccheck",
+                       "--out", str(out / "kernel_sanitizer.jsonl")] + tag_args, False),
         ("bench", [py, "-m", "sm120_workbook.kernels.bench", "--quick", "--out", str(out / "kernel_bench.jsonl")]
          + tag_args, True),
         ("ablation", [py, "-m", "sm120_workbook.kernels.ablation", "--out", str(out / "kernel_ablation.jsonl")]

@@ -35,13 +35,16 @@ class ProtocolError(AssertionError):
     pass
 
 
-def score_steps(num_tiles: int, stages: int, parity: bool = True):
+def score_steps(num_tiles: int, stages: int, parity: bool = True, probe: bool = False):
     """The score warps' steps, in the kernel's order. `parity` False puts P(t) and the row
-    scale of every tile in one buffer: a deliberate bug, for testing the checker."""
+    scale of every tile in one buffer: a deliberate bug, for testing the checker. `probe`
+    is the RACECHECK_PROBE build: the score group's own barrier becomes a barrier-0 round."""
     yield "sync", HANDOVER                           # tile 0 has landed
     for t in range(num_tiles):
         par = t & 1 if parity else 0
         yield "read", ("stage", t % stages)          # S = Q.K(t)
+        if probe:
+            yield "sync", HANDOVER                   # the mid-tile round
         yield "write", ("p", par)                    # softmax(t)
         yield "write", ("row_scale", par)
         yield "sync", HANDOVER                       # P(t) ready; tile t+1 landed
@@ -50,15 +53,21 @@ def score_steps(num_tiles: int, stages: int, parity: bool = True):
 
 
 def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: bool = False,
-                refill_before_handover: bool = False):
+                refill_before_handover: bool = False, probe: bool = False):
     """The value warps' steps, in the kernel's order. `late_refill` is the LATE_REFILL
     build; `refill_before_handover` refills tile t's stage before the hand-over that the
-    score warps' last read of it precedes: a deliberate bug, for testing the checker."""
+    score warps' last read of it precedes: a deliberate bug, for testing the checker.
+    `probe` is the RACECHECK_PROBE build: a barrier-0 round opens every tile, then the stage
+    of tile t-1 is refilled (no value-only barrier, no refill at the end of a tile)."""
     for s in range(min(stages, num_tiles)):
         yield "write", ("stage", s)                  # prologue: fill the ring
     yield "sync", HANDOVER
     for t in range(num_tiles):
         par = t & 1 if parity else 0
+        if probe:
+            yield "sync", HANDOVER                   # the mid-tile round
+            if t >= 1 and t - 1 + stages < num_tiles:
+                yield "write", ("stage", (t - 1) % stages)
         if refill_before_handover and t + stages < num_tiles:
             yield "write", ("stage", t % stages)
         yield "sync", HANDOVER                       # tile t+1 landed: take P(t)
@@ -67,7 +76,7 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
         yield "read", ("row_scale", par)             # O rescale and O += P.V(t)
         yield "read", ("p", par)
         yield "read", ("stage", t % stages)
-        if not (late_refill or refill_before_handover) and t + stages < num_tiles:
+        if not (late_refill or refill_before_handover or probe) and t + stages < num_tiles:
             yield "write", ("stage", t % stages)     # refill with tile t + stages
     yield "sync", END
     yield "read", ("row_sums",)
@@ -126,5 +135,7 @@ def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **va
     """Run the kernel's protocol under `schedules` random interleavings."""
     rng = random.Random(seed)
     parity = variant.pop("parity", True)
+    probe = variant.get("probe", False)
     for _ in range(schedules):
-        run(score_steps(num_tiles, stages, parity), value_steps(num_tiles, stages, parity, **variant), rng)
+        run(score_steps(num_tiles, stages, parity, probe=probe),
+            value_steps(num_tiles, stages, parity, **variant), rng)
