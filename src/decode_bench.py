@@ -41,8 +41,8 @@ import numpy as np
 
 from .dummy_models import (heads_per_rank, materialize_draft, materialize_model, max_context,
                            weight_format)
-from .service import (SGLangServer, ServerConfig, ServerStartError, check_attention_backend, resolve_tp,
-                      spec_metrics)
+from .service import (SGLangServer, ServerConfig, ServerError, ServerStartError, check_attention_backend,
+                      resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -230,13 +230,20 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
     # default; the same for every backend, so the comparison stands.
     fusion = allreduce_fusion and tp > 1
-    common = {"tp": tp, "ep_size": ep_size, "ngram_tail": bool(ngram_tail), "allreduce_fusion": fusion, "gpu": gpu, "model": model,
-              "layers": layers, "heads_per_rank": heads,
+    common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
+              "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
               "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
     if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
         common["commit"] = os.environ["SM120_COMMIT"]
     if not isinstance(profile_steps, int) or profile_steps < 0:
         raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
+    if profile_steps:
+        # The profiled request must run more steps than are profiled, or the profiler waits
+        # for the next request; a step emits at most draft_tokens + 1 tokens.
+        most = max([1] + [(p.draft_tokens or 0) + 1 for p in plans])
+        if decode_tokens // most <= profile_steps:
+            raise ValueError(f"profile_steps: {profile_steps} steps need more than {profile_steps * most} decode "
+                             f"tokens with {most - 1} draft tokens a step; decode_tokens is {decode_tokens}")
     out = MatrixResult([], [], [], [])
     lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
              FAILURE_RESULTS: out.failures, PROFILE_RESULTS: out.profiles}
@@ -376,6 +383,8 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
     thread = threading.Thread(target=start, daemon=True)
     srv.flush_cache()
     res = srv.generate(random_input_ids(ctx, vocab_size, seed), decode_tokens, on_first_token=thread.start)
+    if thread.ident is None:
+        raise ServerError("profile: the request streamed no token, so the profiler never started")
     thread.join(timeout=120)
     if errors:
         raise errors[0]

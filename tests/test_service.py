@@ -389,7 +389,7 @@ def test_run_matrix_records_and_dflash_fallback(fake, tmp_path, monkeypatch):
 def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MODE", "serve")
     res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64, 256],
-                                  spec=["ngram"], decode_tokens=12, tp=1, nvml=False, expert=False, record=True,
+                                  spec=["ngram"], decode_tokens=48, tp=1, nvml=False, expert=False, record=True,
                                   results_dir=tmp_path / "results", progress=False, launcher=fake,
                                   log_dir=tmp_path / "logs", profile_steps=4, profile_contexts=[256],
                                   log=lambda s: None)
@@ -581,3 +581,9 @@ def test_service_targets_measured_not_asserted():
     # a baseline measured on another model is no pair for it
     other = pts.assign(model=pts["model"].where(pts["backend"] != "triton", "kimi_k2"))
     assert sc.service_targets(other).set_index("target").loc["ngram 4k: sm120_mla >= 3x triton", "met"] is None
+
+
+def test_profile_steps_need_enough_decode_tokens(fake, tmp_path):
+    with pytest.raises(ValueError, match="profile_steps"):
+        decode_bench.run_matrix(backends=["triton"], contexts=[64], spec=["ngram"], decode_tokens=40, tp=1,
+                                profile_steps=5, launcher=fake, log=lambda s: None)   # 8 drafts: 9 tokens a step
