@@ -210,7 +210,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     """
     from tqdm.auto import tqdm
 
-    from .results import append_records
+    from .results import append_records, results_dir as default_results_dir
 
     t_start = time.monotonic()
     for b in backends:  # before any launch: a typo should not cost a server start
@@ -335,7 +335,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                          profile_steps, Path(srv.log_path).parent / f"{run_id}-profile",
                                          with_stack=profile_with_stack)
                     if record:   # the trace beside the results, named as the record names it
-                        dest = (Path(results_dir) if results_dir else _default_results_dir()).parent / "traces"
+                        dest = (Path(results_dir) if results_dir else default_results_dir()).parent / "traces"
                         dest.mkdir(parents=True, exist_ok=True)
                         shutil.copy2(prof.pop("trace_path"), dest / prof["trace_file"])
                     else:
@@ -394,12 +394,6 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
     stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, srv.config.spec)
     return {**summary, "request_step_ms": round(stats["verify_step_ms"], 4),
             "accept_len": stats["accept_len"], "trace_file": rank0.name, "trace_path": str(rank0)}
-
-
-def _default_results_dir() -> Path:
-    from .results import results_dir
-
-    return results_dir()
 
 
 def _results_path(results_dir: Path | None, name: str) -> Path | None:

@@ -46,6 +46,21 @@ def load_trace(path: str | Path) -> dict:
         return json.load(f)
 
 
+def _calls_and_us(events) -> dict[str, list]:
+    """{name: [calls, total us]} of complete ('X') events."""
+    out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        rec = out[e.get("name", "?")]
+        rec[0] += 1
+        rec[1] += float(e["dur"])
+    return out
+
+
+def host_idle_ms(record: dict) -> float:
+    """The part of a profiled step in which no kernel ran (host work), in ms."""
+    return max(0.0, record["per_step_ms"] * (1 - (record.get("busy_share") or 0)))
+
+
 def _union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):
@@ -74,23 +89,16 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     start = min(float(e["ts"]) for e in kernels)
     end = max(float(e["ts"]) + float(e["dur"]) for e in kernels)
     busy = _union_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels])
+    by_name = _calls_and_us(kernels)
     by_cat: dict[str, float] = defaultdict(float)
-    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        by_cat[categorize(e["name"])] += float(e["dur"])
-        rec = by_name[e["name"]]
-        rec[0] += 1
-        rec[1] += float(e["dur"])
+    for name, (_, us) in by_name.items():
+        by_cat[categorize(name)] += us
     window = end - start
     top_k = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     # With with_stack, the trace holds Python calls (cat python_function, nested): their
     # inclusive time per step says where the host part of a step goes.
-    py: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "python_function" and "dur" in e:
-            rec = py[e.get("name", "?")]
-            rec[0] += 1
-            rec[1] += float(e["dur"])
+    py = _calls_and_us(e for e in events
+                       if e.get("ph") == "X" and e.get("cat") == "python_function" and "dur" in e)
     top_py = sorted(py.items(), key=lambda kv: -kv[1][1])[:top_python]
     return {
         "steps": steps,
@@ -117,8 +125,7 @@ def profile_frame(records) -> "pd.DataFrame":
         cats = r.get("gpu_ms_per_step") or {}
         for cat, ms in cats.items():
             rows.append({**key, "category": cat, "ms": ms})
-        rows.append({**key, "category": "host / idle (no kernel running)",
-                     "ms": max(0.0, r["per_step_ms"] * (1 - (r.get("busy_share") or 0)))})
+        rows.append({**key, "category": "host / idle (no kernel running)", "ms": host_idle_ms(r)})
     return pd.DataFrame(rows)
 
 
@@ -152,5 +159,5 @@ def profile_table(records):
         rows.append({"backend": r["backend"], "spec": r["spec"], "ctx": r["ctx"],
                      "step_ms": round(r["per_step_ms"], 2), "gpu_busy_%": round(100 * (r.get("busy_share") or 0), 1),
                      "attention_ms": round(attention, 3),
-                     "host_idle_ms": round(r["per_step_ms"] * (1 - (r.get("busy_share") or 0)), 2)})
+                     "host_idle_ms": round(host_idle_ms(r), 2)})
     return pd.DataFrame(rows)

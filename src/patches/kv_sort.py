@@ -20,18 +20,18 @@ import inspect
 import logging
 import os
 
+from .env_switch import env_requested
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SM120_KV_SORT"
-_TRUE = {"1", "true", "yes", "on"}
 _MARK = "_sm120_kv_sort_original"
 _announced: set[str] = set()
 
 
 def requested(environ=None) -> bool:
     """Whether $SM120_KV_SORT asks for the override ("1", "true", "yes", "on")."""
-    value = (environ if environ is not None else os.environ).get(ENV_VAR, "")
-    return value.strip().lower() in _TRUE
+    return env_requested(ENV_VAR, environ)
 
 
 def _base_class():

@@ -24,18 +24,19 @@ import logging
 import os
 from array import array
 
+from .env_switch import env_requested
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SM120_NGRAM_TAIL"
-_TRUE = {"1", "true", "yes", "on"}
 _METHODS = ("_prepare_draft_tokens", "_update_ngram_corpus")
 _MARK = "_sm120_ngram_tail_original"
 _depth: contextvars.ContextVar[int | None] = contextvars.ContextVar("sm120_ngram_tail_depth", default=None)
 
 
 def requested(environ=None) -> bool:
-    value = (environ if environ is not None else os.environ).get(ENV_VAR, "")
-    return value.strip().lower() in _TRUE
+    """Whether $SM120_NGRAM_TAIL asks for the override ("1", "true", "yes", "on")."""
+    return env_requested(ENV_VAR, environ)
 
 
 def _tail_list(iterable=(), /):
