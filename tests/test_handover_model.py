@@ -8,25 +8,31 @@ from sm120_workbook.kernels.handover_model import ProtocolError, check
 
 @pytest.mark.parametrize("stages", [2, 4])          # TileConfig<32> and TileConfig<16>
 @pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
-def test_kernel_schedule_has_no_race_or_deadlock(num_tiles, stages):
+def test_kernel_schedule_is_lock_step_and_race_free(num_tiles, stages):
+    # The shipped build: every barrier is barrier 0, so the groups must meet the same rounds
+    # in the same order (a group entering one round twice raises), and it orders even one P buffer.
     check(num_tiles, stages, schedules=150)
-
-
-@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
-def test_late_refill_schedule_has_no_race_or_deadlock(num_tiles):
-    check(num_tiles, 4, schedules=150, late_refill=True)   # LATE_REFILL=1, 16-key tiles
+    check(num_tiles, stages, schedules=50, parity=False)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
-def test_racecheck_probe_schedule_is_lock_step_and_race_free(num_tiles, stages):
-    # RACECHECK_PROBE=1: every barrier is barrier 0, so the groups must meet the same rounds
-    # in the same order (a group entering one round twice raises), and it orders even one P buffer.
-    check(num_tiles, stages, schedules=150, probe=True)
-    check(num_tiles, stages, schedules=50, probe=True, parity=False)
+def test_group_barriers_schedule_has_no_race_or_deadlock(num_tiles, stages):
+    check(num_tiles, stages, schedules=150, group_barriers=True)   # GROUP_BARRIERS=1 (v14)
 
 
-def test_checker_catches_a_probe_whose_groups_miss_a_round():
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
+def test_late_refill_schedule_has_no_race_or_deadlock(num_tiles):
+    # GROUP_BARRIERS=1 LATE_REFILL=1, 16-key tiles
+    check(num_tiles, 4, schedules=150, group_barriers=True, late_refill=True)
+
+
+def test_late_refill_needs_group_barriers():
+    with pytest.raises(ValueError, match="GROUP_BARRIERS=1"):
+        check(4, 4, late_refill=True)
+
+
+def test_checker_catches_groups_that_miss_a_round():
     import random
 
     from sm120_workbook.kernels.handover_model import run, score_steps, value_steps
@@ -35,13 +41,14 @@ def test_checker_catches_a_probe_whose_groups_miss_a_round():
     # pairs with the wrong hand-over
     with pytest.raises(ProtocolError):
         for seed in range(20):
-            run(score_steps(5, 4, probe=True), value_steps(5, 4), random.Random(seed))
+            run(score_steps(5, 4), value_steps(5, 4, group_barriers=True), random.Random(seed))
 
 
 def test_checker_catches_one_buffer_and_barrier_id_for_every_tile():
-    # With one P buffer the score group writes P(t+1) while the value group reads P(t).
+    # With one P buffer and the group barriers, the score group writes P(t+1) while the
+    # value group reads P(t).
     with pytest.raises(ProtocolError, match="race on \\('p'"):
-        check(6, 4, parity=False)
+        check(6, 4, parity=False, group_barriers=True)
 
 
 def test_checker_catches_an_arrival_counted_into_the_wrong_round():
@@ -57,7 +64,7 @@ def test_checker_catches_an_arrival_counted_into_the_wrong_round():
 
 def test_checker_catches_a_refill_before_the_score_warps_are_done():
     with pytest.raises(ProtocolError, match="race on \\('stage'"):
-        check(9, 4, refill_before_handover=True)
+        check(9, 4, refill_before_handover=True, group_barriers=True)
 
 
 def test_checker_catches_a_deadlock():

@@ -44,14 +44,14 @@ VARIANTS = {
     # refill after the hand-over (LATE_REFILL) and 32-key tiles
     "prefetch1": Variant(("PREFETCH_AHEAD=1",)),
     "prefetch8": Variant(("PREFETCH_AHEAD=8",)),
-    "late_refill": Variant(("LATE_REFILL=1",)),
-    "late_refill_handovers_only": Variant(("LATE_REFILL=1", "ABLATE_NO_LOADS") + _MATH),
+    "late_refill": Variant(("GROUP_BARRIERS=1", "LATE_REFILL=1")),
+    "late_refill_handovers_only": Variant(("GROUP_BARRIERS=1", "LATE_REFILL=1", "ABLATE_NO_LOADS") + _MATH),
     "tk32": Variant(tile_keys=32),
     # no __syncwarp before the hand-over barrier (redundant since v14's non-.aligned barrier)
     "no_syncwarp": Variant(("HANDOVER_SYNCWARP=0",)),
-    # the racecheck probe build: both groups in lock-step on barrier 0, no overlap of
-    # the mid-tile rounds (correct output; timed to show what the group barriers buy)
-    "racecheck_probe": Variant(("RACECHECK_PROBE=1",)),
+    # v14's group barriers: each group's mid-tile wait on its own named barrier, so the
+    # groups' mid-tile work overlaps (correct output; not racecheck clean)
+    "group_barriers": Variant(("GROUP_BARRIERS=1",)),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -1,7 +1,7 @@
 """The split kernel's hand-over protocol as a program a CPU can check.
 
 mla_verify_split_kernel's score warps and value warps pass tiles to each other through
-named barriers. Nothing else orders them, so a slip in that schedule is a data race that
+barrier 0. Nothing else orders them, so a slip in that schedule is a data race that
 tests may never hit. This module states the two groups' steps in the kernel's order
 (`score_steps`, `value_steps`) and runs them under many random schedules with vector
 clocks, reporting
@@ -14,8 +14,9 @@ clocks, reporting
 
 A barrier step is `sync` (wait for the round) or `arrive` (count in and go on); the kernel
 uses only `sync` since v12, and `arrive` stays for testing the checker. A group is one
-agent: its four warps keep program order among themselves through the group's own
-barriers (kBarScore, kBarValue), which this model does not need to see. A cp.async copy is
+agent: its four warps keep program order among themselves through the mid-tile barrier-0
+round (the shipped GROUP_BARRIERS=0) or through the group's own named barrier (kBarScore,
+kBarValue with GROUP_BARRIERS=1), which this model does not need to see. A cp.async copy is
 a write at the time it is issued, which is when its slot must be free.
 
     from sm120_workbook.kernels.handover_model import check
@@ -35,15 +36,15 @@ class ProtocolError(AssertionError):
     pass
 
 
-def score_steps(num_tiles: int, stages: int, parity: bool = True, probe: bool = False):
+def score_steps(num_tiles: int, stages: int, parity: bool = True, group_barriers: bool = False):
     """The score warps' steps, in the kernel's order. `parity` False puts P(t) and the row
-    scale of every tile in one buffer: a deliberate bug, for testing the checker. `probe`
-    is the RACECHECK_PROBE build: the score group's own barrier becomes a barrier-0 round."""
+    scale of every tile in one buffer: a deliberate bug, for testing the checker.
+    `group_barriers` is the GROUP_BARRIERS=1 build: the mid-tile round is the group's own."""
     yield "sync", HANDOVER                           # tile 0 has landed
     for t in range(num_tiles):
         par = t & 1 if parity else 0
         yield "read", ("stage", t % stages)          # S = Q.K(t)
-        if probe:
+        if not group_barriers:
             yield "sync", HANDOVER                   # the mid-tile round
         yield "write", ("p", par)                    # softmax(t)
         yield "write", ("row_scale", par)
@@ -53,18 +54,23 @@ def score_steps(num_tiles: int, stages: int, parity: bool = True, probe: bool = 
 
 
 def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: bool = False,
-                refill_before_handover: bool = False, probe: bool = False):
-    """The value warps' steps, in the kernel's order. `late_refill` is the LATE_REFILL
-    build; `refill_before_handover` refills tile t's stage before the hand-over that the
-    score warps' last read of it precedes: a deliberate bug, for testing the checker.
-    `probe` is the RACECHECK_PROBE build: a barrier-0 round opens every tile, then the stage
-    of tile t-1 is refilled (no value-only barrier, no refill at the end of a tile)."""
+                refill_before_handover: bool = False, group_barriers: bool = False):
+    """The value warps' steps, in the kernel's order. In the shipped build a barrier-0 round
+    opens every tile, then the stage of tile t-1 is refilled. `group_barriers` is the
+    GROUP_BARRIERS=1 build: no mid-tile round, the stage of tile t is refilled at the end of
+    tile t after the value group's own barrier. `late_refill` is the LATE_REFILL build (it
+    needs group_barriers); `refill_before_handover` refills tile t's stage before the
+    hand-over that the score warps' last read of it precedes: a deliberate bug, for testing
+    the checker (with group_barriers)."""
+    if (late_refill or refill_before_handover) and not group_barriers:
+        raise ValueError("late_refill and refill_before_handover are GROUP_BARRIERS=1 schedules")
+    rounds = not group_barriers
     for s in range(min(stages, num_tiles)):
         yield "write", ("stage", s)                  # prologue: fill the ring
     yield "sync", HANDOVER
     for t in range(num_tiles):
         par = t & 1 if parity else 0
-        if probe:
+        if rounds:
             yield "sync", HANDOVER                   # the mid-tile round
             if t >= 1 and t - 1 + stages < num_tiles:
                 yield "write", ("stage", (t - 1) % stages)
@@ -76,7 +82,7 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
         yield "read", ("row_scale", par)             # O rescale and O += P.V(t)
         yield "read", ("p", par)
         yield "read", ("stage", t % stages)
-        if not (late_refill or refill_before_handover or probe) and t + stages < num_tiles:
+        if not (late_refill or refill_before_handover or rounds) and t + stages < num_tiles:
             yield "write", ("stage", t % stages)     # refill with tile t + stages
     yield "sync", END
     yield "read", ("row_sums",)
@@ -135,7 +141,7 @@ def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **va
     """Run the kernel's protocol under `schedules` random interleavings."""
     rng = random.Random(seed)
     parity = variant.pop("parity", True)
-    probe = variant.get("probe", False)
+    group_barriers = variant.get("group_barriers", False)
     for _ in range(schedules):
-        run(score_steps(num_tiles, stages, parity, probe=probe),
+        run(score_steps(num_tiles, stages, parity, group_barriers=group_barriers),
             value_steps(num_tiles, stages, parity, **variant), rng)

@@ -52,29 +52,32 @@ constexpr int kKvRowStride = kDimQK + 8;              // bf16 elements
 // while the value warps multiply tile t. Every barrier is a sync on both sides, so each one
 // orders all the shared-memory accesses before it against all those after it
 // (handover_model.py checks the schedule). cta_sync also ends the split (final row sums in
-// shared memory). Two named barriers serve one group each:
+// shared memory). A second barrier-0 round in mid-tile lets each group's warps wait for
+// each other (GROUP_BARRIERS below); the GROUP_BARRIERS=1 build uses two named barriers
+// instead, one per group:
 constexpr int kBarScore = 1;             // score warps only: S partials written
 constexpr int kBarValue = 2;             // value warps only: every P.V of tile t is done
 // (__syncthreads must not be reached from the two groups' different code paths: CUDA leaves
 // that undefined, and compute-sanitizer's synccheck rejects it.)
 // LATE_REFILL: refill the stage of tile t-1 right after hand-over t (every warp is done
 // with it by then) instead of after a value-only barrier at the end of tile t: one barrier
-// fewer per tile, one tile fewer in flight. Needs 3+ stages (16-key tiles).
+// fewer per tile, one tile fewer in flight. Needs 3+ stages (16-key tiles) and GROUP_BARRIERS=1.
 #ifndef LATE_REFILL
 #define LATE_REFILL 0
 #endif
-// RACECHECK_PROBE: a diagnostic build, never shipped. compute-sanitizer's racecheck reports the
-// P / row_scale hand-over of the default build as a hazard although every access pair is
-// ordered by barrier 0 (handover_model.py). The probe replaces the two group barriers
-// (kBarScore, kBarValue) by barrier 0 for all 256 threads, placed so that both groups meet
-// the same sequence of barrier-0 rounds: per tile one mid-tile round (score: between QK and
-// softmax; value: before refilling the previous tile's stage) and one hand-over. Output is
-// exact; only the overlap of the mid-tile work is lost. Measured (NOTES.md, session 4):
-// racecheck finds 0 hazards on the probe and 6 on the default build, and the probe is 1.5%
-// slower, so the default build's reports point at racecheck's handling of the 128-thread
-// named barriers rather than at the schedule.
-#ifndef RACECHECK_PROBE
-#define RACECHECK_PROBE 0
+// GROUP_BARRIERS: how the four warps of a group wait for each other inside a tile.
+// 0 (default, v16): they do not use barriers of their own. Each tile has two barrier-0 rounds
+//   of all 256 threads, so both groups meet the same sequence of rounds: the mid-tile round
+//   (score: between QK and the softmax, when the S partials are written; value: before
+//   refilling the previous tile's stage, when every value warp is done with it) and the
+//   hand-over.
+// 1 (v14): two 128-thread named barriers, kBarScore and kBarValue, serve one group each.
+//   That lets the groups' mid-tile work overlap, and it is 1.5% faster at q16 h8 64k (107.7 vs
+//   109.3 us). compute-sanitizer's racecheck then reports the P / row_scale hand-over, although
+//   barrier 0 orders every access pair (handover_model.py). It is clean on 0. The issue requires a
+//   racecheck-clean kernel, so 0 ships (NOTES.md, sessions 4 and 5).
+#ifndef GROUP_BARRIERS
+#define GROUP_BARRIERS 0
 #endif
 // HANDOVER_SYNCWARP: a __syncwarp() before each hand-over cta_sync. The aligned barrier of
 // v12 needed it (converged warps); the non-.aligned barrier 0 does not. 0 times the same
@@ -121,7 +124,7 @@ struct TileConfig {
   static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
   static_assert(kGroupThreads % KEYS == 0 && KEYS % 16 == 0 && kSoftmaxKeys % 4 == 0, "tile shape");
 };
-static_assert(!(RACECHECK_PROBE && LATE_REFILL), "RACECHECK_PROBE keeps the default refill order");
+static_assert(GROUP_BARRIERS || !LATE_REFILL, "LATE_REFILL replaces kBarValue: needs GROUP_BARRIERS=1");
 static_assert(kRowsPerCta == 2 * 16 && kGroupThreads == kScoreWarps * 32 && kGroupThreads == kValueWarps * 32,
               "warp layout");
 
@@ -344,10 +347,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
             *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(a[2] + c[2], a[3] + c[3]);
           }
       }
-#if RACECHECK_PROBE
-      cta_sync();   // probe: the mid-tile round (value warps: before refill(tile - 1))
-#else
+#if GROUP_BARRIERS
       barrier_sync(kBarScore, kGroupThreads);
+#else
+      cta_sync();   // the mid-tile round: S partials written (value warps: before refill(tile - 1))
 #endif
 
       // Online softmax over this tile, in the log2 domain.
@@ -537,8 +540,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int pv_col0 = vwarp * kVColsPerWarp;
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int par = tile & 1;
-#if RACECHECK_PROBE
-    cta_sync();   // probe: the mid-tile round; every value warp is done with tile - 1
+#if !GROUP_BARRIERS
+    cta_sync();   // the mid-tile round: every value warp is done with tile - 1
     if (tile > 0) refill(tile - 1);
 #endif
     // Hand tile+1 over and take P(tile): the score warps start on tile+1 while this group
@@ -584,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       }
     }
 #endif
-    if (!kRefillLag && !RACECHECK_PROBE) {
+    if (!kRefillLag && GROUP_BARRIERS) {
       barrier_sync(kBarValue, kGroupThreads);   // every value warp is done with this stage
       refill(tile);
     }

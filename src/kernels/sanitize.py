@@ -1,14 +1,15 @@
 """compute-sanitizer on the kernel: one small case that wraps the cp.async ring, any build.
 
-    python -m sm120_workbook.kernels.sanitize [--tools racecheck ...] [--builds default racecheck_probe]
+    python -m sm120_workbook.kernels.sanitize [--tools racecheck ...] [--builds default group_barriers]
         [--out data/results/kernel_sanitizer.jsonl]
 
 The case (2 requests of 129 and 40 keys, 5 heads, 7 tree-masked drafts) runs with 16-key
 tiles on 1 and 3 splits (one split: 9 tiles wrap the 4-stage ring) and with 32-key tiles.
 Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
-`racecheck_probe` (mla_verify.cuh: RACECHECK_PROBE) is the diagnostic build whose two group
-barriers become barrier-0 rounds of all 256 threads: racecheck clean on it and not on the
-default build puts the default build's reports on the named barriers, not on the schedule.
+`group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
+waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
+and is clean on the shipped build, whose groups meet only in barrier-0 rounds: the records of
+both say which schedule the tool accepts.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
-BUILDS = {"default": (), "racecheck_probe": ("RACECHECK_PROBE=1",)}
+BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
@@ -76,14 +77,17 @@ def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -
 
 
 def recorded_table(df=None):
-    """The newest recorded result of each (build, tool) from data/results/kernel_sanitizer.jsonl."""
+    """Each (build, tool) result of the newest recorded run (its commit) from
+    data/results/kernel_sanitizer.jsonl: older runs may name builds whose meaning has changed."""
     from ..results import load_records
 
     df = load_records("kernel_sanitizer") if df is None else df
     if len(df) == 0:
         return df
     cols = [c for c in ("build", "tool", "clean", "summary", "kernel_version", "commit", "date") if c in df]
-    newest = df.sort_values("date").groupby(["build", "tool"], as_index=False).tail(1)
+    df = df.sort_values("date")
+    df = df[df["commit"] == df["commit"].iloc[-1]] if "commit" in df else df
+    newest = df.groupby(["build", "tool"], as_index=False).tail(1)
     t = newest[cols].copy()
     if "commit" in t:
         t["commit"] = t["commit"].astype(str).str[:7]
@@ -114,7 +118,8 @@ def main(argv=None) -> int:
                               command="python -m sm120_workbook.kernels.sanitize " + " ".join(argv or sys.argv[1:]),
                               path=Path(args.out) if args.out else None)
         print(f"appended to {path}")
-    return 0 if all(r["clean"] for r in records) else 1
+    # the exit status is the shipped build's: group_barriers is recorded, not required clean
+    return 0 if all(r["clean"] for r in records if r["build"] == "default") else 1
 
 
 if __name__ == "__main__":
