@@ -55,14 +55,16 @@ def decode_points(df):
              .reset_index())
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
-    agg["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail) for r in agg.itertuples()]
+    agg["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail, r.tp) for r in agg.itertuples()]
     return agg.sort_values(["backend", "spec", "ctx"]).reset_index(drop=True)
 
 
-def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False) -> str:
+def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
-    usual run (expert recorder on, SGLang's NGRAM draft prep unpatched)."""
-    return backend + ("" if expert_record else " (recorder off)") + (" + ngram_tail" if ngram_tail else "")
+    usual run (one GPU, expert recorder on, SGLang's NGRAM draft prep unpatched)."""
+    multi = str(tp) not in ("1", "?")
+    return (backend + (f" TP{tp}" if multi else "") + ("" if expert_record else " (recorder off)")
+            + (" + ngram_tail" if ngram_tail else ""))
 
 
 def speedup_over(points, baseline: str = "triton"):
@@ -92,19 +94,20 @@ def speedup_table(sp):
 SPEEDUP_TARGETS = {4096: 3.0, 16384: 4.3, 65536: 6.1}
 
 
-def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton") -> pd.DataFrame:
-    """The service targets, measured: `ours` over `baseline` with speculation at each target
-    context (pairs matched on every point key, as speedup_over does), and `ours` with
-    speculation against `ours` without it wherever both were measured on the same model and
-    GPU. A target with a side missing reads "not measured" (met None), never "missed"; the
-    commits say when the two sides come from separate runs."""
+def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", tp: int = 1) -> pd.DataFrame:
+    """The service targets, measured at `tp` GPUs per server (the issue's are at TP1): `ours`
+    over `baseline` with speculation at each target context (pairs matched on every point key,
+    as speedup_over does), and `ours` with speculation against `ours` without it wherever both
+    were measured on the same model and GPU. A target with a side missing reads "not measured"
+    (met None), never "missed"; the commits say when the two sides come from separate runs."""
     _need(points, POINT_KEYS + ["tok_s"], "points")
-    pts = points if "commit" in points else points.assign(commit="?")
+    pts = points[points["tp"].astype(str) == str(tp)]
+    pts = pts if "commit" in pts else pts.assign(commit="?")
     rows = []
 
     def row(target, a, b, ratio, met):
-        return {"target": target, "measured": f"{a.tok_s:.0f} vs {b:.0f} tok/s", "ratio": round(ratio, 2),
-                "met": bool(met), "commits": f"{a.commit} / {a.base_commit}"}
+        return {"target": target, "config": a.config, "measured": f"{a.tok_s:.0f} vs {b:.0f} tok/s",
+                "ratio": round(ratio, 2), "met": bool(met), "commits": f"{a.commit} / {a.base_commit}"}
 
     sp = speedup_over(pts, baseline) if (pts["backend"] == baseline).any() else None
     for spec in [s for s in pts["spec"].unique() if s != "none"]:
@@ -113,7 +116,8 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton") -
             pairs = [] if sp is None else list(
                 sp[(sp["backend"] == ours) & (sp["spec"] == spec) & (sp["ctx"] == ctx)].itertuples())
             rows += [row(target, r, r.base_tok_s, r.speedup, r.speedup >= need) for r in pairs] or [
-                {"target": target, "measured": "not measured", "ratio": float("nan"), "met": None, "commits": ""}]
+                {"target": target, "config": "", "measured": "not measured", "ratio": float("nan"), "met": None,
+                 "commits": ""}]
         # speculation against plain decode: the same point but for spec and its draft tokens
         keys = [k for k in POINT_KEYS if k not in ("spec", "draft_tokens")]
         mine = pts[pts["backend"] == ours]
@@ -123,7 +127,7 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton") -
         for r in both.itertuples():
             rows.append(row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode", r, r.base_tok_s,
                             r.tok_s / r.base_tok_s, r.tok_s >= r.base_tok_s))
-    out = pd.DataFrame(rows, columns=["target", "measured", "ratio", "met", "commits"])
+    out = pd.DataFrame(rows, columns=["target", "config", "measured", "ratio", "met", "commits"])
     out["met"] = out["met"].astype(object)
     return out
 
@@ -195,11 +199,16 @@ def nvml_samples(records):
     return pd.DataFrame(rows, columns=["t", "gpu", "metric", "value", "backend", "spec", "ctx", "run_id"])
 
 
-def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int | None = None) -> dict:
+def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int | None = None,
+               most_gpus: bool = False) -> dict:
     """The (backend, spec, ctx, run_id) to show in single-point charts: the longest context of
-    the given (or first) backend and spec, latest run."""
+    the given (or first) backend and spec, latest run; with `most_gpus`, among the runs of the
+    largest recorded tp (per-GPU charts show most with most GPUs)."""
     _need(df, ["backend", "spec", "ctx", "run_id"])
     d = df
+    if most_gpus and "tp" in d.columns:
+        tp = pd.to_numeric(d["tp"], errors="coerce")
+        d = d[tp == tp.max()] if tp.notna().any() else d
     if backend is not None and (d["backend"] == backend).any():
         d = d[d["backend"] == backend]
     if spec is not None and (d["spec"] == spec).any():

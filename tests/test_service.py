@@ -512,6 +512,10 @@ def test_nvml_records_round_trip_and_pick_point():
     p = sc.pick_point(recs)
     assert p == {"backend": "sm120_mla", "spec": "dflash", "ctx": 65536, "run_id": "b"}
     assert sc.pick_point(recs, backend="triton")["run_id"] == "a"
+    # per-GPU charts prefer the run with the most GPUs, whatever its context
+    tp = recs.assign(tp=[2, 1])
+    assert sc.pick_point(tp, most_gpus=True)["run_id"] == "a"
+    assert sc.pick_point(tp)["run_id"] == "b"
     assert len(sc.select_point(long, p)) == 3
     assert sc.ctx_label(131072) == "128k" and sc.ctx_label(1000) == "1000"
 
@@ -539,11 +543,14 @@ def test_configs_are_separate_points_and_never_paired_across():
                        {**base, "backend": "sm120_mla", "tok_s": 1190.0},
                        {**base, "backend": "sm120_mla", "tok_s": 2357.0, "ngram_tail": True},
                        {**base, "backend": "sm120_mla", "tok_s": 827.0, "expert_record": False}])
-    pts = decode_points(df)
-    assert sorted(pts["config"]) == ["sm120_mla", "sm120_mla (recorder off)", "sm120_mla + ngram_tail", "triton"]
+    tp2 = [{**base, "tp": 2, "backend": b, "tok_s": s} for b, s in (("triton", 110.0), ("sm120_mla", 1390.0))]
+    pts = decode_points(pd.concat([df, pd.DataFrame(tp2)]))
+    assert sorted(pts["config"]) == ["sm120_mla", "sm120_mla (recorder off)", "sm120_mla + ngram_tail",
+                                     "sm120_mla TP2", "triton", "triton TP2"]
     sp = speedup_over(pts, "triton")
-    assert sorted(sp["config"]) == ["sm120_mla", "triton"]
+    assert sorted(sp["config"]) == ["sm120_mla", "sm120_mla TP2", "triton", "triton TP2"]
     assert sp.loc[sp["config"] == "sm120_mla", "speedup"].item() == pytest.approx(1190 / 120)
+    assert sp.loc[sp["config"] == "sm120_mla TP2", "speedup"].item() == pytest.approx(1390 / 110)
 
 
 def test_speedup_table_names_both_commits():
@@ -578,6 +585,13 @@ def test_service_targets_measured_not_asserted():
     t2 = sc.service_targets(pts[~((pts["backend"] == "triton") & (pts["ctx"] == 16384))]).set_index("target")
     assert t2.loc["ngram 16k: sm120_mla >= 4.3x triton", "met"] is None
     assert t2.loc["ngram 16k: sm120_mla >= 4.3x triton", "measured"] == "not measured"
+    # the targets are at TP1: a TP2 run is left out, and asked for by tp=2
+    tp2 = sc.decode_points(pd.DataFrame(recs + [dict(r, tp=2, tok_s=r["tok_s"] * (3 if r["backend"] == "sm120_mla" else 1))
+                                                for r in recs]))
+    assert sc.service_targets(tp2).equals(sc.service_targets(pts))
+    t3 = sc.service_targets(tp2, tp=2).set_index("target")
+    assert t3.loc["ngram 4k: sm120_mla >= 3x triton", "met"] is True
+    assert t3.loc["ngram 4k: sm120_mla >= 3x triton", "config"] == "sm120_mla TP2 (recorder off)"
     # a baseline measured on another model is no pair for it
     other = pts.assign(model=pts["model"].where(pts["backend"] != "triton", "kimi_k2"))
     assert sc.service_targets(other).set_index("target").loc["ngram 4k: sm120_mla >= 3x triton", "met"] is None
