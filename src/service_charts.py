@@ -44,8 +44,9 @@ def decode_points(df):
     # commit's records of each point, and repeats within it.
     if "commit" in d and "date" in d:
         d["commit"] = d["commit"].fillna("?").astype(str).str[:7]
+        # (two runs on one machine append in turn, so the file is not in date order)
         newest = d.sort_values("date").groupby(POINT_KEYS, dropna=False)["commit"].transform("last")
-        d = d[d["commit"] == newest]
+        d = d[d["commit"] == newest.reindex(d.index)]
     else:
         d["commit"] = "?"
     agg = (d.groupby(POINT_KEYS, dropna=False)
@@ -55,16 +56,20 @@ def decode_points(df):
              .reset_index())
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
-    agg["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail, r.tp) for r in agg.itertuples()]
+    # the layer count joins the label only where the records hold more than one
+    show_layers = agg["layers"].nunique() > 1
+    agg["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail, r.tp, r.layers if show_layers else None)
+                     for r in agg.itertuples()]
     return agg.sort_values(["backend", "spec", "ctx"]).reset_index(drop=True)
 
 
-def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1) -> str:
+def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
-    usual run (one GPU, expert recorder on, SGLang's NGRAM draft prep unpatched)."""
+    usual run (one GPU, expert recorder on, SGLang's NGRAM draft prep unpatched), and the
+    model's layer count when given."""
     multi = str(tp) not in ("1", "?")
-    return (backend + (f" TP{tp}" if multi else "") + ("" if expert_record else " (recorder off)")
-            + (" + ngram_tail" if ngram_tail else ""))
+    return (backend + (f" TP{tp}" if multi else "") + (f", {layers} layers" if layers is not None else "")
+            + ("" if expert_record else " (recorder off)") + (" + ngram_tail" if ngram_tail else ""))
 
 
 def speedup_over(points, baseline: str = "triton"):

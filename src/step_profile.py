@@ -114,14 +114,20 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     }
 
 
+def _config(r: dict) -> str:
+    """A record's configuration label (service_charts.config_label), else its backend."""
+    return r.get("config") or r["backend"]
+
+
 def profile_frame(records) -> "pd.DataFrame":
-    """Long table of step-profile records: one row per (backend, spec, ctx, category), with
-    the per-step GPU ms and, as category 'host / idle', the rest of the step."""
+    """Long table of step-profile records: one row per (config, spec, ctx, category), with
+    the per-step GPU ms and, as category 'host / idle', the rest of the step. A record's
+    `config` (e.g. "sm120_mla TP2 + ngram_tail") names it where set, else its backend."""
     import pandas as pd
 
     rows = []
     for r in records:
-        key = {k: r.get(k) for k in ("backend", "spec", "ctx", "per_step_ms", "busy_share")}
+        key = {"config": _config(r), **{k: r.get(k) for k in ("backend", "spec", "ctx", "per_step_ms", "busy_share")}}
         cats = r.get("gpu_ms_per_step") or {}
         for cat, ms in cats.items():
             rows.append({**key, "category": cat, "ms": ms})
@@ -137,7 +143,7 @@ def step_profile_chart(records, title: str = ""):
     df = profile_frame(records)
     if len(df) == 0:
         raise ValueError("records: no step profiles to chart")
-    df["point"] = [f"{b} / {s} / {c // 1024}k" for b, s, c in zip(df["backend"], df["spec"], df["ctx"])]
+    df["point"] = [f"{b} / {s} / {c // 1024}k" for b, s, c in zip(df["config"], df["spec"], df["ctx"])]
     order = sorted(df["point"].unique(), key=lambda p: (p.split(" / ")[1], int(p.split(" / ")[2][:-1]), p))
     return (alt.Chart(df).mark_bar()
             .encode(y=alt.Y("point:N", sort=order, title=None),
@@ -156,7 +162,7 @@ def profile_table(records):
     for r in records:
         cats = r.get("gpu_ms_per_step") or {}
         attention = sum(v for k, v in cats.items() if k.startswith("attention"))
-        rows.append({"backend": r["backend"], "spec": r["spec"], "ctx": r["ctx"],
+        rows.append({"config": _config(r), "spec": r["spec"], "ctx": r["ctx"],
                      "step_ms": round(r["per_step_ms"], 2), "gpu_busy_%": round(100 * (r.get("busy_share") or 0), 1),
                      "attention_ms": round(attention, 3),
                      "host_idle_ms": round(host_idle_ms(r), 2)})

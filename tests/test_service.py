@@ -491,7 +491,8 @@ def test_decode_points_keep_the_newest_commit_of_a_point():
         r.update(commit="aaaaaaa1111", date="2026-11-29T12:00:00+00:00")
     newer = [dict(r, commit="bbbbbbb2222", date="2026-11-29T15:00:00+00:00", tok_s=r["tok_s"] * 2)
              for r in recs if r["backend"] == "sm120_mla" and r["spec"] == "ngram"]
-    pts = sc.decode_points(pd.DataFrame(recs + newer)).set_index(["backend", "spec", "ctx"])
+    # newer records first: runs side by side on one machine append out of date order
+    pts = sc.decode_points(pd.DataFrame(newer + recs)).set_index(["backend", "spec", "ctx"])
     assert set(pts.loc[("sm120_mla", "ngram"), "commit"]) == {"bbbbbbb"}   # the old kernel's runs are not mixed in
     assert set(pts.loc[("sm120_mla", "ngram"), "runs"]) == {2}
     assert set(pts.loc[("triton", "ngram"), "commit"]) == {"aaaaaaa"}

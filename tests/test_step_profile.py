@@ -52,6 +52,8 @@ def test_chart_and_table_from_records(tmp_path):
             for b, c, ms, bs, att in (("triton", 65536, 56.0, 0.92, 50.4), ("sm120_mla", 65536, 6.9, 0.21, 0.25))]
     t = profile_table(recs)
     assert list(t["attention_ms"]) == [50.4, 0.25] and list(t["host_idle_ms"]) == [4.48, 5.45]
+    assert list(t["config"]) == ["triton", "sm120_mla"]
+    assert list(profile_table([dict(recs[1], config="sm120_mla TP2")])["config"]) == ["sm120_mla TP2"]
     save_chart(step_profile_chart(recs), "profile", str(tmp_path))
     assert any(tmp_path.iterdir())
 

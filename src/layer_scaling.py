@@ -1,0 +1,103 @@
+"""Step time against layer count: what a few-layer dummy model says about K2's 61 layers.
+
+A decode or verify step of SGLang is work that does not depend on the model's depth (the
+scheduler, sampling, NGRAM's draft search, the LM head) plus one forward pass of each
+decoder layer. The same configuration measured at two or more layer counts splits the two
+by least squares, step_ms = fixed_ms + per_layer_ms * layers, and the fit's step at K2's 61
+layers is a projection: labelled so wherever it is shown, never mixed with measured points.
+Accept length is taken as measured (dummy weights: it does not depend on depth here).
+
+    from sm120_workbook.layer_scaling import fit_layer_scaling, projected_speedup
+    fit = fit_layer_scaling(decode_points(records))
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .dummy_models import K2_LAYERS
+from .service_charts import POINT_KEYS, config_label, ctx_label
+
+# A configuration is a point less its layer count.
+CONFIG_KEYS = [k for k in POINT_KEYS if k != "layers"]
+
+
+def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.DataFrame:
+    """One row per configuration measured at two or more layer counts: the least-squares
+    fixed and per-layer step time, and the projected step and tok/s at `project_to` layers."""
+    need = set(CONFIG_KEYS) | {"layers", "verify_step_ms", "accept_len"}
+    missing = need - set(points.columns)
+    if missing:
+        raise ValueError(f"points: missing columns {sorted(missing)}")
+    if project_to < 1:
+        raise ValueError(f"project_to: must be a positive layer count, got {project_to}")
+    rows = []
+    for key, g in points.groupby(CONFIG_KEYS, dropna=False):
+        layers = g["layers"].astype(float).to_numpy()
+        if len(np.unique(layers)) < 2:
+            continue
+        per_layer, fixed = np.polyfit(layers, g["verify_step_ms"].astype(float).to_numpy(), 1)
+        accept = float(g["accept_len"].median())
+        step = fixed + per_layer * project_to
+        r = dict(zip(CONFIG_KEYS, key))
+        rows.append({**r, "config": config_label(r["backend"], r["expert_record"], r["ngram_tail"], r["tp"]),
+                     "ctx_label": ctx_label(int(r["ctx"])), "layers_measured": sorted(int(x) for x in set(layers)),
+                     "fixed_ms": fixed, "per_layer_ms": per_layer, "accept_len": accept,
+                     "projected_layers": project_to, "projected_step_ms": step,
+                     "projected_tok_s": 1e3 * accept / step if step > 0 else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def projected_speedup(fit: pd.DataFrame, baseline: str = "triton") -> pd.DataFrame:
+    """Projected tok/s of each backend over the baseline's, matched on every other key."""
+    if len(fit) == 0:
+        raise ValueError("fit: no configuration was measured at two layer counts")
+    keys = [k for k in CONFIG_KEYS if k != "backend"]
+    base = fit[fit["backend"] == baseline][keys + ["projected_tok_s"]].rename(
+        columns={"projected_tok_s": "base_projected_tok_s"})
+    if len(base) == 0:
+        raise ValueError(f"fit: no rows of the baseline backend {baseline!r}")
+    m = fit[fit["backend"] != baseline].merge(base, on=keys, how="inner")
+    m["projected_speedup"] = m["projected_tok_s"] / m["base_projected_tok_s"]
+    return m
+
+
+def scaling_table(fit: pd.DataFrame) -> pd.DataFrame:
+    """The compact table a notebook prints (rounded, deterministic order)."""
+    cols = ["config", "spec", "ctx_label", "layers_measured", "fixed_ms", "per_layer_ms", "projected_step_ms",
+            "projected_tok_s"]
+    t = fit.sort_values(["spec", "backend", "ctx"])[cols].copy()
+    t["layers_measured"] = t["layers_measured"].map(lambda ls: "/".join(map(str, ls)))
+    return t.round({"fixed_ms": 2, "per_layer_ms": 3, "projected_step_ms": 1, "projected_tok_s": 1}).reset_index(drop=True)
+
+
+def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ngram", title: str = ""):
+    """Step ms against layer count for one spec mode: measured points, and the fitted line
+    out to the projected layer count (dashed), one panel per context."""
+    import altair as alt
+
+    f = fit[fit["spec"] == spec]
+    if len(f) == 0:
+        raise ValueError(f"fit: no configuration of spec {spec!r} was measured at two layer counts")
+    configs = set(f["config"])
+    top = int(f["projected_layers"].max())
+    lines = pd.DataFrame([{"config": r.config, "ctx_label": r.ctx_label, "ctx": r.ctx, "layers": n,
+                           "step_ms": r.fixed_ms + r.per_layer_ms * n}
+                          for r in f.itertuples() for n in range(1, top + 1)])   # curved on a log axis
+    p = points[(points["spec"] == spec) & points["ctx"].isin(f["ctx"])].copy()
+    p["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail, r.tp) for r in p.itertuples()]
+    p = p[p["config"].isin(configs)].rename(columns={"verify_step_ms": "step_ms"})
+    data = pd.concat([lines.assign(kind="fit"),
+                      p[["config", "ctx_label", "ctx", "layers", "step_ms"]].assign(kind="measured")])
+    color = alt.Color("config:N", title="attention backend")
+    x = alt.X("layers:Q", title="decoder layers", scale=alt.Scale(domain=[1, top]))
+    y = alt.Y("step_ms:Q", title="step (ms)", scale=alt.Scale(type="log"))
+    base = alt.Chart().encode(x=x, y=y, color=color)
+    fitted = base.mark_line(strokeDash=[5, 3]).transform_filter(alt.datum.kind == "fit")
+    measured = base.mark_point(filled=True, size=50).transform_filter(alt.datum.kind == "measured").encode(
+        tooltip=["config", "ctx_label", "layers", alt.Tooltip("step_ms:Q", format=".2f")])
+    order = [ctx_label(c) for c in sorted(f["ctx"].unique())]
+    return (alt.layer(fitted, measured, data=data).properties(width=200, height=200)
+            .facet(column=alt.Column("ctx_label:N", title=None, sort=order))
+            .properties(title=title or f"Step time against layer count ({spec}): measured, and the fitted "
+                                       f"line out to {top} layers (a projection)"))

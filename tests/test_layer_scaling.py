@@ -1,0 +1,74 @@
+"""The layer-count fit that turns few-layer service runs into a projection at K2's 61 layers."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sm120_workbook.layer_scaling import fit_layer_scaling, layer_scaling_chart, projected_speedup, scaling_table
+from sm120_workbook.service_charts import decode_points
+
+# step_ms = fixed + per_layer * layers, per backend and context (triton's per-layer cost grows with ctx)
+TRUTH = {("triton", 4096): (1.8, 1.0), ("triton", 65536): (2.7, 12.8),
+         ("sm120_mla", 4096): (3.8, 0.07), ("sm120_mla", 65536): (2.1, 0.2)}
+
+
+def _records(layer_counts=(4, 16), noise=0.0, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    recs = []
+    for (backend, ctx), (fixed, per_layer) in TRUTH.items():
+        for layers in layer_counts:
+            step = (fixed + per_layer * layers) * (1 + noise * rng.standard_normal())
+            recs.append({"backend": backend, "spec": "ngram", "draft_tokens": 8, "tp": 1, "gpu": "H200",
+                         "model": "k2_tp8_slice", "layers": layers, "weights": "bf16", "ctx": ctx,
+                         "accept_len": 6.5, "verify_step_ms": step, "tok_s": 1e3 * 6.5 / step,
+                         "expert_record": True, "ngram_tail": True, "commit": "c", "date": "2026-11-29"})
+    return recs
+
+
+def test_fit_recovers_fixed_and_per_layer_and_projects():
+    fit = fit_layer_scaling(decode_points(pd.DataFrame(_records()))).set_index(["backend", "ctx"])
+    for key, (fixed, per_layer) in TRUTH.items():
+        assert fit.loc[key, "fixed_ms"] == pytest.approx(fixed)
+        assert fit.loc[key, "per_layer_ms"] == pytest.approx(per_layer)
+        assert fit.loc[key, "projected_step_ms"] == pytest.approx(fixed + 61 * per_layer)
+        assert fit.loc[key, "projected_tok_s"] == pytest.approx(6500 / (fixed + 61 * per_layer))
+        assert fit.loc[key, "layers_measured"] == [4, 16]
+    sp = projected_speedup(fit.reset_index()).set_index("ctx")
+    assert sp.loc[65536, "projected_speedup"] == pytest.approx((2.7 + 61 * 12.8) / (2.1 + 61 * 0.2))
+    assert list(scaling_table(fit.reset_index())["layers_measured"]) == ["4/16"] * 4
+
+
+def test_three_layer_counts_are_least_squares():
+    fit = fit_layer_scaling(decode_points(pd.DataFrame(_records((4, 8, 16), noise=0.02, seed=3))))
+    t = fit.set_index(["backend", "ctx"])
+    assert t.loc[("triton", 65536), "per_layer_ms"] == pytest.approx(12.8, rel=0.1)
+    assert t.loc[("triton", 65536), "layers_measured"] == [4, 8, 16]
+
+
+def test_one_layer_count_gives_no_fit_and_errors_name_the_argument():
+    assert len(fit_layer_scaling(decode_points(pd.DataFrame(_records((4,)))))) == 0
+    with pytest.raises(ValueError, match="two layer counts"):
+        projected_speedup(fit_layer_scaling(decode_points(pd.DataFrame(_records((4,))))))
+    with pytest.raises(ValueError, match="missing columns"):
+        fit_layer_scaling(pd.DataFrame([{"backend": "triton"}]))
+    with pytest.raises(ValueError, match="project_to"):
+        fit_layer_scaling(decode_points(pd.DataFrame(_records())), project_to=0)
+    fit = fit_layer_scaling(decode_points(pd.DataFrame(_records())))
+    with pytest.raises(ValueError, match="baseline backend 'flashmla'"):
+        projected_speedup(fit, "flashmla")
+    with pytest.raises(ValueError, match="spec 'dflash'"):
+        layer_scaling_chart(decode_points(pd.DataFrame(_records())), fit, spec="dflash")
+
+
+def test_chart_has_measured_points_and_fitted_lines(tmp_path):
+    from sm120_workbook.charts import save_chart
+
+    pts = decode_points(pd.DataFrame(_records()))
+    chart = layer_scaling_chart(pts, fit_layer_scaling(pts))
+    spec = chart.to_dict()
+    assert spec["facet"]["column"]["field"] == "ctx_label"
+    kinds = {r["kind"] for r in spec["datasets"][next(iter(spec["datasets"]))]}
+    assert kinds == {"fit", "measured"}
+    assert all(p.stat().st_size > 0 for p in save_chart(chart, "layer_scaling_test", tmp_path))
