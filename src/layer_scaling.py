@@ -89,7 +89,7 @@ def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ng
     p = p[p["config"].isin(configs)].rename(columns={"verify_step_ms": "step_ms"})
     data = pd.concat([lines.assign(kind="fit"),
                       p[["config", "ctx_label", "ctx", "layers", "step_ms"]].assign(kind="measured")])
-    color = alt.Color("config:N", title="attention backend")
+    color = alt.Color("config:N", title="attention backend", legend=alt.Legend(labelLimit=360))
     x = alt.X("layers:Q", title="decoder layers", scale=alt.Scale(domain=[1, top]))
     y = alt.Y("step_ms:Q", title="step (ms)", scale=alt.Scale(type="log"))
     base = alt.Chart().encode(x=x, y=y, color=color)

@@ -63,12 +63,25 @@ def decode_points(df):
     return agg.sort_values(["backend", "spec", "ctx"]).reset_index(drop=True)
 
 
+def tp_of(value) -> int | None:
+    """A record's tp as an int (records may hold 2, 2.0 or "2"); None where unknown."""
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def select_tp(df, tp: int = 1):
+    """The rows of records or points measured with `tp` GPUs per server."""
+    return df[df["tp"].map(tp_of) == tp]
+
+
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, expert recorder on, SGLang's NGRAM draft prep unpatched), and the
     model's layer count when given."""
-    multi = str(tp) not in ("1", "?")
-    return (backend + (f" TP{tp}" if multi else "") + (f", {layers} layers" if layers is not None else "")
+    n = tp_of(tp)
+    return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f", {int(layers)} layers" if layers is not None else "")
             + ("" if expert_record else " (recorder off)") + (" + ngram_tail" if ngram_tail else ""))
 
 
@@ -106,7 +119,7 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
     were measured on the same model and GPU. A target with a side missing reads "not measured"
     (met None), never "missed"; the commits say when the two sides come from separate runs."""
     _need(points, POINT_KEYS + ["tok_s"], "points")
-    pts = points[points["tp"].astype(str) == str(tp)]
+    pts = select_tp(points, tp)
     pts = pts if "commit" in pts else pts.assign(commit="?")
     rows = []
 
@@ -159,7 +172,8 @@ def decode_speed_chart(points, title: str = ""):
         x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
                 axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
         y=alt.Y("tok_s:Q", title="decode tok/s (batch 1)", scale=alt.Scale(type="log")),
-        color=alt.Color("config:N", title="attention backend"),
+        color=alt.Color("config:N", title="attention backend", scale=alt.Scale(scheme="tableau20"),
+                        legend=alt.Legend(labelLimit=360)),
         tooltip=["config", "spec", "ctx_label", alt.Tooltip("tok_s:Q", format=".1f"),
                  alt.Tooltip("accept_len:Q", format=".2f"), alt.Tooltip("verify_step_ms:Q", format=".2f")])
     return ((base.mark_line() + base.mark_point(filled=True))
@@ -180,8 +194,9 @@ def speedup_chart(speedups, baseline: str = "triton", title: str = ""):
     base = alt.Chart(d).encode(
         x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
                 axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
-        y=alt.Y("speedup:Q", title=f"tok/s ÷ {baseline} tok/s"),
-        color=alt.Color("config:N", title="attention backend"),
+        y=alt.Y("speedup:Q", title=f"tok/s ÷ {baseline} tok/s (log)", scale=alt.Scale(type="log")),
+        color=alt.Color("config:N", title="attention backend", scale=alt.Scale(scheme="tableau20"),
+                        legend=alt.Legend(labelLimit=360)),
         tooltip=["config", "spec", "ctx_label", alt.Tooltip("speedup:Q", format=".2f")])
     rule = alt.Chart().mark_rule(color="gray", strokeDash=[4, 3]).encode(y=alt.datum(1.0))
     return (alt.layer(base.mark_line() + base.mark_point(filled=True), rule, data=d)
@@ -212,7 +227,7 @@ def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int
     _need(df, ["backend", "spec", "ctx", "run_id"])
     d = df
     if most_gpus and "tp" in d.columns:
-        tp = pd.to_numeric(d["tp"], errors="coerce")
+        tp = d["tp"].map(tp_of)
         d = d[tp == tp.max()] if tp.notna().any() else d
     if backend is not None and (d["backend"] == backend).any():
         d = d[d["backend"] == backend]

@@ -552,6 +552,11 @@ def test_configs_are_separate_points_and_never_paired_across():
     assert sorted(sp["config"]) == ["sm120_mla", "sm120_mla TP2", "triton", "triton TP2"]
     assert sp.loc[sp["config"] == "sm120_mla", "speedup"].item() == pytest.approx(1190 / 120)
     assert sp.loc[sp["config"] == "sm120_mla TP2", "speedup"].item() == pytest.approx(1390 / 110)
+    # records may carry tp as 2, 2.0 or "2"
+    from sm120_workbook.service_charts import config_label, select_tp
+    assert config_label("triton", tp=2.0) == config_label("triton", tp="2") == "triton TP2"
+    assert config_label("triton", tp="?") == "triton"
+    assert sorted(select_tp(pts.assign(tp=pts["tp"].astype(float)), 2)["config"]) == ["sm120_mla TP2", "triton TP2"]
 
 
 def test_speedup_table_names_both_commits():
