@@ -146,9 +146,9 @@ def step_profile_chart(records, title: str = ""):
     df["point"] = [f"{b} / {s} / {c // 1024}k" for b, s, c in zip(df["config"], df["spec"], df["ctx"])]
     order = sorted(df["point"].unique(), key=lambda p: (p.split(" / ")[1], int(p.split(" / ")[2][:-1]), p))
     return (alt.Chart(df).mark_bar()
-            .encode(y=alt.Y("point:N", sort=order, title=None),
+            .encode(y=alt.Y("point:N", sort=order, title=None, axis=alt.Axis(labelLimit=360)),
                     x=alt.X("sum(ms):Q", title="ms per step (profiled window / steps)"),
-                    color=alt.Color("category:N", title="where the step goes"),
+                    color=alt.Color("category:N", title="where the step goes", scale=alt.Scale(scheme="tableau20")),
                     tooltip=["point", "category", alt.Tooltip("ms:Q", format=".3f")])
             .properties(width=520, height=28 * df["point"].nunique(),
                         title=title or "Where a served step goes (torch profiler, SGLang /start_profile)"))
