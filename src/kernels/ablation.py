@@ -47,6 +47,9 @@ VARIANTS = {
     "late_refill": Variant(("GROUP_BARRIERS=1", "LATE_REFILL=1")),
     "late_refill_handovers_only": Variant(("GROUP_BARRIERS=1", "LATE_REFILL=1", "ABLATE_NO_LOADS") + _MATH),
     "tk32": Variant(tile_keys=32),
+    # one 16-key tile in flight instead of two (STAGES_16=3): latency-bound loads slow down
+    "stages3": Variant(("STAGES_16=3",)),
+    "stages3_loads_only": Variant(("STAGES_16=3",) + _MATH),
     # no __syncwarp before the hand-over barrier (redundant since v14's non-.aligned barrier)
     "no_syncwarp": Variant(("HANDOVER_SYNCWARP=0",)),
     # v14's group barriers: each group's mid-tile wait on its own named barrier, so the

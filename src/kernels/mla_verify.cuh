@@ -96,6 +96,15 @@ constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared
 #endif
 constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 
+// STAGES_16: the cp.async ring of 16-key tiles. Two stages are always being read (the score
+// warps on tile t+1, the value warps on tile t), so 4 stages keep 2 tiles in flight and 3
+// keep 1. A build define for the ablation (`stages3`): if the gather is bound by the latency
+// of the copies in flight rather than by a throughput, 3 stages double the loads-only time.
+#ifndef STAGES_16
+#define STAGES_16 4
+#endif
+static_assert(STAGES_16 == 3 || STAGES_16 == 4, "STAGES_16: 3 or 4 (5 x 18.7 KB exceeds sm_120's 99 KB)");
+
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
 // the same 74,752 B ring; 16 keeps two tiles in flight while the groups work on the other
 // two, 32 halves the hand-overs per key but leaves no tile in flight. 16 is faster at every
@@ -103,7 +112,7 @@ constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 template <int KEYS>
 struct TileConfig {
   static constexpr int kKeys = KEYS;
-  static constexpr int kStages = KEYS == 16 ? 4 : 2;
+  static constexpr int kStages = KEYS == 16 ? STAGES_16 : 2;
   static constexpr int kStageElems = KEYS * kKvRowStride;
   static constexpr int kPRowStride = KEYS + 8;        // bf16 elements: conflict-free ldmatrix rows
   static constexpr int kLoadThreadsPerKey = kGroupThreads / KEYS;
