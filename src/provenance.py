@@ -96,4 +96,8 @@ def provenance(command: str | None = None) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else " ".join(sys.argv),
     })
+    # which GPUs of the machine this process was given: two jobs side by side on one machine
+    # (one per GPU) are then told apart in their records
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        rec["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
     return rec

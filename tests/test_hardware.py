@@ -62,3 +62,12 @@ def test_ceilings_on_gpu():
     assert copy["bytes_moved"] == 2 * (256 << 20) and 10 < copy["copy_gbps"] < 20_000
     mm = measure_bf16_matmul_tflops(n=2048, repeats=5)
     assert 1 < mm["bf16_tflops"] < 5_000
+
+
+def test_provenance_names_the_visible_gpus_when_set(monkeypatch):
+    from sm120_workbook.provenance import provenance
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert provenance("x")["cuda_visible_devices"] == "1"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "cuda_visible_devices" not in provenance("x")

@@ -28,3 +28,9 @@ ran
 def test_parse_clean_and_missing_summary():
     assert sanitize.parse_report("ran\n========= ERROR SUMMARY: 0 errors\n")["count"] == 0
     assert sanitize.parse_report("Segmentation fault")["count"] is None
+
+
+def test_exit_status_is_the_shipped_builds():
+    ok = {"build": "default", "clean": True}
+    assert sanitize.exit_status([ok, {"build": "group_barriers", "clean": False}]) == 0
+    assert sanitize.exit_status([ok, {"build": "default", "clean": False}]) == 1
