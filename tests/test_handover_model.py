@@ -74,3 +74,26 @@ def test_checker_catches_a_deadlock():
 
     with pytest.raises(ProtocolError, match="deadlock"):
         run([("sync", 4), ("arrive", 2)], [("sync", 2), ("arrive", 4)], random.Random(0))
+
+
+@pytest.mark.parametrize("stages", [3, 4])            # PV_LAG=1 needs a 16-key ring of 3+ stages
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
+def test_pv_lag_schedule_is_lock_step_and_race_free(num_tiles, stages):
+    check(num_tiles, stages, schedules=150, pv_lag=True)
+
+
+def test_pv_lag_needs_both_p_buffers():
+    # P.V(t-1) reads P(t-1) while the softmax writes P(t): one buffer for both is a race.
+    with pytest.raises(ProtocolError, match="race on \\('(p|row_scale)'"):
+        check(9, 4, parity=False, pv_lag=True)
+
+
+def test_checker_catches_a_pv_lag_refill_of_the_stage_being_scored():
+    # refilling tile t's stage at the start of round t races with the score warps' QK(t)
+    with pytest.raises(ProtocolError, match="race on \\('stage'"):
+        check(9, 4, pv_lag=True, refill_distance=0)
+
+
+def test_pv_lag_is_a_group_barriers_0_schedule():
+    with pytest.raises(ValueError, match="GROUP_BARRIERS=0"):
+        check(4, 4, pv_lag=True, group_barriers=True)

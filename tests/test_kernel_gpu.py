@@ -206,13 +206,16 @@ def test_compute_sanitizer_clean(tool):
     assert r["clean"], f"{tool}: {r['summary']}; first lines:\n" + "\n".join(r["first_lines"])
 
 
-def test_group_barriers_build_matches_reference():
-    """The GROUP_BARRIERS=1 build (v14's per-group named barriers) computes the same attention."""
+@pytest.mark.parametrize("defines", [("GROUP_BARRIERS=1",), ("PV_LAG=1",), ("PV_LAG=1", "STAGES_16=3"),
+                                     ("STAGES_16=3",)], ids=lambda d: "+".join(d))
+def test_schedule_variant_build_matches_reference(defines):
+    """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
+    a 3-stage ring) compute the same attention."""
 
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7]:
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                                 with_k_extend=ext, seed=torch.randint(0, 2**31 - 1, ()).item(),
                                 device="cuda", pool_extra=257)
-        out, lse = run_kernel(case, max_q_len=q_len, kernel_defines=("GROUP_BARRIERS=1",))
+        out, lse = run_kernel(case, max_q_len=q_len, kernel_defines=defines)
         res = compare(case, out, lse)
         assert res["passed"], (batch, heads, q_len, ctx, mask, res)

@@ -40,6 +40,8 @@ VARIANTS = {
     "no_loads_no_softmax": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_SOFTMAX")),
     "no_loads_no_pv": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_PV")),
     "handovers_only": Variant(("ABLATE_NO_LOADS",) + _MATH),
+    # the skeleton without its staged-index copies: barriers and loop bookkeeping only
+    "barriers_only": Variant(("ABLATE_NO_LOADS", "ABLATE_NO_INDEX") + _MATH),
     # L2 prefetch of the rows PREFETCH_AHEAD tiles ahead (default 0: none), the stage
     # refill after the hand-over (LATE_REFILL) and 32-key tiles
     "prefetch1": Variant(("PREFETCH_AHEAD=1",)),
@@ -50,6 +52,12 @@ VARIANTS = {
     # one 16-key tile in flight instead of two (STAGES_16=3): latency-bound loads slow down
     "stages3": Variant(("STAGES_16=3",)),
     "stages3_loads_only": Variant(("STAGES_16=3",) + _MATH),
+    "stages3_handovers_only": Variant(("STAGES_16=3", "ABLATE_NO_LOADS") + _MATH),
+    # P.V(t) beside the softmax(t+1) instead of beside QK(t+1): the tensor pipe is shared by
+    # one group at a time (PV_LAG in mla_verify.cuh; correct output)
+    "pv_lag": Variant(("PV_LAG=1",)),
+    "pv_lag_no_loads": Variant(("PV_LAG=1", "ABLATE_NO_LOADS")),
+    "pv_lag_stages3": Variant(("PV_LAG=1", "STAGES_16=3")),
     # no __syncwarp before the hand-over barrier (redundant since v14's non-.aligned barrier)
     "no_syncwarp": Variant(("HANDOVER_SYNCWARP=0",)),
     # v14's group barriers: each group's mid-tile wait on its own named barrier, so the

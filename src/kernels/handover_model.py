@@ -20,7 +20,8 @@ kBarValue with GROUP_BARRIERS=1), which this model does not need to see. A cp.as
 a write at the time it is issued, which is when its slot must be free.
 
     from sm120_workbook.kernels.handover_model import check
-    check(num_tiles=9, stages=4)   # raises ProtocolError on a broken schedule
+    check(num_tiles=9, stages=4)               # raises ProtocolError on a broken schedule
+    check(num_tiles=9, stages=4, pv_lag=True)  # the PV_LAG=1 build
 """
 from __future__ import annotations
 
@@ -53,8 +54,39 @@ def score_steps(num_tiles: int, stages: int, parity: bool = True, group_barriers
     yield "sync", END
 
 
+def value_steps_pv_lag(num_tiles: int, stages: int, parity: bool = True, refill_distance: int = 2):
+    """The value warps' steps in the PV_LAG=1 build: round t refills the stage of tile t-2,
+    meets the mid-tile round, multiplies tile t-1 beside the softmax(t), then hands over;
+    the last tile is multiplied after the last hand-over. `refill_distance` 0 refills the
+    stage of tile t while the score warps read it: a deliberate bug, for testing the checker.
+    (1, the stage this group multiplies later in the round, is a bug of the group's own
+    program order, which this model does not check.)"""
+    def multiply(t):
+        par = t & 1 if parity else 0
+        yield "read", ("row_scale", par)
+        yield "read", ("p", par)
+        yield "read", ("stage", t % stages)
+
+    for s in range(min(stages, num_tiles)):
+        yield "write", ("stage", s)
+    yield "sync", HANDOVER
+    for t in range(num_tiles):
+        done = t - refill_distance
+        if done >= 0 and done + stages < num_tiles:
+            yield "write", ("stage", done % stages)  # refill with tile done + stages
+        yield "sync", HANDOVER                       # the mid-tile round
+        if t >= 1:
+            yield from multiply(t - 1)
+        yield "sync", HANDOVER                       # P(t) ready; tile t+1 landed
+    if num_tiles:
+        yield from multiply(num_tiles - 1)
+    yield "sync", END
+    yield "read", ("row_sums",)
+
+
 def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: bool = False,
-                refill_before_handover: bool = False, group_barriers: bool = False):
+                refill_before_handover: bool = False, group_barriers: bool = False,
+                pv_lag: bool = False, refill_distance: int = 2):
     """The value warps' steps, in the kernel's order. In the shipped build a barrier-0 round
     opens every tile, then the stage of tile t-1 is refilled. `group_barriers` is the
     GROUP_BARRIERS=1 build: no mid-tile round, the stage of tile t is refilled at the end of
@@ -64,6 +96,11 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
     the checker (with group_barriers)."""
     if (late_refill or refill_before_handover) and not group_barriers:
         raise ValueError("late_refill and refill_before_handover are GROUP_BARRIERS=1 schedules")
+    if pv_lag:
+        if group_barriers or late_refill or refill_before_handover:
+            raise ValueError("pv_lag is a schedule of the GROUP_BARRIERS=0 build")
+        yield from value_steps_pv_lag(num_tiles, stages, parity, refill_distance)
+        return
     rounds = not group_barriers
     for s in range(min(stages, num_tiles)):
         yield "write", ("stage", s)                  # prologue: fill the ring

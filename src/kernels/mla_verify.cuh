@@ -85,6 +85,16 @@ constexpr int kBarValue = 2;             // value warps only: every P.V of tile 
 #ifndef HANDOVER_SYNCWARP
 #define HANDOVER_SYNCWARP 1
 #endif
+// PV_LAG: when the value warps multiply. 0 (v16): P.V(t) right after hand-over t, beside the
+// score warps' QK(t+1), so both groups' mma.sync share each SMSP's tensor pipe in the first
+// half of a round and leave it idle in the second (softmax, refill). 1: P.V(t) one half-round
+// later, after the mid-tile round of tile t+1, beside the softmax(t+1), which uses other pipes;
+// the stage of tile t is refilled at the start of round t+2. One fewer tile stays in flight
+// for part of a round (16-key tiles only; 32-key tiles keep the v16 schedule).
+#ifndef PV_LAG
+#define PV_LAG 0
+#endif
+static_assert(!PV_LAG || (!GROUP_BARRIERS && !LATE_REFILL), "PV_LAG: a schedule of the GROUP_BARRIERS=0 build");
 constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared memory
 // How many tiles ahead of its cp.async a tile's rows are pulled into L2 (prefetch.global.L2
 // costs no shared memory, so it could deepen the pipeline past the ring's kStages tiles).
@@ -483,6 +493,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     const int key = tile_key(tile);
     if (ld_part != 0 || tile >= num_tiles || key >= prefix_end) return;
     int64_t* dst = &sm.index[tile % kIndexRing][ld_key];
+#ifdef ABLATE_NO_INDEX   // with ABLATE_NO_LOADS: what is left is the barriers and the loop itself
+    if (async) return;
+#endif
     if (!async)
       *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
     else if (prm.kv_indices_64)
@@ -547,22 +560,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
 
   const int pv_col0 = vwarp * kVColsPerWarp;
-  for (int tile = 0; tile < num_tiles; ++tile) {
+  // O = O * row_scale(tile) + P(tile) . V(tile), from the stage and the P buffer of `tile`.
+  auto multiply = [&](int tile) {
     const int par = tile & 1;
-#if !GROUP_BARRIERS
-    cta_sync();   // the mid-tile round: every value warp is done with tile - 1
-    if (tile > 0) refill(tile - 1);
-#endif
-    // Hand tile+1 over and take P(tile): the score warps start on tile+1 while this group
-    // multiplies tile. Cp.async group g holds tile g; committed so far: every group up to
-    // stages+tile-1 (stages+tile-2 with the late refill, after tile 0).
-    if (tile + 1 < num_tiles) cp_async_wait<kStages - 2 - kRefillLag>();
-    // The cta_sync below also orders the staged indices (written by one lane's cp.async,
-    // read by the 8 lanes of its key row) for the refill: the __syncwarp is not needed.
-    if (HANDOVER_SYNCWARP) __syncwarp();
-    cta_sync();  // P(tile) is ready; the score warps have tile+1
-    if (kRefillLag && tile > 0) refill(tile - 1);
-
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -596,9 +596,41 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       }
     }
 #endif
-    if (!kRefillLag && GROUP_BARRIERS) {
-      barrier_sync(kBarValue, kGroupThreads);   // every value warp is done with this stage
-      refill(tile);
+  };
+
+  if constexpr (PV_LAG && kStages >= 3) {
+    // Round t: [refill the stage of tile t-2] mid(t) [P.V(t-1), beside softmax(t)] hand-over(t).
+    // Tile t-2's last reader was P.V(t-2), before hand-over(t-1). Committed groups after the
+    // refill hold tiles up to t-2+stages, and hand-over t needs tile t+1: stages-3 may pend.
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      if (tile >= 2) refill(tile - 2);
+      cta_sync();   // the mid-tile round: S partials of tile written
+      if (tile >= 1) multiply(tile - 1);
+      if (tile + 1 < num_tiles) cp_async_wait<(kStages >= 3 ? kStages - 3 : 0)>();
+      if (HANDOVER_SYNCWARP) __syncwarp();
+      cta_sync();   // P(tile) is ready; tile+1 is in shared memory; P.V(tile-1) is done
+    }
+    multiply(num_tiles - 1);
+  } else {
+    for (int tile = 0; tile < num_tiles; ++tile) {
+#if !GROUP_BARRIERS
+      cta_sync();   // the mid-tile round: every value warp is done with tile - 1
+      if (tile > 0) refill(tile - 1);
+#endif
+      // Hand tile+1 over and take P(tile): the score warps start on tile+1 while this group
+      // multiplies tile. Cp.async group g holds tile g; committed so far: every group up to
+      // stages+tile-1 (stages+tile-2 with the late refill, after tile 0).
+      if (tile + 1 < num_tiles) cp_async_wait<kStages - 2 - kRefillLag>();
+      // The cta_sync below also orders the staged indices (written by one lane's cp.async,
+      // read by the 8 lanes of its key row) for the refill: the __syncwarp is not needed.
+      if (HANDOVER_SYNCWARP) __syncwarp();
+      cta_sync();  // P(tile) is ready; the score warps have tile+1
+      if (kRefillLag && tile > 0) refill(tile - 1);
+      multiply(tile);
+      if (!kRefillLag && GROUP_BARRIERS) {
+        barrier_sync(kBarValue, kGroupThreads);   // every value warp is done with this stage
+        refill(tile);
+      }
     }
   }
   cp_async_wait<0>();

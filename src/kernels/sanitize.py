@@ -9,7 +9,8 @@ Each build is compiled first, outside the sanitizer (nvcc under it would take mi
 `group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
 and is clean on the shipped build, whose groups meet only in barrier-0 rounds: the records of
-both say which schedule the tool accepts.
+both say which schedule the tool accepts. `pv_lag` (PV_LAG=1) multiplies each tile half a
+round later, beside the next tile's softmax.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
-BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",)}
+BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV_LAG=1",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
