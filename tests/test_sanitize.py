@@ -34,3 +34,20 @@ def test_exit_status_is_the_shipped_builds():
     ok = {"build": "default", "clean": True}
     assert sanitize.exit_status([ok, {"build": "group_barriers", "clean": False}]) == 0
     assert sanitize.exit_status([ok, {"build": "default", "clean": False}]) == 1
+
+
+def test_recorded_table_keeps_each_builds_newest_commit():
+    import pandas as pd
+
+    from sm120_workbook.kernels.sanitize import recorded_table
+
+    rows = [  # default ran at commits a and b; pv_lag only at c, the newest of all
+        ("default", "racecheck", False, "a" * 40, "2026-11-29T10:00"),
+        ("default", "memcheck", True, "a" * 40, "2026-11-29T10:01"),
+        ("default", "racecheck", True, "b" * 40, "2026-11-29T11:00"),
+        ("pv_lag", "racecheck", True, "c" * 40, "2026-11-29T12:00"),
+    ]
+    df = pd.DataFrame(rows, columns=["build", "tool", "clean", "commit", "date"])
+    t = recorded_table(df)
+    assert list(zip(t["build"], t["tool"], t["clean"], t["commit"])) == [
+        ("default", "racecheck", True, "bbbbbbb"), ("pv_lag", "racecheck", True, "ccccccc")]

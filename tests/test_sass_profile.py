@@ -52,3 +52,17 @@ def test_a_file_without_samples_says_how_to_export(tmp_path):
     p.write_text("nothing\n")
     with pytest.raises(ValueError, match="--page source"):
         sp.load(p)
+
+
+def test_a_report_of_several_kernels_reads_the_one_asked_for(tmp_path):
+    # newer ncu exports one section per profiled kernel (the split kernel, then the combine)
+    split = ['"Kernel Name","void sm120_mla::mla_verify_split_kernel<(int)16>(sm120_mla::Params)",', HEADER,
+             '"0x100","HMMA.16816.F32.BF16 R0, R4, R8, R0","7","0","10","0","7","0"']
+    combine = ['"Kernel Name","sm120_mla::mla_verify_combine_kernel(sm120_mla::Params)",', HEADER,
+               '"0x200","FADD R1, R2, R3","3","0","5","0","3","0"', '"0x210","EXIT","0","0","5","0","0","0"']
+    p = tmp_path / "two.csv"
+    p.write_text("\n".join(split + combine) + "\n")
+    assert list(sp.load(p)["sass"]) == ["HMMA.16816.F32.BF16 R0, R4, R8, R0"]
+    assert list(sp.load(p, "combine")["samples"]) == [3, 0]
+    with pytest.raises(ValueError, match="no profiled kernel matches 'nope'"):
+        sp.load(p, "nope")

@@ -78,8 +78,9 @@ def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -
 
 
 def recorded_table(df=None):
-    """Each (build, tool) result of the newest recorded run (its commit) from
-    data/results/kernel_sanitizer.jsonl: older runs may name builds whose meaning has changed."""
+    """Each (build, tool) result of the newest recorded run of that build (its newest commit)
+    from data/results/kernel_sanitizer.jsonl. An older commit's results for a build are left
+    out: the same build name may have meant another schedule then."""
     from ..results import load_records
 
     df = load_records("kernel_sanitizer") if df is None else df
@@ -87,7 +88,9 @@ def recorded_table(df=None):
         return df
     cols = [c for c in ("build", "tool", "clean", "summary", "kernel_version", "commit", "date") if c in df]
     df = df.sort_values("date")
-    df = df[df["commit"] == df["commit"].iloc[-1]] if "commit" in df else df
+    if "commit" in df:
+        newest_commit = df.groupby("build")["commit"].transform("last")
+        df = df[df["commit"] == newest_commit]
     newest = df.groupby(["build", "tool"], as_index=False).tail(1)
     t = newest[cols].copy()
     if "commit" in t:

@@ -20,11 +20,28 @@ import pandas as pd
 _BRANCH = re.compile(r"\bBRA\s+(?:\S+\s+)?(0x[0-9a-f]+)", re.I)
 
 
-def load(path: str | Path) -> pd.DataFrame:
-    """One row per SASS instruction: off (bytes from the first), sass, samples, executed and
-    one column per stall reason (`stall_*`, all samples)."""
-    text = Path(path).read_text()
-    lines = text.splitlines()
+def _section(lines: list[str], kernel: str) -> list[str]:
+    """The lines of the first kernel section whose name contains `kernel`. Newer ncu versions
+    export one section per profiled kernel, each opened by a "Kernel Name" line; older ones
+    export one section without it."""
+    heads = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
+    if not heads:
+        return lines
+    names = [lines[i].split(",", 1)[1] for i in heads]
+    pick = next((k for k, name in enumerate(names) if kernel in name), None)
+    if pick is None and len(heads) == 1:
+        pick = 0   # one kernel in the report: that one, whatever its name
+    if pick is None:
+        raise ValueError(f"no profiled kernel matches {kernel!r}; the report has {sorted(set(names))}")
+    end = heads[pick + 1] if pick + 1 < len(heads) else len(lines)
+    return lines[heads[pick] + 1:end]
+
+
+def load(path: str | Path, kernel: str = "split_kernel") -> pd.DataFrame:
+    """One row per SASS instruction of the first profiled kernel whose name contains `kernel`:
+    off (bytes from the first), sass, samples, executed and one column per stall reason
+    (`stall_*`, all samples)."""
+    lines = _section(Path(path).read_text().splitlines(), kernel)
     start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
     if start is None:
         raise ValueError(f"{path}: no source-page header (export with --page source --csv --print-source sass)")
@@ -90,8 +107,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--kernel", default="split_kernel", help="which profiled kernel (a part of its name)")
     a = ap.parse_args(argv)
-    df = load(a.csv)
+    df = load(a.csv, a.kernel)
     print(f"{len(df)} SASS instructions, {df['samples'].sum()} stall samples, "
           f"{df['executed'].sum():,} warp instructions executed")
     print("\nstall reasons, % of samples:\n" + stall_shares(df).head(10).to_string())
