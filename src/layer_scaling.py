@@ -7,8 +7,9 @@ by least squares, step_ms = fixed_ms + per_layer_ms * layers, and the fit's step
 layers is a projection: labelled so wherever it is shown, never mixed with measured points.
 Accept length is taken as measured (dummy weights: it does not depend on depth here).
 
-    from sm120_workbook.layer_scaling import fit_layer_scaling, projected_speedup
+    from sm120_workbook.layer_scaling import fit_layer_scaling, holdout_check, projected_speedup
     fit = fit_layer_scaling(decode_points(records))
+    holdout_check(decode_points(records), held_out=24)   # does the line predict a depth it never saw?
 """
 from __future__ import annotations
 
@@ -36,16 +37,43 @@ def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.D
         layers = g["layers"].astype(float).to_numpy()
         if len(np.unique(layers)) < 2:
             continue
-        per_layer, fixed = np.polyfit(layers, g["verify_step_ms"].astype(float).to_numpy(), 1)
+        steps = g["verify_step_ms"].astype(float).to_numpy()
+        per_layer, fixed = np.polyfit(layers, steps, 1)
+        # With three or more layer counts the line can miss: its worst miss, in % of the step.
+        residual = (np.abs(steps - (fixed + per_layer * layers)) / steps).max() * 100 \
+            if len(np.unique(layers)) > 2 else float("nan")
         accept = float(g["accept_len"].median())
         step = fixed + per_layer * project_to
         r = dict(zip(CONFIG_KEYS, key))
         rows.append({**r, "config": config_label(r["backend"], r["expert_record"], r["ngram_tail"], r["tp"]),
                      "ctx_label": ctx_label(int(r["ctx"])), "layers_measured": sorted(int(x) for x in set(layers)),
-                     "fixed_ms": fixed, "per_layer_ms": per_layer, "accept_len": accept,
+                     "fixed_ms": fixed, "per_layer_ms": per_layer, "max_residual_pct": residual,
+                     "accept_len": accept,
                      "projected_layers": project_to, "projected_step_ms": step,
                      "projected_tok_s": 1e3 * accept / step if step > 0 else float("nan")})
     return pd.DataFrame(rows)
+
+
+def holdout_check(points: pd.DataFrame, held_out: int) -> pd.DataFrame:
+    """How well the line predicts a layer count it was not fitted on: for each configuration
+    measured at `held_out` layers and at two or more others, the step fitted without the
+    held-out points against the one measured there (error in % of the measured step)."""
+    if "layers" not in points.columns:
+        raise ValueError("points: missing column 'layers'")
+    held = points[points["layers"] == held_out]
+    if len(held) == 0:
+        raise ValueError(f"held_out: no point was measured at {held_out} layers")
+    fit = fit_layer_scaling(points[points["layers"] != held_out], project_to=held_out)
+    if len(fit) == 0:
+        return pd.DataFrame(columns=["config", "spec", "ctx_label", "fitted_on", "predicted_ms", "measured_ms",
+                                     "error_pct"])
+    m = fit.merge(held[CONFIG_KEYS + ["verify_step_ms"]], on=CONFIG_KEYS, how="inner")
+    out = pd.DataFrame({"config": m["config"], "spec": m["spec"], "ctx_label": m["ctx_label"], "ctx": m["ctx"],
+                        "fitted_on": m["layers_measured"].map(lambda ls: "/".join(map(str, ls))),
+                        "predicted_ms": m["projected_step_ms"], "measured_ms": m["verify_step_ms"]})
+    out["error_pct"] = 100 * (out["predicted_ms"] - out["measured_ms"]) / out["measured_ms"]
+    return (out.sort_values(["spec", "config", "ctx"]).drop(columns="ctx")
+            .round({"predicted_ms": 2, "measured_ms": 2, "error_pct": 1}).reset_index(drop=True))
 
 
 def projected_speedup(fit: pd.DataFrame, baseline: str = "triton") -> pd.DataFrame:
@@ -64,11 +92,12 @@ def projected_speedup(fit: pd.DataFrame, baseline: str = "triton") -> pd.DataFra
 
 def scaling_table(fit: pd.DataFrame) -> pd.DataFrame:
     """The compact table a notebook prints (rounded, deterministic order)."""
-    cols = ["config", "spec", "ctx_label", "layers_measured", "fixed_ms", "per_layer_ms", "projected_step_ms",
-            "projected_tok_s"]
+    cols = ["config", "spec", "ctx_label", "layers_measured", "fixed_ms", "per_layer_ms", "max_residual_pct",
+            "projected_step_ms", "projected_tok_s"]
     t = fit.sort_values(["spec", "backend", "ctx"])[cols].copy()
     t["layers_measured"] = t["layers_measured"].map(lambda ls: "/".join(map(str, ls)))
-    return t.round({"fixed_ms": 2, "per_layer_ms": 3, "projected_step_ms": 1, "projected_tok_s": 1}).reset_index(drop=True)
+    return t.round({"fixed_ms": 2, "per_layer_ms": 3, "max_residual_pct": 1, "projected_step_ms": 1,
+                    "projected_tok_s": 1}).reset_index(drop=True)
 
 
 def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ngram", title: str = ""):

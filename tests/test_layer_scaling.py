@@ -4,7 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from sm120_workbook.layer_scaling import fit_layer_scaling, layer_scaling_chart, projected_speedup, scaling_table
+from sm120_workbook.layer_scaling import (fit_layer_scaling, holdout_check, layer_scaling_chart, projected_speedup,
+                                          scaling_table)
 from sm120_workbook.service_charts import decode_points
 
 # step_ms = fixed + per_layer * layers, per backend and context (triton's per-layer cost grows with ctx)
@@ -72,3 +73,27 @@ def test_chart_has_measured_points_and_fitted_lines(tmp_path):
     kinds = {r["kind"] for r in spec["datasets"][next(iter(spec["datasets"]))]}
     assert kinds == {"fit", "measured"}
     assert all(p.stat().st_size > 0 for p in save_chart(chart, "layer_scaling_test", tmp_path))
+
+
+def test_holdout_predicts_the_layer_count_left_out():
+    pts = decode_points(pd.DataFrame(_records((4, 16, 24))))
+    h = holdout_check(pts, held_out=24)
+    assert len(h) == 4 and set(h["fitted_on"]) == {"4/16"}
+    assert h["error_pct"].abs().max() < 1e-6            # exact lines predict exactly
+    row = h[(h["config"].str.startswith("triton")) & (h["ctx_label"] == "64k")].iloc[0]
+    assert row["measured_ms"] == pytest.approx(2.7 + 24 * 12.8, abs=0.01)
+    # a 24-layer point 10% slower than the line shows as a -9.1% prediction error
+    recs = _records((4, 16, 24))
+    for r in recs:
+        if r["layers"] == 24:
+            r["verify_step_ms"] *= 1.1
+    h = holdout_check(decode_points(pd.DataFrame(recs)), held_out=24)
+    assert h["error_pct"].to_list() == pytest.approx([-9.1] * 4, abs=0.05)
+    fit = fit_layer_scaling(decode_points(pd.DataFrame(recs)))
+    assert (fit["max_residual_pct"] > 1).all()           # three counts: the line's miss is reported
+
+
+def test_holdout_needs_the_held_out_points():
+    with pytest.raises(ValueError, match="held_out: no point was measured at 32 layers"):
+        holdout_check(decode_points(pd.DataFrame(_records((4, 16)))), held_out=32)
+    assert len(holdout_check(decode_points(pd.DataFrame(_records((4, 24)))), held_out=24)) == 0
