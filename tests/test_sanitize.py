@@ -46,6 +46,7 @@ def test_recorded_table_keeps_each_builds_newest_commit():
         ("default", "memcheck", True, "a" * 40, "2026-11-29T10:01"),
         ("default", "racecheck", True, "b" * 40, "2026-11-29T11:00"),
         ("pv_lag", "racecheck", True, "c" * 40, "2026-11-29T12:00"),
+        ("racecheck_probe", "racecheck", True, "a" * 40, "2026-11-29T10:02"),   # a build no longer in BUILDS
     ]
     df = pd.DataFrame(rows, columns=["build", "tool", "clean", "commit", "date"])
     t = recorded_table(df)

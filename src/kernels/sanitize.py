@@ -79,15 +79,16 @@ def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -
 
 def recorded_table(df=None):
     """Each (build, tool) result of the newest recorded run of that build (its newest commit)
-    from data/results/kernel_sanitizer.jsonl. An older commit's results for a build are left
-    out: the same build name may have meant another schedule then."""
+    from data/results/kernel_sanitizer.jsonl, for the builds BUILDS still names. An older
+    commit's results for a build are left out: the same build name may have meant another
+    schedule then."""
     from ..results import load_records
 
     df = load_records("kernel_sanitizer") if df is None else df
     if len(df) == 0:
         return df
     cols = [c for c in ("build", "tool", "clean", "summary", "kernel_version", "commit", "date") if c in df]
-    df = df.sort_values("date")
+    df = df[df["build"].isin(BUILDS)].sort_values("date")
     if "commit" in df:
         newest_commit = df.groupby("build")["commit"].transform("last")
         df = df[df["commit"] == newest_commit]
