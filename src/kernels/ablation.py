@@ -25,6 +25,7 @@ from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
 class Variant:
     defines: tuple[str, ...] = ()
     tile_keys: int = 16
+    num_splits: int | None = None   # None: the workspace's own choice (one wave of CTAs)
 
 
 _MATH = ("ABLATE_NO_QK", "ABLATE_NO_SOFTMAX", "ABLATE_NO_PV")
@@ -53,6 +54,15 @@ VARIANTS = {
     "stages3": Variant(("STAGES_16=3",)),
     "stages3_loads_only": Variant(("STAGES_16=3",) + _MATH),
     "stages3_handovers_only": Variant(("STAGES_16=3", "ABLATE_NO_LOADS") + _MATH),
+    # the loads alone on half and a quarter of the CTAs (q16 h8: 4 row CTAs a split): if they are
+    # bound by an aggregate rate (L2 -> SMs), fewer CTAs take about as long; if each SM is its
+    # own limit, half the CTAs take twice as long
+    "loads_only_splits16": Variant(_MATH, num_splits=16),
+    "loads_only_splits8": Variant(_MATH, num_splits=8),
+    # the row CTAs of a split start their walk over its tiles 1 or 8 tiles apart (TILE_STAGGER)
+    "stagger1": Variant(("TILE_STAGGER=1",)),
+    "stagger8": Variant(("TILE_STAGGER=8",)),
+    "stagger8_loads_only": Variant(("TILE_STAGGER=8",) + _MATH),
     # P.V(t) beside the softmax(t+1) instead of beside QK(t+1): the tensor pipe is shared by
     # one group at a time (PV_LAG in mla_verify.cuh; correct output)
     "pv_lag": Variant(("PV_LAG=1",)),
@@ -83,9 +93,10 @@ def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:
     for shape in shapes:
         x = Inputs(shape)
         for name, v in variants.items():
-            t = time_graph_us(build_sm120_mla(x, tile_keys=v.tile_keys, kernel_defines=v.defines), reps=reps)
+            fn = build_sm120_mla(x, num_splits=v.num_splits, tile_keys=v.tile_keys, kernel_defines=v.defines)
+            t = time_graph_us(fn, reps=reps)
             records.append({"impl": "sm120_mla", "variant": name, "defines": list(v.defines), **shape.__dict__,
-                            "tile_keys": v.tile_keys, **t})
+                            "tile_keys": v.tile_keys, "num_splits": fn.num_splits, **t})
             print(f"b{shape.batch} h{shape.heads:<3d} q{shape.q_len:<2d} ctx {shape.ctx:6d}  {name:20s} "
                   f"{t['time_us']:8.1f} us", flush=True)
     return records

@@ -95,6 +95,13 @@ constexpr int kBarValue = 2;             // value warps only: every P.V of tile 
 #define PV_LAG 0
 #endif
 static_assert(!PV_LAG || (!GROUP_BARRIERS && !LATE_REFILL), "PV_LAG: a schedule of the GROUP_BARRIERS=0 build");
+// TILE_STAGGER: the row CTAs of one split walk its tiles from different starting points,
+// row CTA r from tile r * TILE_STAGGER on (wrapping round), so that the four CTAs that read
+// the same keys do not ask L2 for the same lines at the same moment. The online softmax does
+// not depend on the order of the tiles. 0 (default): every CTA walks them in order.
+#ifndef TILE_STAGGER
+#define TILE_STAGGER 0
+#endif
 constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared memory
 // How many tiles ahead of its cp.async a tile's rows are pulled into L2 (prefetch.global.L2
 // costs no shared memory, so it could deepen the pipeline past the ring's kStages tiles).
@@ -271,6 +278,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int key_end = min(num_keys, key_begin + chunk);
   const int num_tiles = key_begin < key_end ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
 
+  // The key tile that loop step t works on (TILE_STAGGER); the ring slot stays t's.
+  const int tile_rot = TILE_STAGGER > 0 && num_tiles > 0 ? int(blockIdx.x) * TILE_STAGGER % num_tiles : 0;
+  auto key_tile = [&](int t) {
+    const int kt = t + tile_rot;
+    return kt >= num_tiles && t < num_tiles ? kt - num_tiles : kt;
+  };
+
   auto partial_index = [&](int r) {  // workspace slot of local row r, or -1 for padding
     const int gr = row0 + r;
     if (gr >= rows) return int64_t(-1);
@@ -386,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
           }
           sc[j] = acc.x; sc[j + 1] = acc.y; sc[j + 2] = acc.z; sc[j + 3] = acc.w;
         }
-        const int tile_key0 = key_begin + tile * KEYS;
+        const int tile_key0 = key_begin + key_tile(tile) * KEYS;
         if (tile_key0 + KEYS <= min(key_end, draft0)) {   // uniform: a full tile of prefix keys
 #pragma unroll
           for (int j = 0; j < NK; ++j) sc[j] = sm_row_valid ? sc[j] * prm.scale_log2 : -INFINITY;
@@ -471,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   static_assert(kPrefetchAhead >= 0 && kIndexAhead + 1 <= kIndexRing, "index ring too small for PREFETCH_AHEAD");
   const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
   const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
-  auto tile_key = [&](int tile) { return key_begin + tile * KEYS + ld_key; };
+  auto tile_key = [&](int tile) { return key_begin + key_tile(tile) * KEYS + ld_key; };
   auto index_src = [&](int key) {
     return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
   };
