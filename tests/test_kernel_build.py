@@ -187,3 +187,29 @@ def test_gpu_check_runs_the_queues_and_merges_the_logs(tmp_path, monkeypatch):
     log = (tmp_path / "gpu_check.log").read_text()
     assert "PASS ok" in log and "FAIL bad" in log and "broke" in log
     assert "===== ok (exit 0) =====\ngpu 5\nfine" in log and "===== bad (exit 3) =====\ngpu 7" in log
+
+
+def test_recorded_ablation_table_is_one_version_in_variant_order():
+    import pandas as pd
+
+    from sm120_workbook.kernels.ablation import recorded_table
+
+    def rec(variant, defines, q_len, heads, t, version, date):
+        return {"variant": variant, "defines": defines, "q_len": q_len, "heads": heads, "ctx": 65536,
+                "time_us": t, "kernel_version": version, "date": date}
+
+    df = pd.DataFrame([
+        rec("full", [], 16, 8, 110.0, "v1", "2026-11-29T10:00"),
+        rec("loads_only", ["ABLATE_NO_QK"], 16, 8, 80.0, "v2", "2026-11-29T11:00"),
+        rec("full", [], 16, 8, 109.0, "v2", "2026-11-29T11:00"),
+        rec("full", [], 1, 8, 52.0, "v2", "2026-11-29T11:00"),
+        rec("loads_only_splits16", ["ABLATE_NO_QK"], 16, 8, 160.0, "v2", "2026-11-29T11:01"),
+    ])
+    t = recorded_table(df)   # the newest version, v2
+    assert list(t["variant"]) == ["full", "loads_only", "loads_only_splits16"]
+    assert list(t.columns) == ["variant", "changes", "q16 h8", "q1 h8"]
+    assert t.loc[0, "q16 h8"] == 109.0 and t.loc[0, "changes"] == "(shipped build)"
+    assert t.loc[2, "changes"] == "ABLATE_NO_QK, 16 splits"
+    assert list(recorded_table(df, version="v1")["q16 h8"]) == [110.0]
+    with pytest.raises(ValueError, match="version: no ablation recorded as 'v9'"):
+        recorded_table(df, version="v9")

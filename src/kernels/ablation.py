@@ -77,6 +77,50 @@ VARIANTS = {
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 
 
+SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16")
+
+
+def recorded_table(df=None, version: str | None = None, ctx: int = 65536):
+    """One recorded ablation run as a table: µs of each variant (rows, in VARIANTS order) at
+    each shape (columns), from data/results/kernel_ablation.jsonl. `version` is a kernel_version
+    tag (default: the newest recorded); the newest record of each variant and shape is kept,
+    and the build defines (and a fixed split count) say what the variant changed."""
+    import pandas as pd
+
+    from ..results import load_records
+
+    df = load_records("kernel_ablation") if df is None else df
+    if len(df) == 0:
+        return df
+    df = df[df["ctx"] == ctx].sort_values("date").copy()
+    if "kernel_version" in df:
+        tags = df["kernel_version"].dropna()
+        if version is None and len(tags):
+            version = tags.iloc[-1]
+        if version is not None:
+            if version not in set(tags):
+                raise ValueError(f"version: no ablation recorded as {version!r}; recorded: {sorted(set(tags))}")
+            df = df[df["kernel_version"] == version]
+    df["shape"] = [f"q{q} h{h}" for q, h in zip(df["q_len"], df["heads"])]
+    newest = df.groupby(["variant", "shape"]).tail(1)
+    t = newest.pivot(index="variant", columns="shape", values="time_us")
+    rows = [n for n in VARIANTS if n in t.index] + sorted(set(t.index) - set(VARIANTS))
+    cols = [c for c in SHAPE_ORDER if c in t.columns] + sorted(set(t.columns) - set(SHAPE_ORDER))
+    t = t.loc[rows, cols].round(1)
+
+    def changes(r):
+        d = ", ".join(x for x in r["defines"] if x) if isinstance(r["defines"], list) else ""
+        v = VARIANTS.get(r.name)
+        if v is not None and v.num_splits:
+            d = (d + ", " if d else "") + f"{v.num_splits} splits"
+        return d or "(shipped build)"
+
+    what = newest.drop_duplicates("variant").set_index("variant").apply(changes, axis=1)
+    t.insert(0, "changes", what.reindex(rows))
+    t.columns.name = None
+    return pd.DataFrame(t).reset_index()
+
+
 def build_all(variants=VARIANTS) -> None:
     """Compile every variant at once, one process each (nvcc is single-threaded)."""
     defines = sorted({v.defines for v in variants.values()})
