@@ -208,6 +208,9 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
                 grid.append((impl, v, {}))
             if ctx <= 65536:
                 grid.append(("triton_verify", v, {}))
+            if heads == 8:   # NGRAM's verify in the live service: 8 draft tokens, 64 rows, 2 row CTAs a split
+                n = Shape(1, heads, 8, ctx)
+                grid += [("sm120_mla", n, {})] + [(impl, n, {}) for impl in ("flashmla", "flashinfer_mla")]
             d = Shape(1, heads, 1, ctx)
             grid += [("sm120_mla", d, {"tile_keys": k}) for k in (16, 32)]
             for impl in ("triton_decode", "flashmla"):
