@@ -345,6 +345,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
     const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + ((lane >> 4) & 1) * 8 * kKvRowStride +
                                  dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+#ifdef ABLATE_NO_SOFTMAX
+    // No softmax writes row_scale: 1 keeps the value warps' O rescale skipped, as the lazy
+    // rescale does in most rounds of the full kernel (uninitialised, it ran every round).
+    if (tid < 2 * kRowsPerCta) (&sm.row_scale[0][0])[tid] = 1.f;
+#endif
     cta_sync();   // tile 0 is in shared memory
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int par = tile & 1;   // P and row_scale alternate buffers: P(t-1) is still being read
