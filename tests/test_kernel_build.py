@@ -211,5 +211,6 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     assert t.loc[0, "q16 h8"] == 109.0 and t.loc[0, "changes"] == "(shipped build)"
     assert t.loc[2, "changes"] == "ABLATE_NO_QK, 16 splits"
     assert list(recorded_table(df, version="v1")["q16 h8"]) == [110.0]
+    assert list(recorded_table(df, variants=["loads_only"])["variant"]) == ["loads_only"]
     with pytest.raises(ValueError, match="version: no ablation recorded as 'v9'"):
         recorded_table(df, version="v9")

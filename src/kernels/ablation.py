@@ -80,11 +80,12 @@ SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536)
 SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16")
 
 
-def recorded_table(df=None, version: str | None = None, ctx: int = 65536):
+def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None):
     """One recorded ablation run as a table: µs of each variant (rows, in VARIANTS order) at
     each shape (columns), from data/results/kernel_ablation.jsonl. `version` is a kernel_version
-    tag (default: the newest recorded); the newest record of each variant and shape is kept,
-    and the build defines (and a fixed split count) say what the variant changed."""
+    tag (default: the newest recorded); `variants` keeps only those rows. The newest record of
+    each variant and shape is kept, and the build defines (and a fixed split count) say what
+    the variant changed."""
     import pandas as pd
 
     from ..results import load_records
@@ -101,6 +102,8 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536):
             if version not in set(tags):
                 raise ValueError(f"version: no ablation recorded as {version!r}; recorded: {sorted(set(tags))}")
             df = df[df["kernel_version"] == version]
+    if variants is not None:
+        df = df[df["variant"].isin(variants)]
     df["shape"] = [f"q{q} h{h}" for q, h in zip(df["q_len"], df["heads"])]
     newest = df.groupby(["variant", "shape"]).tail(1)
     t = newest.pivot(index="variant", columns="shape", values="time_us")
