@@ -97,3 +97,31 @@ def test_checker_catches_a_pv_lag_refill_of_the_stage_being_scored():
 def test_pv_lag_is_a_group_barriers_0_schedule():
     with pytest.raises(ValueError, match="GROUP_BARRIERS=0"):
         check(4, 4, pv_lag=True, group_barriers=True)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
+def test_split_loads_schedule_is_race_free(num_tiles, stages):
+    # SPLIT_LOADS=1: the score warps refill the upper part of tile t-1's stage after mid(t)
+    check(num_tiles, stages, schedules=150, split_loads=True)
+
+
+def test_split_loads_refill_before_the_mid_round_races():
+    # the same copies issued before mid(t) overwrite tile t-1's stage while P.V(t-1) reads it
+    import random
+
+    from sm120_workbook.kernels.handover_model import run, score_steps, value_steps
+
+    steps = list(score_steps(9, 4, split_loads=True))
+    # move every stage_hi write one step earlier, ahead of its mid-tile sync
+    for i, st in enumerate(steps):
+        if st[0] == "write" and st[1][0] == "stage_hi":
+            steps[i - 1], steps[i] = steps[i], steps[i - 1]
+    with pytest.raises(ProtocolError, match="race on \\('stage_hi'"):
+        for seed in range(50):
+            run(steps, value_steps(9, 4, split_loads=True), random.Random(seed))
+
+
+def test_split_loads_is_a_group_barriers_0_schedule():
+    with pytest.raises(ValueError, match="GROUP_BARRIERS=0"):
+        check(4, 4, split_loads=True, group_barriers=True)

@@ -207,10 +207,12 @@ def test_compute_sanitizer_clean(tool):
 
 
 @pytest.mark.parametrize("defines", [("GROUP_BARRIERS=1",), ("PV_LAG=1",), ("PV_LAG=1", "STAGES_16=3"),
-                                     ("STAGES_16=3",), ("TILE_STAGGER=3",)], ids=lambda d: "+".join(d))
+                                     ("STAGES_16=3",), ("TILE_STAGGER=3",), ("SPLIT_LOADS=1",),
+                                     ("SPLIT_LOADS=1", "STAGES_16=3")], ids=lambda d: "+".join(d))
 def test_schedule_variant_build_matches_reference(defines):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
-    a 3-stage ring, row CTAs that walk the tiles from staggered starts) compute the same attention."""
+    a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part
+    of each refill) compute the same attention."""
 
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7]:
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,

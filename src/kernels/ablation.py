@@ -65,6 +65,10 @@ VARIANTS = {
     "stagger8_loads_only": Variant(("TILE_STAGGER=8",) + _MATH),
     # P.V(t) beside the softmax(t+1) instead of beside QK(t+1): the tensor pipe is shared by
     # one group at a time (PV_LAG in mla_verify.cuh; correct output)
+    # the score warps issue 4 of each thread's 9 refill copies (SPLIT_LOADS), off the value
+    # warps' critical path (correct output)
+    "split_loads": Variant(("SPLIT_LOADS=1",)),
+    "split_loads_loads_only": Variant(("SPLIT_LOADS=1",) + _MATH),
     "pv_lag": Variant(("PV_LAG=1",)),
     "pv_lag_no_loads": Variant(("PV_LAG=1", "ABLATE_NO_LOADS")),
     "pv_lag_stages3": Variant(("PV_LAG=1", "STAGES_16=3")),

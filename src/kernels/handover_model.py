@@ -37,16 +37,26 @@ class ProtocolError(AssertionError):
     pass
 
 
-def score_steps(num_tiles: int, stages: int, parity: bool = True, group_barriers: bool = False):
+def score_steps(num_tiles: int, stages: int, parity: bool = True, group_barriers: bool = False,
+                split_loads: bool = False):
     """The score warps' steps, in the kernel's order. `parity` False puts P(t) and the row
     scale of every tile in one buffer: a deliberate bug, for testing the checker.
-    `group_barriers` is the GROUP_BARRIERS=1 build: the mid-tile round is the group's own."""
+    `group_barriers` is the GROUP_BARRIERS=1 build: the mid-tile round is the group's own.
+    `split_loads` is SPLIT_LOADS=1: after the mid-tile round the score warps copy the upper
+    part of each key row of tile t-1+stages into tile t-1's stage (the value warps copy the
+    lower part, "stage"; the upper part is "stage_hi")."""
+    if split_loads and group_barriers:
+        raise ValueError("split_loads is a schedule of the GROUP_BARRIERS=0 build")
     yield "sync", HANDOVER                           # tile 0 has landed
     for t in range(num_tiles):
         par = t & 1 if parity else 0
         yield "read", ("stage", t % stages)          # S = Q.K(t)
+        if split_loads:
+            yield "read", ("stage_hi", t % stages)
         if not group_barriers:
             yield "sync", HANDOVER                   # the mid-tile round
+            if split_loads and t >= 1 and t - 1 + stages < num_tiles:
+                yield "write", ("stage_hi", (t - 1) % stages)
         yield "write", ("p", par)                    # softmax(t)
         yield "write", ("row_scale", par)
         yield "sync", HANDOVER                       # P(t) ready; tile t+1 landed
@@ -86,7 +96,7 @@ def value_steps_pv_lag(num_tiles: int, stages: int, parity: bool = True, refill_
 
 def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: bool = False,
                 refill_before_handover: bool = False, group_barriers: bool = False,
-                pv_lag: bool = False, refill_distance: int = 2):
+                pv_lag: bool = False, refill_distance: int = 2, split_loads: bool = False):
     """The value warps' steps, in the kernel's order. In the shipped build a barrier-0 round
     opens every tile, then the stage of tile t-1 is refilled. `group_barriers` is the
     GROUP_BARRIERS=1 build: no mid-tile round, the stage of tile t is refilled at the end of
@@ -96,6 +106,8 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
     the checker (with group_barriers)."""
     if (late_refill or refill_before_handover) and not group_barriers:
         raise ValueError("late_refill and refill_before_handover are GROUP_BARRIERS=1 schedules")
+    if split_loads and (group_barriers or late_refill or refill_before_handover or pv_lag):
+        raise ValueError("split_loads is a schedule of the GROUP_BARRIERS=0 build (v16)")
     if pv_lag:
         if group_barriers or late_refill or refill_before_handover:
             raise ValueError("pv_lag is a schedule of the GROUP_BARRIERS=0 build")
@@ -104,6 +116,8 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
     rounds = not group_barriers
     for s in range(min(stages, num_tiles)):
         yield "write", ("stage", s)                  # prologue: fill the ring
+        if split_loads:
+            yield "write", ("stage_hi", s)
     yield "sync", HANDOVER
     for t in range(num_tiles):
         par = t & 1 if parity else 0
@@ -119,6 +133,8 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
         yield "read", ("row_scale", par)             # O rescale and O += P.V(t)
         yield "read", ("p", par)
         yield "read", ("stage", t % stages)
+        if split_loads:
+            yield "read", ("stage_hi", t % stages)
         if not (late_refill or refill_before_handover or rounds) and t + stages < num_tiles:
             yield "write", ("stage", t % stages)     # refill with tile t + stages
     yield "sync", END
@@ -179,6 +195,7 @@ def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **va
     rng = random.Random(seed)
     parity = variant.pop("parity", True)
     group_barriers = variant.get("group_barriers", False)
+    split_loads = variant.get("split_loads", False)
     for _ in range(schedules):
-        run(score_steps(num_tiles, stages, parity, group_barriers=group_barriers),
+        run(score_steps(num_tiles, stages, parity, group_barriers=group_barriers, split_loads=split_loads),
             value_steps(num_tiles, stages, parity, **variant), rng)

@@ -102,6 +102,15 @@ static_assert(!PV_LAG || (!GROUP_BARRIERS && !LATE_REFILL), "PV_LAG: a schedule 
 #ifndef TILE_STAGGER
 #define TILE_STAGGER 0
 #endif
+// SPLIT_LOADS: who issues a refill's cp.async copies. 0 (v16): the value warps, 9 copies a
+// thread a round, on their own critical path (ncu: they stall on the load units accepting
+// them while the score warps wait at the barriers). 1: the score warps issue 4 of the 9 (the
+// upper chunks of each key row) right after the mid-tile round, from the same staged index,
+// and wait for their own copies before the hand-over. 16-key tiles, GROUP_BARRIERS=0 only.
+#ifndef SPLIT_LOADS
+#define SPLIT_LOADS 0
+#endif
+static_assert(!SPLIT_LOADS || (!GROUP_BARRIERS && !PV_LAG && !LATE_REFILL), "SPLIT_LOADS: the v16 schedule only");
 constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared memory
 // How many tiles ahead of its cp.async a tile's rows are pulled into L2 (prefetch.global.L2
 // costs no shared memory, so it could deepen the pipeline past the ring's kStages tiles).
@@ -310,6 +319,98 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       prefetch_l2(first + off);
   }
 
+  // Gather: kLoadThreadsPerKey threads per key row, 16 B each per step. A row reference is
+  // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
+  // The kv_indices a tile needs are copied to shared memory (cp.async, in the same groups
+  // as the rows) kIndexAhead tiles before the tile's own copy, and each tile's rows are
+  // pulled into L2 kPrefetchAhead tiles before it: no load result is ever waited on in a
+  // register.
+  // A tile's index is staged in the cp.async group of iteration (tile - kIndexAhead), and
+  // iteration i has waited for groups <= i + 1. The L2 prefetch of tile X reads its index at
+  // iteration X - kStages - kPrefetchAhead, hence kIndexAhead >= kStages + kPrefetchAhead - 1;
+  // a slot is rewritten only after its last reader (the tile's own copy): ring > ahead.
+  constexpr int kIndexAhead = kStages + kPrefetchAhead - 1 > kStages ? kStages + kPrefetchAhead - 1 : kStages;
+  constexpr int kRefillLag = LATE_REFILL && kStages >= 3 ? 1 : 0;   // see LATE_REFILL (16-key tiles only)
+  static_assert(kPrefetchAhead >= 0 && kIndexAhead + 1 <= kIndexRing, "index ring too small for PREFETCH_AHEAD");
+  const int gtid = tid % kGroupThreads;   // thread index within its warp group
+  const int ld_key = gtid / Cfg::kLoadThreadsPerKey, ld_part = gtid % Cfg::kLoadThreadsPerKey;
+  const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
+  auto tile_key = [&](int tile) { return key_begin + key_tile(tile) * KEYS + ld_key; };
+  auto index_src = [&](int key) {
+    return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
+  };
+  // This thread's key row of a tile: a pool row, a k_extend row, or nullptr past key_end.
+  auto row_of = [&](int tile, bool staged) -> const __nv_bfloat16* {  // staged: index in sm.index
+    const int key = tile_key(tile);
+    if (tile >= num_tiles || key >= key_end) return nullptr;
+    if (key >= prefix_len) return prm.k_extend + static_cast<int64_t>(q_start + key - prefix_len) * kDimQK;
+    int64_t row;
+    if (!staged) {
+      row = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+    } else {
+      const int64_t v = sm.index[tile % kIndexRing][ld_key];
+      row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
+    }
+    return prm.kv_pool + row * kDimQK;
+  };
+  auto stage_index = [&](int tile, bool async) {  // one thread per key row
+    const int key = tile_key(tile);
+    if (ld_part != 0 || tile >= num_tiles || key >= prefix_end) return;
+    int64_t* dst = &sm.index[tile % kIndexRing][ld_key];
+#ifdef ABLATE_NO_INDEX   // with ABLATE_NO_LOADS: what is left is the barriers and the loop itself
+    if (async) return;
+#endif
+    if (!async)
+      *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+    else if (prm.kv_indices_64)
+      cp_async_small<8>(dst, index_src(key));
+    else
+      cp_async_small<4>(dst, index_src(key));
+  };
+  // One base address and constant offsets per thread, so each cp.async is one instruction.
+  // A missing row copies 0 bytes (zero-fill) from a valid address.
+  // Steps [first, end) of the row's kLoadSteps copies (SPLIT_LOADS gives the score warps the upper ones).
+  auto load_tile = [&](const __nv_bfloat16* row, int stage, int first, int end) {
+    const bool valid = row != nullptr;
+    const __nv_bfloat16* src = (valid ? row : prm.kv_pool) + ld_part * 8;
+    __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride + ld_part * 8];
+#ifdef ABLATE_NO_LOADS
+    return;
+#endif
+#pragma unroll
+    for (int j = 0; j < Cfg::kLoadSteps; ++j) {
+      const int step = Cfg::kLoadThreadsPerKey * 8 * j;
+      if (j >= first && j < end && ld_part + Cfg::kLoadThreadsPerKey * j < kChunksPerKey)
+        cp_async_16(dst + step, src + step, valid);
+    }
+  };
+  auto prefetch_rows = [&](const __nv_bfloat16* row) {   // the key row's 9 lines of 128 B
+    if (row == nullptr) return;
+#pragma unroll
+    for (int j = 0; j * Cfg::kLoadThreadsPerKey < kDimQK * 2 / 128; ++j)
+      if (ld_part + j * Cfg::kLoadThreadsPerKey < kDimQK * 2 / 128) prefetch_l2(row + (ld_part + j * Cfg::kLoadThreadsPerKey) * 64);
+  };
+
+  // The stage of tile `done` is free (no warp reads it again): refill it with the tile
+  // `stages` beyond, stage the index of the tile kIndexAhead beyond that, and pull the rows
+  // of the tile kPrefetchAhead beyond it into L2.
+  constexpr bool kSplitLoads = SPLIT_LOADS && KEYS == 16;
+  constexpr int kScoreFirstStep = kSplitLoads ? Cfg::kLoadSteps - Cfg::kLoadSteps * 4 / 9 : Cfg::kLoadSteps;
+  auto refill = [&](int done) {
+    const int next = done + kStages;
+    if (next < num_tiles) load_tile(row_of(next, true), done % kStages, 0, kScoreFirstStep);
+    stage_index(next + kIndexAhead, true);
+    cp_async_commit();
+    if (kPrefetchAhead > 0) prefetch_rows(row_of(next + kPrefetchAhead, true));
+  };
+
+  // The score warps' share of the refill (SPLIT_LOADS): the same tile, the upper copies.
+  auto score_refill = [&](int done) {
+    const int next = done + kStages;
+    if (next < num_tiles) load_tile(row_of(next, true), done % kStages, kScoreFirstStep, Cfg::kLoadSteps);
+    cp_async_commit();
+  };
+
   if (warp < kScoreWarps) {
     // ---------------- score warps: S = Q.K^T over this warp's 144 dims, then softmax ----------------
     const int dim_part = warp;
@@ -389,6 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       barrier_sync(kBarScore, kGroupThreads);
 #else
       cta_sync();   // the mid-tile round: S partials written (value warps: before refill(tile - 1))
+      if (kSplitLoads && tile > 0) score_refill(tile - 1);
 #endif
 
       // Online softmax over this tile, in the log2 domain.
@@ -453,9 +555,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         if (tid % kSoftmaxThreadsPerRow == 0) sm.row_scale[par][sm_row] = alpha;
       }
 #endif
+      // This thread's share of tile+1 (SPLIT_LOADS; its group g holds tile g + stages).
+      if (kSplitLoads && tile + 1 < num_tiles) cp_async_wait<kStages - 2>();
       if (HANDOVER_SYNCWARP) __syncwarp();
       cta_sync();   // P(tile) ready; tile+1 in shared memory
     }
+    if (kSplitLoads) cp_async_wait<0>();
 #pragma unroll
     for (int off = 1; off < kSoftmaxThreadsPerRow; off <<= 1) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);
     if (tid % kSoftmaxThreadsPerRow == 0) {
@@ -474,92 +579,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   }
 
   // ---------------- value warps: the gather into the ring, and O += P.V ----------------
-  const int vtid = tid - kGroupThreads, vwarp = warp - kScoreWarps;
-  // Gather: kLoadThreadsPerKey threads per key row, 16 B each per step. A row reference is
-  // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
-  // The kv_indices a tile needs are copied to shared memory (cp.async, in the same groups
-  // as the rows) kIndexAhead tiles before the tile's own copy, and each tile's rows are
-  // pulled into L2 kPrefetchAhead tiles before it: no load result is ever waited on in a
-  // register.
-  // A tile's index is staged in the cp.async group of iteration (tile - kIndexAhead), and
-  // iteration i has waited for groups <= i + 1. The L2 prefetch of tile X reads its index at
-  // iteration X - kStages - kPrefetchAhead, hence kIndexAhead >= kStages + kPrefetchAhead - 1;
-  // a slot is rewritten only after its last reader (the tile's own copy): ring > ahead.
-  constexpr int kIndexAhead = kStages + kPrefetchAhead - 1 > kStages ? kStages + kPrefetchAhead - 1 : kStages;
-  constexpr int kRefillLag = LATE_REFILL && kStages >= 3 ? 1 : 0;   // see LATE_REFILL (16-key tiles only)
-  static_assert(kPrefetchAhead >= 0 && kIndexAhead + 1 <= kIndexRing, "index ring too small for PREFETCH_AHEAD");
-  const int ld_key = vtid / Cfg::kLoadThreadsPerKey, ld_part = vtid % Cfg::kLoadThreadsPerKey;
-  const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
-  auto tile_key = [&](int tile) { return key_begin + key_tile(tile) * KEYS + ld_key; };
-  auto index_src = [&](int key) {
-    return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
-  };
-  // This thread's key row of a tile: a pool row, a k_extend row, or nullptr past key_end.
-  auto row_of = [&](int tile, bool staged) -> const __nv_bfloat16* {  // staged: index in sm.index
-    const int key = tile_key(tile);
-    if (tile >= num_tiles || key >= key_end) return nullptr;
-    if (key >= prefix_len) return prm.k_extend + static_cast<int64_t>(q_start + key - prefix_len) * kDimQK;
-    int64_t row;
-    if (!staged) {
-      row = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-    } else {
-      const int64_t v = sm.index[tile % kIndexRing][ld_key];
-      row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
-    }
-    return prm.kv_pool + row * kDimQK;
-  };
-  auto stage_index = [&](int tile, bool async) {  // one thread per key row
-    const int key = tile_key(tile);
-    if (ld_part != 0 || tile >= num_tiles || key >= prefix_end) return;
-    int64_t* dst = &sm.index[tile % kIndexRing][ld_key];
-#ifdef ABLATE_NO_INDEX   // with ABLATE_NO_LOADS: what is left is the barriers and the loop itself
-    if (async) return;
-#endif
-    if (!async)
-      *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-    else if (prm.kv_indices_64)
-      cp_async_small<8>(dst, index_src(key));
-    else
-      cp_async_small<4>(dst, index_src(key));
-  };
-  // One base address and constant offsets per thread, so each cp.async is one instruction.
-  // A missing row copies 0 bytes (zero-fill) from a valid address.
-  auto load_tile = [&](const __nv_bfloat16* row, int stage) {
-    const bool valid = row != nullptr;
-    const __nv_bfloat16* src = (valid ? row : prm.kv_pool) + ld_part * 8;
-    __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride + ld_part * 8];
-#ifdef ABLATE_NO_LOADS
-    return;
-#endif
-#pragma unroll
-    for (int j = 0; j < Cfg::kLoadSteps; ++j) {
-      const int step = Cfg::kLoadThreadsPerKey * 8 * j;
-      if (ld_part + Cfg::kLoadThreadsPerKey * j < kChunksPerKey) cp_async_16(dst + step, src + step, valid);
-    }
-  };
-  auto prefetch_rows = [&](const __nv_bfloat16* row) {   // the key row's 9 lines of 128 B
-    if (row == nullptr) return;
-#pragma unroll
-    for (int j = 0; j * Cfg::kLoadThreadsPerKey < kDimQK * 2 / 128; ++j)
-      if (ld_part + j * Cfg::kLoadThreadsPerKey < kDimQK * 2 / 128) prefetch_l2(row + (ld_part + j * Cfg::kLoadThreadsPerKey) * 64);
-  };
-
-  // The stage of tile `done` is free (no warp reads it again): refill it with the tile
-  // `stages` beyond, stage the index of the tile kIndexAhead beyond that, and pull the rows
-  // of the tile kPrefetchAhead beyond it into L2.
-  auto refill = [&](int done) {
-    const int next = done + kStages;
-    if (next < num_tiles) load_tile(row_of(next, true), done % kStages);
-    stage_index(next + kIndexAhead, true);
-    cp_async_commit();
-    if (kPrefetchAhead > 0) prefetch_rows(row_of(next + kPrefetchAhead, true));
-  };
-
+  const int vwarp = warp - kScoreWarps;
   // Fill the ring and stage the indices of the next kIndexAhead tiles, then hand tile 0
   // over once this thread's copies of it have landed. Group k of this thread's cp.async
   // groups holds tile k (and the index of tile k + kIndexAhead).
   for (int s = 0; s < kStages; ++s) {
-    if (s < num_tiles) load_tile(row_of(s, false), s);
+    if (s < num_tiles) load_tile(row_of(s, false), s, 0, Cfg::kLoadSteps);
     cp_async_commit();
   }
 #pragma unroll

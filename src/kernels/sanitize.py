@@ -10,7 +10,8 @@ Each build is compiled first, outside the sanitizer (nvcc under it would take mi
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
 and is clean on the shipped build, whose groups meet only in barrier-0 rounds: the records of
 both say which schedule the tool accepts. `pv_lag` (PV_LAG=1) multiplies each tile half a
-round later, beside the next tile's softmax.
+round later, beside the next tile's softmax; `split_loads` (SPLIT_LOADS=1) has the score warps
+issue part of each refill.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import sys
 from pathlib import Path
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
-BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV_LAG=1",)}
+BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV_LAG=1",),
+          "split_loads": ("SPLIT_LOADS=1",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
