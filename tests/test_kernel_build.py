@@ -212,5 +212,7 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     assert t.loc[2, "changes"] == "ABLATE_NO_QK, 16 splits"
     assert list(recorded_table(df, version="v1")["q16 h8"]) == [110.0]
     assert list(recorded_table(df, variants=["loads_only"])["variant"]) == ["loads_only"]
+    both = recorded_table(df, version=["v1", "v2"])   # the newest record of each variant across both
+    assert both.loc[both["variant"] == "full", "q16 h8"].item() == 109.0
     with pytest.raises(ValueError, match="version: no ablation recorded as 'v9'"):
         recorded_table(df, version="v9")

@@ -87,7 +87,7 @@ SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16")
 def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None):
     """One recorded ablation run as a table: µs of each variant (rows, in VARIANTS order) at
     each shape (columns), from data/results/kernel_ablation.jsonl. `version` is a kernel_version
-    tag (default: the newest recorded); `variants` keeps only those rows. The newest record of
+    tag or a list of them (default: the newest recorded); `variants` keeps only those rows. The newest record of
     each variant and shape is kept, and the build defines (and a fixed split count) say what
     the variant changed."""
     import pandas as pd
@@ -103,9 +103,11 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
         if version is None and len(tags):
             version = tags.iloc[-1]
         if version is not None:
-            if version not in set(tags):
-                raise ValueError(f"version: no ablation recorded as {version!r}; recorded: {sorted(set(tags))}")
-            df = df[df["kernel_version"] == version]
+            wanted = [version] if isinstance(version, str) else list(version)
+            missing = [v for v in wanted if v not in set(tags)]
+            if missing:
+                raise ValueError(f"version: no ablation recorded as {missing[0]!r}; recorded: {sorted(set(tags))}")
+            df = df[df["kernel_version"].isin(wanted)]
     if variants is not None:
         df = df[df["variant"].isin(variants)]
     df["shape"] = [f"q{q} h{h}" for q, h in zip(df["q_len"], df["heads"])]
