@@ -56,3 +56,14 @@ def test_a_target_without_a_baseline_is_not_measured_rather_than_missed():
     df = pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0, q_len=1, ctx=32768)])
     row = br.targets_table(df).set_index("target").loc["decode h8 32k: >= 1x Triton decode"]
     assert row["met"] is None and "not measured" in row["measured"]
+
+
+def test_the_batch32_target_says_what_it_asks_of_the_mma_sync_ceiling():
+    def b32(impl, t):
+        return dict(_rec("r", "v", impl, t, ctx=16384), batch=32, roofline_mma_us=232.4)
+
+    t = br.targets_table(pd.DataFrame([b32("sm120_mla", 775.5), b32("flashmla", 236.9)])).set_index("target")
+    row = t.loc["b32 q16 h8 16k: within 10% of FlashMLA"]
+    assert not row["met"] and row["note"] == ("needs 89% of this run's mma.sync ceiling (232 us); "
+                                              "FlashMLA runs at 98% of it")
+    assert (t.drop(index="b32 q16 h8 16k: within 10% of FlashMLA")["note"] == "").all()

@@ -115,8 +115,27 @@ def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.Data
     return pd.DataFrame(rows)
 
 
+def _mma_share_note(df: pd.DataFrame, baseline_us: float, **shape) -> str:
+    """What a "within 10% of the baseline" target asks of an mma.sync kernel: the share of the
+    run's own mma.sync ceiling (the FLOPs over the measured mma.sync rate, `roofline_mma_us`)
+    that 1.1x the baseline's time leaves. Above ~90% no mma.sync kernel gets there, softmax and
+    loads included; the baseline (FlashMLA, wgmma on Hopper) is not bound by it."""
+    if "roofline_mma_us" not in df or baseline_us != baseline_us:
+        return ""
+    sel = df[df["impl"] == "sm120_mla"]
+    for k, v in shape.items():
+        sel = sel[sel[k] == v]
+    mma_us = sel["roofline_mma_us"].dropna()
+    if len(mma_us) == 0:
+        return ""
+    floor = float(mma_us.iloc[0])
+    return (f"needs {floor / (1.1 * baseline_us):.0%} of this run's mma.sync ceiling ({floor:.0f} us); "
+            f"FlashMLA runs at {floor / baseline_us:.0%} of it")
+
+
 def targets_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The kernel issue's targets, each with the measured value and whether it is met."""
+    """The kernel issue's targets, each with the measured value and whether it is met (and,
+    for the batch-32 target, what it asks of the mma.sync ceiling)."""
     rows = []
 
     def t(impl, **shape):
@@ -142,7 +161,8 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
                          "ratio": round(r.time_us / r.roofline_us, 2), "met": bool(r.time_us <= 1.3 * r.roofline_us)})
         ours, fm = t("sm120_mla", batch=32, heads=heads, q_len=16, ctx=16384), t("flashmla", batch=32, heads=heads, q_len=16, ctx=16384)
         rows.append({"target": f"b32 q16 h{heads} 16k: within 10% of FlashMLA", "measured": f"{ours:.1f} vs {fm:.1f} us",
-                     "ratio": round(ours / fm, 2), "met": bool(ours <= 1.1 * fm)})
+                     "ratio": round(ours / fm, 2), "met": bool(ours <= 1.1 * fm),
+                     "note": _mma_share_note(df, fm, batch=32, heads=heads, q_len=16, ctx=16384)})
     dec = df[(df["q_len"] == 1) & (df["batch"] == 1)]
     for heads in sorted(dec["heads"].unique()):
         for ctx in sorted(dec["ctx"].unique()):
@@ -151,6 +171,7 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
             rows.append({"target": f"decode h{heads} {ctx // 1024}k: >= {need:g}x Triton decode",
                          "measured": f"{ours:.1f} vs {td:.1f} us", "ratio": round(td / ours, 2), "met": bool(td / ours >= need)})
     out = pd.DataFrame(rows)
+    out["note"] = out["note"].fillna("") if "note" in out else ""
     # A missing time (an impl or shape not in the records) is "not measured", never "missed".
     unknown = out["ratio"].isna()
     out["met"] = out["met"].astype(object)
