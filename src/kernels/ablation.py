@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
+from .build import build_command
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,12 @@ VARIANTS = {
     "stagger1": Variant(("TILE_STAGGER=1",)),
     "stagger8": Variant(("TILE_STAGGER=8",)),
     "stagger8_loads_only": Variant(("TILE_STAGGER=8",) + _MATH),
-    # P.V(t) beside the softmax(t+1) instead of beside QK(t+1): the tensor pipe is shared by
-    # one group at a time (PV_LAG in mla_verify.cuh; correct output)
     # the score warps issue 4 of each thread's 9 refill copies (SPLIT_LOADS), off the value
     # warps' critical path (correct output)
     "split_loads": Variant(("SPLIT_LOADS=1",)),
     "split_loads_loads_only": Variant(("SPLIT_LOADS=1",) + _MATH),
+    # P.V(t) beside the softmax(t+1) instead of beside QK(t+1): the tensor pipe is shared by
+    # one group at a time (PV_LAG in mla_verify.cuh; correct output)
     "pv_lag": Variant(("PV_LAG=1",)),
     "pv_lag_no_loads": Variant(("PV_LAG=1", "ABLATE_NO_LOADS")),
     "pv_lag_stages3": Variant(("PV_LAG=1", "STAGES_16=3")),
@@ -133,9 +134,7 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
 def build_all(variants=VARIANTS) -> None:
     """Compile every variant at once, one process each (nvcc is single-threaded)."""
     defines = sorted({v.defines for v in variants.values()})
-    procs = [subprocess.Popen([sys.executable, "-c",
-                               "from sm120_workbook.kernels.build import load_kernel_module as l; "
-                               f"l(defines={d!r})"]) for d in defines]
+    procs = [subprocess.Popen(build_command(d)) for d in defines]
     failed = [d for d, p in zip(defines, procs) if p.wait() != 0]
     if failed:
         raise RuntimeError(f"variant build failed: {failed}")

@@ -115,6 +115,14 @@ def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.Data
     return pd.DataFrame(rows)
 
 
+def _select(df: pd.DataFrame, impl: str, **shape) -> pd.DataFrame:
+    """The rows of one impl at one shape (batch, heads, q_len, ctx, ...)."""
+    sel = df[df["impl"] == impl]
+    for k, v in shape.items():
+        sel = sel[sel[k] == v]
+    return sel
+
+
 def _mma_share_note(df: pd.DataFrame, baseline_us: float, **shape) -> str:
     """What a "within 10% of the baseline" target asks of an mma.sync kernel: the share of the
     run's own mma.sync ceiling (the FLOPs over the measured mma.sync rate, `roofline_mma_us`)
@@ -122,10 +130,7 @@ def _mma_share_note(df: pd.DataFrame, baseline_us: float, **shape) -> str:
     loads included; the baseline (FlashMLA, wgmma on Hopper) is not bound by it."""
     if "roofline_mma_us" not in df or baseline_us != baseline_us:
         return ""
-    sel = df[df["impl"] == "sm120_mla"]
-    for k, v in shape.items():
-        sel = sel[sel[k] == v]
-    mma_us = sel["roofline_mma_us"].dropna()
+    mma_us = _select(df, "sm120_mla", **shape)["roofline_mma_us"].dropna()
     if len(mma_us) == 0:
         return ""
     floor = float(mma_us.iloc[0])
@@ -139,9 +144,7 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
 
     def t(impl, **shape):
-        sel = df[(df["impl"] == impl)]
-        for k, v in shape.items():
-            sel = sel[sel[k] == v]
+        sel = _select(df, impl, **shape)
         return float(sel["time_us"].min()) if len(sel) else float("nan")
 
     for heads in (8, 16):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 from filelock import FileLock
@@ -69,6 +70,13 @@ def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool 
             raise RuntimeError("the sm120_mla kernel needs a CUDA GPU; none is visible to torch")
         capability = torch.cuda.get_device_capability()
     return _load_for(tuple(capability), verbose, tuple(defines))
+
+
+def build_command(defines: tuple[str, ...] = ()) -> list[str]:
+    """A child process that compiles (or finds cached) one build: for building variants in
+    parallel, or before a tool (compute-sanitizer) that would make nvcc crawl."""
+    return [sys.executable, "-c", "from sm120_workbook.kernels.build import load_kernel_module as l; "
+            f"l(defines={tuple(defines)!r})"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,7 +38,7 @@ def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, 
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
     out_jobs = [
         ("tests", pytest + ["tests/test_kernel_gpu.py", "-k", "not sanitizer"], False),
-        # the three tools on the shipped build and on GROUP_BARRIERS=1 (v14), recorded
+        # the three tools on every build sanitize.BUILDS names (the shipped one must be clean), recorded
         ("sanitizer", [py, "-m", "sm120_workbook.kernels.sanitize", "--tools", "memcheck", "racecheck", "synccheck",
                        "--out", str(out / "kernel_sanitizer.jsonl")] + tag_args, False),
         ("bench", [py, "-m", "sm120_workbook.kernels.bench", "--quick", "--out", str(out / "kernel_bench.jsonl")]

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .build import build_command
+
 TOOLS = ("memcheck", "racecheck", "synccheck")
 BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV_LAG=1",),
           "split_loads": ("SPLIT_LOADS=1",)}
@@ -49,8 +51,7 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
 
 def build(defines: tuple[str, ...] = ()) -> None:
     """Compile (or find cached) the build in a child process, as the sanitized run will load it."""
-    subprocess.run([sys.executable, "-c", "from sm120_workbook.kernels.build import load_kernel_module as l; "
-                    f"l(defines={tuple(defines)!r})"], check=True)
+    subprocess.run(build_command(defines), check=True)
 
 
 def parse_report(report: str) -> dict:
