@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sm120_workbook.kernels import MlaVerifyWorkspace, choose_num_splits, mla_verify_attention
+from sm120_workbook.kernels.verify_attention import choose_cta_rows
 from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
 
 
@@ -13,7 +14,7 @@ from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
 def test_resource_budget_sm120a_and_sm90():
     rep = resource_report()
     for arch in ("sm_120a", "sm_90"):
-        for variant in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<32>"):
+        for variant in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<32>", "mla_verify_wide_kernel"):
             k = rep["archs"][arch][variant]
             print(arch, variant, k)
             assert k["smem_bytes"] <= SM120_SMEM_LIMIT, f"{arch} {variant}: {k['smem_bytes']} B of shared memory"
@@ -30,6 +31,29 @@ def test_split_policy_fills_the_gpu_from_static_shapes():
     assert choose_num_splits(batch=1, heads=16, max_q_len=16, num_sms=132) == 16  # 8 x 17 would need 2 waves
     assert choose_num_splits(batch=256, heads=128, max_q_len=16, num_sms=132) == 1
     assert choose_num_splits(batch=1, heads=1, max_q_len=1, num_sms=10_000) == 128  # capped
+    # the 64-row kernel: q16 h8 is 2 row CTAs a split, q8 h8 one
+    assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=132, cta_rows=64) == 66
+    assert choose_num_splits(batch=1, heads=8, max_q_len=8, num_sms=132, cta_rows=64) == 128
+
+
+def test_kernel_choice_by_rows_per_request():
+    assert choose_cta_rows(heads=8, max_q_len=16) == 64     # 128 rows: half the re-read
+    assert choose_cta_rows(heads=8, max_q_len=8) == 64
+    assert choose_cta_rows(heads=8, max_q_len=4) == 32      # 32 rows fill one split-kernel CTA
+    assert choose_cta_rows(heads=8, max_q_len=1) == 32      # decode h8
+    ws = MlaVerifyWorkspace(16, 8, "cpu")
+    assert ws.cta_rows_for(16) == 64 and ws.cta_rows_for(1) == 32
+    assert MlaVerifyWorkspace(16, 8, "cpu", cta_rows=32).cta_rows_for(16) == 32
+    assert MlaVerifyWorkspace(16, 8, "cpu", tile_keys=32).cta_rows_for(16) == 32   # 32-key tiles: split kernel only
+
+
+@pytest.mark.parametrize("kwargs,arg", [(dict(cta_rows=48), "cta_rows"), (dict(cta_rows=64, tile_keys=32), "tile_keys"),
+                                        (dict(tile_keys=8), "tile_keys"), (dict(heads=0), "heads")])
+def test_bad_workspace_options_name_themselves(kwargs, arg):
+    kw = dict(max_tokens=16, heads=8, device="cpu")
+    kw.update(kwargs)
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        MlaVerifyWorkspace(**kw)
 
 
 def _cpu_case(T=4, H=8, ctx=16):

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from sm120_workbook.kernels.checks import FIXED_CASES, compare, random_shapes, run_kernel
+from sm120_workbook.kernels.checks import FIXED_CASES, LAYOUTS, compare, random_shapes, run_kernel
 from sm120_workbook.reference import make_verify_case
 
 pytestmark = pytest.mark.gpu
@@ -26,15 +26,16 @@ def assert_matches_reference(case, out, lse, label=""):
 
 
 CASES = FIXED_CASES
+layouts = pytest.mark.parametrize("cta_rows,tile_keys", LAYOUTS, ids=[f"r{r}tk{k}" for r, k in LAYOUTS])
 
 
-@pytest.mark.parametrize("tile_keys", [16, 32])
+@layouts
 @pytest.mark.parametrize("batch,heads,q_len,ctx,mask,with_ext", CASES)
-def test_kernel_matches_reference(batch, heads, q_len, ctx, mask, with_ext, tile_keys, seed):
+def test_kernel_matches_reference(batch, heads, q_len, ctx, mask, with_ext, cta_rows, tile_keys, seed):
     case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                             with_k_extend=with_ext, seed=seed, device="cuda", pool_extra=257)
-    out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tile_keys)
-    assert_matches_reference(case, out, lse, f"b{batch} h{heads} q{q_len} ctx{ctx} {mask} tk{tile_keys}")
+    out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tile_keys, cta_rows=cta_rows)
+    assert_matches_reference(case, out, lse, f"b{batch} h{heads} q{q_len} ctx{ctx} {mask} r{cta_rows} tk{tile_keys}")
 
 
 def test_random_shapes(seed):
@@ -43,17 +44,17 @@ def test_random_shapes(seed):
     for i, (batch, heads, q_len, ctx, mask, _) in enumerate(random_shapes(rng, 20)):
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                                 seed=rng.randrange(2**31), device="cuda")
-        tk = (16, 32)[i % 2]
-        out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tk)
-        assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} tk{tk}")
+        cta_rows, tk = LAYOUTS[i % len(LAYOUTS)]
+        out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tk, cta_rows=cta_rows)
+        assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} r{cta_rows} tk{tk}")
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 33, 128])
-@pytest.mark.parametrize("tile_keys", [16, 32])
-def test_any_split_count(num_splits, tile_keys, seed):
+@layouts
+def test_any_split_count(num_splits, cta_rows, tile_keys, seed):
     case = make_verify_case(batch=2, heads=8, q_len=16, ctx_lens=[9000, 300], mask="tree", seed=seed,
                             device="cuda")
-    out, lse = run_kernel(case, max_q_len=16, num_splits=num_splits, tile_keys=tile_keys)
+    out, lse = run_kernel(case, max_q_len=16, num_splits=num_splits, tile_keys=tile_keys, cta_rows=cta_rows)
     assert_matches_reference(case, out, lse, f"splits={num_splits}")
 
 
@@ -65,7 +66,8 @@ def test_max_q_len_above_actual(seed):
     assert_matches_reference(case, out, lse, "mixed q_len")
 
 
-def test_cuda_graph_replay_with_changed_lengths(seed):
+@pytest.mark.parametrize("cta_rows", [32, 64])
+def test_cuda_graph_replay_with_changed_lengths(cta_rows, seed):
     """One graph captured at the largest lengths replays correctly for shorter ones."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
 
@@ -80,7 +82,7 @@ def test_cuda_graph_replay_with_changed_lengths(seed):
     idx_buf[:st["kv_indices"].numel()] = st["kv_indices"]
     out = torch.empty(B * Q, H, 512, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(B * Q, H, device=dev, dtype=torch.float32)
-    ws = MlaVerifyWorkspace(B * Q, H, dev)
+    ws = MlaVerifyWorkspace(B * Q, H, dev, cta_rows=cta_rows)
 
     def step():
         mla_verify_attention(st["q"], st["kv_pool"], st["qo_indptr"], st["kv_indptr"], idx_buf, out=out,
@@ -119,7 +121,7 @@ def test_cuda_graph_replay_with_changed_lengths(seed):
         graph_out, graph_lse = out.clone(), lse.clone()
         ref_case = dict(case, kv_pool=st["kv_pool"])
         assert_matches_reference(ref_case, graph_out, graph_lse, f"replay {trial} ctx={ctx}")
-        eager_out, eager_lse = run_kernel(ref_case, max_q_len=Q)
+        eager_out, eager_lse = run_kernel(ref_case, max_q_len=Q, cta_rows=cta_rows)
         assert torch.equal(graph_out, eager_out), "graph replay differs from eager"
 
 
@@ -163,12 +165,13 @@ def test_int32_indices(seed):
                             device="cuda")
     case["kv_indices"] = case["kv_indices"].to(torch.int32)
     case["mask_indptr"] = case["mask_indptr"].to(torch.int32)
-    for tk in (16, 32):
-        out, lse = run_kernel(case, max_q_len=16, tile_keys=tk)
-        assert_matches_reference(case, out, lse, f"int32 indices tk{tk}")
+    for cta_rows, tk in LAYOUTS:
+        out, lse = run_kernel(case, max_q_len=16, tile_keys=tk, cta_rows=cta_rows)
+        assert_matches_reference(case, out, lse, f"int32 indices r{cta_rows} tk{tk}")
 
 
-def test_rows_outside_requests(seed):
+@pytest.mark.parametrize("cta_rows", [32, 64])
+def test_rows_outside_requests(cta_rows, seed):
     """Tokens past qo_indptr[-1] (graph padding) come out 0 / -inf; tokens past max_q_len
     within a request (a broken contract) come out NaN; every other row stays right."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
@@ -181,7 +184,7 @@ def test_rows_outside_requests(seed):
     ke = torch.cat([case["k_extend"], torch.randn(pad, 1, 576, device="cuda").bfloat16()])
     out = torch.full((T + pad, H, 512), 7.0, device="cuda", dtype=torch.bfloat16)
     lse = torch.full((T + pad, H), 7.0, device="cuda")
-    ws = MlaVerifyWorkspace(T + pad, H, "cuda")
+    ws = MlaVerifyWorkspace(T + pad, H, "cuda", cta_rows=cta_rows)
     kw = dict(out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], k_extend=ke,
               custom_mask=case["custom_mask"], mask_indptr=case["mask_indptr"])
     rest = (case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"])
@@ -206,18 +209,19 @@ def test_compute_sanitizer_clean(tool):
     assert r["clean"], f"{tool}: {r['summary']}; first lines:\n" + "\n".join(r["first_lines"])
 
 
-@pytest.mark.parametrize("defines", [("GROUP_BARRIERS=1",), ("PV_LAG=1",), ("PV_LAG=1", "STAGES_16=3"),
-                                     ("STAGES_16=3",), ("TILE_STAGGER=3",), ("SPLIT_LOADS=1",),
-                                     ("SPLIT_LOADS=1", "STAGES_16=3")], ids=lambda d: "+".join(d))
-def test_schedule_variant_build_matches_reference(defines):
+@pytest.mark.parametrize("defines,cta_rows", [
+    (("GROUP_BARRIERS=1",), 32), (("PV_LAG=1",), 32), (("PV_LAG=1", "STAGES_16=3"), 32), (("STAGES_16=3",), 32),
+    (("TILE_STAGGER=3",), 32), (("SPLIT_LOADS=1",), 32), (("SPLIT_LOADS=1", "STAGES_16=3"), 32),
+    (("WIDE_STAGES=3",), 64), (("WIDE_STAGES=2",), 64)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
+def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part
-    of each refill) compute the same attention."""
+    of each refill; the wide kernel with a 3- or 2-stage ring) compute the same attention."""
 
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7]:
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                                 with_k_extend=ext, seed=torch.randint(0, 2**31 - 1, ()).item(),
                                 device="cuda", pool_extra=257)
-        out, lse = run_kernel(case, max_q_len=q_len, kernel_defines=defines)
+        out, lse = run_kernel(case, max_q_len=q_len, kernel_defines=defines, cta_rows=cta_rows)
         res = compare(case, out, lse)
         assert res["passed"], (batch, heads, q_len, ctx, mask, res)

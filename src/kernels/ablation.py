@@ -27,6 +27,7 @@ class Variant:
     defines: tuple[str, ...] = ()
     tile_keys: int = 16
     num_splits: int | None = None   # None: the workspace's own choice (one wave of CTAs)
+    cta_rows: int = 32              # 32: the split kernel (mla_verify.cuh); 64: the wide kernel (v17)
 
 
 _MATH = ("ABLATE_NO_QK", "ABLATE_NO_SOFTMAX", "ABLATE_NO_PV")
@@ -78,6 +79,14 @@ VARIANTS = {
     # v14's group barriers: each group's mid-tile wait on its own named barrier, so the
     # groups' mid-tile work overlaps (correct output; not racecheck clean)
     "group_barriers": Variant(("GROUP_BARRIERS=1",)),
+    # v17, the 64-row wide kernel (mla_verify_wide.cuh; the same ABLATE_* switches): half the
+    # re-read at q16 h8, each warp holding Q and O for its rows
+    "wide": Variant(cta_rows=64),
+    "wide_no_loads": Variant(("ABLATE_NO_LOADS",), cta_rows=64),
+    "wide_loads_only": Variant(_MATH, cta_rows=64),
+    "wide_no_softmax": Variant(("ABLATE_NO_SOFTMAX",), cta_rows=64),
+    "wide_handovers_only": Variant(("ABLATE_NO_LOADS",) + _MATH, cta_rows=64),
+    "wide_stages3": Variant(("WIDE_STAGES=3",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 
@@ -123,6 +132,8 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
         v = VARIANTS.get(r.name)
         if v is not None and v.num_splits:
             d = (d + ", " if d else "") + f"{v.num_splits} splits"
+        if v is not None and v.cta_rows != 32:
+            d = (d + ", " if d else "") + f"{v.cta_rows}-row kernel"
         return d or "(shipped build)"
 
     what = newest.drop_duplicates("variant").set_index("variant").apply(changes, axis=1)
@@ -145,10 +156,11 @@ def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:
     for shape in shapes:
         x = Inputs(shape)
         for name, v in variants.items():
-            fn = build_sm120_mla(x, num_splits=v.num_splits, tile_keys=v.tile_keys, kernel_defines=v.defines)
+            fn = build_sm120_mla(x, num_splits=v.num_splits, tile_keys=v.tile_keys, kernel_defines=v.defines,
+                                 cta_rows=v.cta_rows)
             t = time_graph_us(fn, reps=reps)
             records.append({"impl": "sm120_mla", "variant": name, "defines": list(v.defines), **shape.__dict__,
-                            "tile_keys": v.tile_keys, "num_splits": fn.num_splits, **t})
+                            "tile_keys": v.tile_keys, "cta_rows": v.cta_rows, "num_splits": fn.num_splits, **t})
             print(f"b{shape.batch} h{shape.heads:<3d} q{shape.q_len:<2d} ctx {shape.ctx:6d}  {name:20s} "
                   f"{t['time_us']:8.1f} us", flush=True)
     return records

@@ -73,13 +73,13 @@ class Inputs:
 # Each builder returns a zero-argument callable that runs one step on preallocated buffers.
 
 def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None,
-                    kernel_defines: tuple[str, ...] = ()):
+                    kernel_defines: tuple[str, ...] = (), cta_rows: int | None = None):
     s = x.shape
     T = s.batch * s.q_len
     out = torch.empty(T, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
     lse = torch.empty(T, s.heads, device=x.q.device, dtype=torch.float32)
     ws = MlaVerifyWorkspace(T, s.heads, x.q.device, num_splits=num_splits, kernel_defines=kernel_defines,
-                            **({"tile_keys": tile_keys} if tile_keys else {}))
+                            cta_rows=cta_rows, **({"tile_keys": tile_keys} if tile_keys else {}))
     if s.q_len == 1:   # decode: the token is already in the pool, no k_extend
         args = (x.q, x.pool, x.qo_indptr, x.kv_indptr_full, x.kv_indices_full)
         kw = {}
@@ -90,6 +90,7 @@ def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | N
                                       max_q_len=s.q_len, **kw)
     fn.num_splits = ws.num_splits_for(s.batch, s.q_len)
     fn.tile_keys = ws.tile_keys
+    fn.cta_rows = ws.cta_rows_for(s.q_len)
     return fn
 
 
@@ -203,22 +204,24 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
     for heads in (8, 16):
         for ctx in ctxs:
             v = Shape(1, heads, 16, ctx)
-            grid += [("sm120_mla", v, {"tile_keys": k}) for k in (16, 32)]
+            # the automatic kernel (64 rows here), then the 32-row split kernel's two tile sizes
+            grid += [("sm120_mla", v, {})] + [("sm120_mla", v, {"tile_keys": k, "cta_rows": 32}) for k in (16, 32)]
             for impl in ("flashmla", "flashinfer_mla"):
                 grid.append((impl, v, {}))
             if ctx <= 65536:
                 grid.append(("triton_verify", v, {}))
             if heads == 8:   # NGRAM's verify in the live service: 8 draft tokens, 64 rows, 2 row CTAs a split
                 n = Shape(1, heads, 8, ctx)
-                grid += [("sm120_mla", n, {})] + [(impl, n, {}) for impl in ("flashmla", "flashinfer_mla")]
+                grid += [("sm120_mla", n, {}), ("sm120_mla", n, {"cta_rows": 32})]
+                grid += [(impl, n, {}) for impl in ("flashmla", "flashinfer_mla")]
             d = Shape(1, heads, 1, ctx)
-            grid += [("sm120_mla", d, {"tile_keys": k}) for k in (16, 32)]
+            grid += [("sm120_mla", d, {})] + [("sm120_mla", d, {"cta_rows": c}) for c in (32, 64)]
             for impl in ("triton_decode", "flashmla"):
                 grid.append((impl, d, {}))
         b32 = Shape(32, heads, 16, 16384)
-        grid += [("sm120_mla", b32, {"tile_keys": k}) for k in (16, 32)] + [("flashmla", b32, {})]
-    for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
-        grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "tile_keys": k}) for k in (16, 32)]
+        grid += [("sm120_mla", b32, {}), ("sm120_mla", b32, {"cta_rows": 32})] + [("flashmla", b32, {})]
+    for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape, both kernels
+        grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "cta_rows": c}) for c in (32, 64)]
     return grid
 
 
@@ -267,7 +270,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
             x = cache[shape]
             fn = BUILDERS[impl](x, **kw)
             if impl == "sm120_mla":
-                rec["num_splits"], rec["tile_keys"] = fn.num_splits, fn.tile_keys
+                rec["num_splits"], rec["tile_keys"], rec["cta_rows"] = fn.num_splits, fn.tile_keys, fn.cta_rows
             t = time_graph_us(fn, reps=reps if impl != "triton_verify" else max(5, reps // 5))
             rec.update(t)
             rec["gbps"] = x.kv_bytes / (t["time_us"] * 1e3)
@@ -284,9 +287,9 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
 
 
 def summary_table(records) -> str:
-    rows = ["impl           tk  b   h  q     ctx splits   time_us    GB/s  roof_us  mma_us  status"]
+    rows = ["impl           rows tk  b   h  q     ctx splits   time_us    GB/s  roof_us  mma_us  status"]
     for r in records:
-        rows.append(f"{r['impl']:14s} {str(r.get('tile_keys') or ''):>2s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {r['ctx']:7d} "
+        rows.append(f"{r['impl']:14s} {str(r.get('cta_rows') or ''):>4s} {str(r.get('tile_keys') or ''):>2s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {r['ctx']:7d} "
                     f"{str(r.get('num_splits') or ''):>6s} {r.get('time_us', float('nan')):9.1f} "
                     f"{r.get('gbps', float('nan')):7.0f} {r.get('roofline_us', float('nan')):8.1f} "
                     f"{r.get('roofline_mma_us', float('nan')):7.1f}  "

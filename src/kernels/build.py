@@ -16,7 +16,7 @@ from pathlib import Path
 from filelock import FileLock
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("mla_verify.cuh", "mma_peak.cuh", "mla_verify.cu")
+SOURCES = ("mla_verify.cuh", "mla_verify_wide.cuh", "mma_peak.cuh", "mla_verify.cu")
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 CPP_DECLS = """
 #include <torch/extension.h>
@@ -25,7 +25,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
                         at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
-                        int64_t num_splits, int64_t tile_keys);
+                        int64_t num_splits, int64_t tile_keys, int64_t cta_rows);
 void mma_sync_peak(at::Tensor& out, int64_t iters, int64_t threads_per_block);
 """
 

@@ -31,15 +31,17 @@ FIXED_CASES = [
 
 
 def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
-               tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = ()):
+               tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
+               cta_rows: int | None = None):
     """The kernel on a `make_verify_case` dict, with NaN-poisoned out and lse (`kernel_defines`:
-    a diagnostic build of mla_verify.cuh, e.g. ("GROUP_BARRIERS=1",))."""
+    a diagnostic build of mla_verify.cuh, e.g. ("GROUP_BARRIERS=1",); `cta_rows`: 32 or 64 fixes
+    the kernel, None picks it by shape)."""
     q = case["q"]
     T, H, _ = q.shape
     out = torch.full((T, H, DIM_V), float("nan"), device=q.device, dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"), device=q.device, dtype=torch.float32)
     ws = MlaVerifyWorkspace(T, H, q.device, num_splits=num_splits, tile_keys=tile_keys,
-                              kernel_defines=kernel_defines)
+                              kernel_defines=kernel_defines, cta_rows=cta_rows)
     mla_verify_attention(q, case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
                          out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=max_q_len,
                          k_extend=case["k_extend"], custom_mask=case["custom_mask"],
@@ -74,18 +76,23 @@ def random_shapes(rng: random.Random, n: int) -> list[tuple]:
     return shapes
 
 
-def correctness_grid(seed: int, random_cases: int = 6, tile_keys=(16, 32), device="cuda"):
-    """The fixed odd-size cases plus random shapes, for each tile variant, as a DataFrame."""
+# The compiled kernels as (cta_rows, tile_keys): the 32-row split kernel with 16- and 32-key
+# tiles, and the 64-row wide kernel.
+LAYOUTS = ((32, 16), (32, 32), (64, 16))
+
+
+def correctness_grid(seed: int, random_cases: int = 6, layouts=LAYOUTS, device="cuda"):
+    """The fixed odd-size cases plus random shapes, for each kernel layout, as a DataFrame."""
     import pandas as pd
 
     rng = random.Random(seed)
     shapes = list(FIXED_CASES) + random_shapes(rng, random_cases)
     rows = []
     for batch, heads, q_len, ctx, mask, ext in shapes:
-        for tk in tile_keys:
+        for cta_rows, tk in layouts:
             case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                                     with_k_extend=ext, seed=rng.randrange(2**31), device=device, pool_extra=257)
-            out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tk)
+            out, lse = run_kernel(case, max_q_len=q_len, tile_keys=tk, cta_rows=cta_rows)
             rows.append({"batch": batch, "heads": heads, "q_len": q_len, "ctx": str(ctx), "mask": mask or "chain",
-                         "k_extend": ext, "tile_keys": tk, **compare(case, out, lse)})
+                         "k_extend": ext, "cta_rows": cta_rows, "tile_keys": tk, **compare(case, out, lse)})
     return pd.DataFrame(rows)

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "mla_verify.cuh"
+#include "mla_verify_wide.cuh"
 #include "mma_peak.cuh"
 
 namespace {
@@ -26,6 +27,16 @@ void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, 
   sm120_mla::mla_verify_split_kernel<KEYS><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
 }
 
+void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
+  namespace wide = sm120_mla::wide;
+  static std::once_flag flags[64];
+  std::call_once(flags[device % 64], [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(wide::mla_verify_wide_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        wide::kSmemBytes));
+  });
+  wide::mla_verify_wide_kernel<<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
+}
+
 }  // namespace
 
 void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at::Tensor& qo_indptr,
@@ -33,7 +44,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
                         at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
-                        int64_t num_splits, int64_t tile_keys) {
+                        int64_t num_splits, int64_t tile_keys, int64_t cta_rows) {
   using namespace sm120_mla;
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == kDimQK &&
                   q.is_contiguous(), "q must be a contiguous CUDA bf16 tensor [T, H, 576]");
@@ -42,6 +53,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits out of range");
   TORCH_CHECK(max_q_len >= 1, "max_q_len must be >= 1");
   TORCH_CHECK(tile_keys == 16 || tile_keys == 32, "tile_keys must be 16 or 32");
+  TORCH_CHECK(cta_rows == kRowsPerCta || (cta_rows == wide::kRows && tile_keys == wide::kKeys),
+              "cta_rows must be 32, or 64 with 16-key tiles");
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
   TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
               "workspace too small");
@@ -73,9 +86,11 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>((max_q_len * H + kRowsPerCta - 1) / kRowsPerCta),
+  const dim3 grid(static_cast<unsigned>((max_q_len * H + cta_rows - 1) / cta_rows),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
-  if (tile_keys == 32)
+  if (cta_rows == wide::kRows)
+    launch_wide(prm, grid, stream, device);
+  else if (tile_keys == 32)
     launch_split<32>(prm, grid, stream, device);
   else
     launch_split<16>(prm, grid, stream, device);

@@ -2,7 +2,8 @@
 
 Needs nvcc only (no GPU, no torch headers): mla_verify.cuh is plain CUDA. ptxas reports
 registers, spills and static shared memory; the kernel's shared memory is dynamic, so its
-size comes from a tiny host program that prints sizeof(TileConfig<KEYS>::Shared).
+size comes from a tiny host program that prints sizeof(TileConfig<KEYS>::Shared) and of the
+wide kernel's Shared.
 
     python -m sm120_workbook.kernels.resources [--write]
 """
@@ -39,6 +40,8 @@ def _kernel_label(mangled: str) -> str | None:
         for keys in (16, 32):
             if f"ILi{keys}E" in mangled:
                 return f"mla_verify_split_kernel<{keys}>"
+    if "mla_verify_wide_kernel" in mangled:
+        return "mla_verify_wide_kernel"
     if "mla_verify_combine_kernel" in mangled:
         return "mla_verify_combine_kernel"
     return None   # a device function (cta_sync), not a kernel
@@ -48,7 +51,7 @@ def ptxas_report(arch: str) -> dict[str, dict]:
     """Per-kernel registers, spill bytes and static shared memory for one arch."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "resources.cu"
-        src.write_text('#include "mla_verify.cuh"\n'
+        src.write_text('#include "mla_verify_wide.cuh"\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n')
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
@@ -72,18 +75,19 @@ def ptxas_report(arch: str) -> dict[str, dict]:
 
 
 def dynamic_smem_bytes() -> dict[str, int]:
-    """sizeof(TileConfig<KEYS>::Shared) per split-kernel variant, from a host-only program
-    (it runs without a GPU)."""
+    """Dynamic shared memory per kernel (the split kernel's TileConfig<KEYS> and the wide
+    kernel), from a host-only program (it runs without a GPU)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "smem.cu"
-        src.write_text('#include <cstdio>\n#include "mla_verify.cuh"\n'
-                       'int main() { std::printf("%d %d\\n", sm120_mla::TileConfig<16>::kSmemBytes,'
-                       ' sm120_mla::TileConfig<32>::kSmemBytes); }\n')
+        src.write_text('#include <cstdio>\n#include "mla_verify_wide.cuh"\n'
+                       'int main() { std::printf("%d %d %d\\n", sm120_mla::TileConfig<16>::kSmemBytes,'
+                       ' sm120_mla::TileConfig<32>::kSmemBytes, sm120_mla::wide::kSmemBytes); }\n')
         exe = Path(tmp) / "smem"
         subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
                        check=True, capture_output=True, text=True)
         sizes = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
-        return {f"mla_verify_split_kernel<{k}>": int(v) for k, v in zip((16, 32), sizes)}
+        names = ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<32>", "mla_verify_wide_kernel")
+        return {name: int(v) for name, v in zip(names, sizes)}
 
 
 def resource_report(archs=ARCHS) -> dict:

@@ -4,7 +4,8 @@
         [--out data/results/kernel_sanitizer.jsonl]
 
 The case (2 requests of 129 and 40 keys, 5 heads, 7 tree-masked drafts) runs with 16-key
-tiles on 1 and 3 splits (one split: 9 tiles wrap the 4-stage ring) and with 32-key tiles.
+tiles on 1 and 3 splits (one split: 9 tiles wrap the 4-stage ring) and with 32-key tiles, and
+in the 64-row wide kernel on 1 and 3 splits (35 rows: it also skips its empty m16 tiles).
 Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
 `group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
@@ -40,8 +41,9 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         "c = make_verify_case(batch=2, heads=5, q_len=7, ctx_lens=[129, 40], mask='tree', device='cuda')\n"
         "o = torch.empty(14, 5, 512, device='cuda', dtype=torch.bfloat16)\n"
         "l = torch.empty(14, 5, device='cuda')\n"
-        "for tk, splits in ((16, 1), (16, 3), (32, 1)):  # 1 split: 9 tiles wrap the cp.async ring\n"
-        "    ws = MlaVerifyWorkspace(14, 5, 'cuda', num_splits=splits, tile_keys=tk,"
+        "for rows, tk, splits in ((32, 16, 1), (32, 16, 3), (32, 32, 1), (64, 16, 1), (64, 16, 3)):"
+        "  # 1 split: 9 tiles wrap the cp.async ring\n"
+        "    ws = MlaVerifyWorkspace(14, 5, 'cuda', num_splits=splits, tile_keys=tk, cta_rows=rows,"
         f" kernel_defines={tuple(defines)!r})\n"
         "    mla_verify_attention(c['q'], c['kv_pool'], c['qo_indptr'], c['kv_indptr'], c['kv_indices'], out=o,"
         " lse=l, workspace=ws, sm_scale=c['sm_scale'], max_q_len=7, k_extend=c['k_extend'],"

@@ -14,11 +14,21 @@ import torch
 from ..mla import DIM_QK, DIM_V
 from .build import load_kernel_module
 
-ROWS_PER_CTA = 32
 MAX_SPLITS = 128
 MAX_Q_LEN = 16
-TILE_KEYS = (16, 32)      # keys per softmax round: the two compiled variants
+TILE_KEYS = (16, 32)      # keys per softmax round of the 32-row kernel: the two compiled variants
 DEFAULT_TILE_KEYS = 16      # measured faster at every shape since v6 (NOTES.md)
+# (token, head) rows per CTA: 32 is the split kernel (score and value warps, mla_verify.cuh),
+# 64 the wide kernel (every warp alike, 16-key tiles only, mla_verify_wide.cuh), which reads
+# each key half as often when a request has more than 32 rows.
+CTA_ROWS = (32, 64)
+ROWS_PER_CTA = 32           # the split kernel's, kept for callers of choose_num_splits
+
+
+def choose_cta_rows(heads: int, max_q_len: int) -> int:
+    """The kernel for a shape: 64-row CTAs once a request has more than 32 (token, head) rows
+    (q16 h8, q8 h8, h16 and up), else the 32-row split kernel (decode h8, short drafts)."""
+    return 64 if heads * max_q_len > 32 else 32
 
 
 def _fail(arg: str, msg: str):
@@ -56,7 +66,7 @@ def kernel_available() -> tuple[bool, str]:
     return True, f"sm_{cap[0]}{cap[1]}"
 
 
-def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_rows: int = ROWS_PER_CTA) -> int:
     """KV splits per request: as many as fit one wave of CTAs (one CTA per SM), from static
     shapes only.
 
@@ -65,7 +75,7 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int) -> i
     any), so short contexts are handled inside the kernel, which gives each split at least
     64 keys and leaves the rest empty.
     """
-    row_ctas = batch * math.ceil(max_q_len * heads / ROWS_PER_CTA)
+    row_ctas = batch * math.ceil(max_q_len * heads / cta_rows)
     return max(1, min(MAX_SPLITS, num_sms // row_ctas))
 
 
@@ -73,11 +83,13 @@ class MlaVerifyWorkspace:
     """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
 
     With num_splits=None the split count follows `choose_num_splits` for each call's
-    batch; the buffer is sized so that any batch up to max_tokens fits.
+    batch; the buffer is sized so that any batch up to max_tokens fits. With cta_rows=None
+    the kernel follows `choose_cta_rows` for each call's max_q_len; 32 or 64 fixes it.
     """
 
     def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None,
-                 tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = ()):
+                 tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
+                 cta_rows: int | None = None):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             _fail("max_tokens", f"must be a positive int, got {max_tokens!r}")
         if not isinstance(heads, int) or not 1 <= heads <= 128:
@@ -86,7 +98,11 @@ class MlaVerifyWorkspace:
             _fail("num_splits", f"must be in 1..{MAX_SPLITS}, got {num_splits!r}")
         if tile_keys not in TILE_KEYS:
             _fail("tile_keys", f"must be one of {TILE_KEYS}, got {tile_keys!r}")
-        self.tile_keys = tile_keys
+        if cta_rows is not None and cta_rows not in CTA_ROWS:
+            _fail("cta_rows", f"must be one of {CTA_ROWS} or None (by shape), got {cta_rows!r}")
+        if cta_rows == 64 and tile_keys != 16:
+            _fail("tile_keys", f"the 64-row kernel has 16-key tiles only, got {tile_keys!r}")
+        self.tile_keys, self.fixed_cta_rows = tile_keys, cta_rows
         self.kernel_defines = tuple(kernel_defines)   # a build variant, for ablations only
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
@@ -95,18 +111,24 @@ class MlaVerifyWorkspace:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         if num_splits is None:
-            # T*H*S <= 32*num_sms when S > 1 (one wave, <= 32 rows per CTA), else T*H.
-            rows = ROWS_PER_CTA * self.num_sms + max_tokens * heads
+            # T*H*S <= 64*num_sms when S > 1 (one wave, <= 64 rows per CTA), else T*H.
+            rows = max(CTA_ROWS) * self.num_sms + max_tokens * heads
         else:
             rows = max_tokens * heads * num_splits
         self.capacity_rows = rows
         self.partial_o = torch.empty(rows * DIM_V, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
 
+    def cta_rows_for(self, max_q_len: int) -> int:
+        if self.fixed_cta_rows is not None:
+            return self.fixed_cta_rows
+        # tile_keys=32 asks for the 32-row kernel (the only one with 32-key tiles)
+        return 32 if self.tile_keys != 16 else choose_cta_rows(self.heads, max_q_len)
+
     def num_splits_for(self, batch: int, max_q_len: int) -> int:
         if self.fixed_splits is not None:
             return self.fixed_splits
-        return choose_num_splits(batch, self.heads, max_q_len, self.num_sms)
+        return choose_num_splits(batch, self.heads, max_q_len, self.num_sms, self.cta_rows_for(max_q_len))
 
     @property
     def nbytes(self) -> int:
@@ -215,5 +237,6 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     mod = load_kernel_module(torch.cuda.get_device_capability(dev), defines=workspace.kernel_defines)
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
                            mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
-                           float(sm_scale), max_q_len, splits, workspace.tile_keys)
+                           float(sm_scale), max_q_len, splits, workspace.tile_keys,
+                           workspace.cta_rows_for(max_q_len))
     return out
