@@ -80,8 +80,10 @@ VARIANTS = {
     # groups' mid-tile work overlaps (correct output; not racecheck clean)
     "group_barriers": Variant(("GROUP_BARRIERS=1",)),
     # v17, the 64-row wide kernel (mla_verify_wide.cuh; the same ABLATE_* switches): half the
-    # re-read at q16 h8, each warp holding Q and O for its rows
+    # re-read at q16 h8, each warp holding Q and O for its rows. Its default schedule is the
+    # ping-pong of the two row pairs; lockstep (WIDE_PINGPONG=0) runs every phase in all warps at once
     "wide": Variant(cta_rows=64),
+    "wide_lockstep": Variant(("WIDE_PINGPONG=0",), cta_rows=64),
     "wide_no_loads": Variant(("ABLATE_NO_LOADS",), cta_rows=64),
     "wide_loads_only": Variant(_MATH, cta_rows=64),
     "wide_no_softmax": Variant(("ABLATE_NO_SOFTMAX",), cta_rows=64),

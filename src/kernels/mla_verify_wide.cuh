@@ -11,13 +11,22 @@
 //   (144 of 576, Q in 72 registers) and of the O columns (128 of 512, O in 128 registers).
 // 200 of the 255 registers a thread may have at 256 threads an SM.
 //
-// A round (16 keys, one stage of the cp.async ring):
-//   tile t landed -> barrier -> refill the stage of tile t-1 -> partial S over my 144 dims
-//   -> s_part -> barrier -> sum the four partials of my 32 rows (every warp of a row pair
-//   sums them in the same order, so all four hold the same S and the same P) -> online
-//   softmax -> P stays in registers as the A operand (the accumulator layout of S is the A
-//   layout of P) -> O += P . V over my 128 columns.
-// Two barriers of all 256 threads a round, each reached by every thread from the same code.
+// A round (16 keys, one stage of the cp.async ring), per warp:
+//   QK(t): partial S over my 144 dims -> s_part
+//   SM(t): sum the four partials of my 32 rows (every warp of a row pair sums them in the same
+//          order, so all four hold the same S and P) -> online softmax -> P stays in registers
+//          as the A operand (the accumulator layout of S is the A layout of P)
+//   PV(t): O += P . V over my 128 columns
+// The four warps of a row pair exchange S partials, so they meet between QK(t) and SM(t).
+// WIDE_PINGPONG picks the schedule (both: one barrier of all 256 threads a round, "A(t)", once
+// tile t has landed):
+//   0, lockstep: every warp runs A(t) QK(t) B(t) SM(t) PV(t), B a barrier of all threads. On the
+//      H200 every phase's latency is exposed: 146 us at q16 h8 64k (NOTES.md, session 7).
+//   1 (default), ping-pong: row pair 0 runs A(t) QK(t) B0(t) SM(t) PV(t), B0 its own 128-thread
+//      barrier; row pair 1 runs A(t) SM(t-1) PV(t-1) QK(t), a phase later, and needs no barrier
+//      of its own (A orders its partials; they alternate between two buffers). Each SMSP holds
+//      one warp of each pair (warps w and w+4), so one warp's softmax runs beside the other's
+//      mma.sync. Pair 1 still reads tile t-1 in round t, so the ring refills tile t-2's stage.
 // The split, workspace and combine step are the split kernel's (mla_verify.cuh).
 #pragma once
 
@@ -33,28 +42,39 @@ constexpr int kQuarters = 4;             // QK dims and O columns, split four wa
 constexpr int kQkSteps = kDimQK / 16 / kQuarters;   // 9 k-steps of 16 dims
 constexpr int kVCols = kDimV / kQuarters;           // 128 output columns per warp
 constexpr int kKeys = 16;
-// WIDE_STAGES: the ring. With two barriers a round only the current tile is being read, so 4
-// stages keep 3 tiles in flight.
+#ifndef WIDE_PINGPONG
+#define WIDE_PINGPONG 1
+#endif
+constexpr bool kPingPong = WIDE_PINGPONG;
+// WIDE_STAGES: the ring. Lockstep reads only tile t in round t, so 4 stages keep 3 tiles in
+// flight; ping-pong also reads tile t-1, which leaves 2.
 #ifndef WIDE_STAGES
 #define WIDE_STAGES 4
 #endif
 constexpr int kStages = WIDE_STAGES;
-static_assert(kStages >= 2 && kStages <= 4, "WIDE_STAGES: 2..4 (5 x 18.7 KB exceeds sm_120's 99 KB)");
+static_assert(kStages >= 2 + kPingPong && kStages <= 4, "WIDE_STAGES: 2..4 (3..4 ping-pong; 5 x 18.7 KB exceeds sm_120's 99 KB)");
 constexpr int kStageElems = kKeys * kKvRowStride;
 constexpr int kLoadThreadsPerKey = kThreads / kKeys;                                     // 16
 constexpr int kLoadSteps = (kChunksPerKey + kLoadThreadsPerKey - 1) / kLoadThreadsPerKey;  // 5
-// The refill of round r loads tile r + kStages - 1, from an index staged in the cp.async group
-// of an earlier round. Round r waits for groups <= r, so the index of tile X must be in a group
-// <= X - kStages + 1, i.e. staged at round <= X - 2 kStages + 2.
-constexpr int kIndexAhead = 2 * kStages - 1;
-static_assert(kIndexAhead + 1 <= kIndexRing, "index ring too small");
+// Round r refills the stage of tile r-1-kLag with tile r + kAhead (kAhead = stages-1-kLag),
+// from an index staged in the cp.async group of an earlier round. Round r waits for groups <= r
+// (group k holds tile k), so the index of tile X must be in a group <= X - kAhead, i.e. staged
+// at round <= X - 2 kAhead.
+constexpr int kLag = kPingPong ? 1 : 0;
+constexpr int kAhead = kStages - 1 - kLag;
+constexpr int kIndexAhead = 2 * kAhead + 1;
+constexpr int kWideIndexRing = 8;
+static_assert(kIndexAhead + 1 <= kWideIndexRing, "index ring too small");
 
 struct Shared {
   __nv_bfloat16 kv[kStages][kStageElems];
   // QK partial sums of each dim quarter, in the mma accumulator order: float4 t4 of a row holds
   // keys 2*t4, 2*t4+1, 8+2*t4, 9+2*t4, what lane (g, t4) of a warp holds for that row.
   float4 s_part[kQuarters][kRows][kKeys / 4];
-  int64_t index[kIndexRing][kKeys];       // kv_indices of tiles ahead (int32: low half)
+  // Ping-pong: row pair 1 reads tile t-1's partials while it writes tile t's, so its odd tiles
+  // go here (only its rows: a second buffer for all 64 would not fit beside 4 stages).
+  float4 s_part_odd[kPingPong ? kQuarters : 1][32][kKeys / 4];
+  int64_t index[kWideIndexRing][kKeys];   // kv_indices of tiles ahead (int32: low half)
 };
 constexpr int kSmemBytes = sizeof(Shared);
 static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
@@ -80,9 +100,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int row0 = blockIdx.x * kRows;
   const int rows = q_len * H;
   if (row0 >= rows) return;                        // request shorter than max_q_len
-  const int wrow0 = row0 + (warp / kQuarters) * 32;   // my warp's first row
-  // m16 tiles of my warp that hold a real row (warp-uniform): decode h8 uses one of the CTA's four.
-  const bool mt_live[2] = {wrow0 < rows, wrow0 + 16 < rows};
+  const int pair = warp / kQuarters;                  // row pair: warps 0-3 and 4-7
+  const int wrow0 = row0 + pair * 32;                 // my warp's first row
 
   const int64_t kv_start = prm.kv_indptr[b];
   const int prefix_len = prm.kv_indptr[b + 1] - static_cast<int>(kv_start);
@@ -123,14 +142,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     const int key = key_begin + tile * kKeys + ld_key;
     if (tile >= num_tiles || key >= key_end) return nullptr;
     if (key >= prefix_len) return prm.k_extend + static_cast<int64_t>(q_start + key - prefix_len) * kDimQK;
-    const int64_t v = sm.index[tile % kIndexRing][ld_key];
+    const int64_t v = sm.index[tile % kWideIndexRing][ld_key];
     const int64_t row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
     return prm.kv_pool + row * kDimQK;
   };
   auto stage_index = [&](int tile, bool async) {  // one thread per key row
     const int key = key_begin + tile * kKeys + ld_key;
     if (ld_part != 0 || tile >= num_tiles || key >= prefix_end) return;
-    int64_t* dst = &sm.index[tile % kIndexRing][ld_key];
+    int64_t* dst = &sm.index[tile % kWideIndexRing][ld_key];
     const char* src = static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
     if (!async)
       *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
@@ -155,10 +174,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   };
 
   // Prologue: the indices of the first kIndexAhead tiles (plain loads), then tiles
-  // 0 .. kStages-2, one cp.async group each. Round r commits group r + kStages - 1.
+  // 0 .. kAhead-1, one cp.async group each. Round r commits group r + kAhead (tile r + kAhead).
   for (int i = 0; i < kIndexAhead; ++i) stage_index(i, false);
   __syncthreads();
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kAhead; ++s) {
     if (s < num_tiles) load_tile(s);
     cp_async_commit();
   }
@@ -199,64 +218,59 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
                                dq * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
   const __nv_bfloat16* vlane = &sm.kv[0][0] + ((lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + dq * kVCols +
                                ((lane >> 4) & 1) * 8;
+  const int my_rows = wrow0 - row0;   // my rows' first index within the CTA's 64
+  // Quarter d's partial S of my 32 rows for `tile`, indexed [row - my_rows][t4].
+  auto my_part = [&](int tile, int d) -> float4 (*)[kKeys / 4] {
+    if (kPingPong && pair == 1 && (tile & 1)) return sm.s_part_odd[d];
+    return sm.s_part[d] + my_rows;
+  };
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();   // my copies of tile `tile` (group `tile`) have landed
-    __syncthreads();                // everyone's have; every warp is done with tile - 1
-    // Refill the stage of tile - 1 with tile + kStages - 1, and stage a later tile's index.
-    if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1);
-    stage_index(tile + kIndexAhead, true);
-    cp_async_commit();
-
-    const int stage = tile % kStages;
-    // Partial S = Q[my 32 rows, my 144 dims] . K[16 keys, my 144 dims]^T
-    {
-      float sacc[2][2][4] = {};
+  // QK(t): partial S = Q[my 32 rows, my 144 dims] . K[16 keys, my 144 dims]^T -> s_part
+  auto qk = [&](int tile) {
+    float sacc[2][2][4] = {};
 #ifndef ABLATE_NO_QK
-      const __nv_bfloat16* kbase = klane + stage * kStageElems;
+    const __nv_bfloat16* kbase = klane + (tile % kStages) * kStageElems;
 #pragma unroll
-      for (int ks = 0; ks < kQkSteps; ++ks) {
-        uint32_t kb[4];   // keys 0-7 in kb[0..1], keys 8-15 in kb[2..3]
-        ldmatrix_x4(kb, kbase + ks * 16);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          if (!mt_live[mt]) continue;
-          mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
-          mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
-        }
-      }
-#endif
+    for (int ks = 0; ks < kQkSteps; ++ks) {
+      uint32_t kb[4];   // keys 0-7 in kb[0..1], keys 8-15 in kb[2..3]
+      ldmatrix_x4(kb, kbase + ks * 16);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        if (!mt_live[mt]) continue;
-        const int r = wrow0 - row0 + mt * 16 + g;
-        sm.s_part[dq][r][t4] = make_float4(sacc[mt][0][0], sacc[mt][0][1], sacc[mt][1][0], sacc[mt][1][1]);
-        sm.s_part[dq][r + 8][t4] = make_float4(sacc[mt][0][2], sacc[mt][0][3], sacc[mt][1][2], sacc[mt][1][3]);
+        mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
+        mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
       }
     }
-    __syncthreads();                // every quarter's partial S of this tile is written
-
-    // Online softmax of my rows, in the log2 domain, then O += P . V.
-    const int tile_key0 = key_begin + tile * kKeys;
-    const bool full_prefix_tile = tile_key0 + kKeys <= min(key_end, draft0);   // no mask to apply
-    const __nv_bfloat16* vbase = vlane + stage * kStageElems;
+#endif
+    float4 (*part)[kKeys / 4] = my_part(tile, dq);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      if (!mt_live[mt]) continue;
+      const int r = mt * 16 + g;
+      part[r][t4] = make_float4(sacc[mt][0][0], sacc[mt][0][1], sacc[mt][1][0], sacc[mt][1][1]);
+      part[r + 8][t4] = make_float4(sacc[mt][0][2], sacc[mt][0][3], sacc[mt][1][2], sacc[mt][1][3]);
+    }
+  };
+
+  // SM(t) and PV(t): the online softmax of my rows in the log2 domain, then O += P . V.
+  auto softmax_pv = [&](int tile) {
+    const int tile_key0 = key_begin + tile * kKeys;
+    const bool full_prefix_tile = tile_key0 + kKeys <= min(key_end, draft0);   // no mask to apply
+    const __nv_bfloat16* vbase = vlane + (tile % kStages) * kStageElems;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
       uint32_t pa[4];   // P of this m16 tile and 16 keys, as the mma's A operand
 #ifndef ABLATE_NO_SOFTMAX
       float alpha[2];
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
-        const int r = wrow0 - row0 + mt * 16 + g + hi * 8;
-        float4 acc = sm.s_part[0][r][t4];
+        const int r = mt * 16 + g + hi * 8;
+        float4 acc = my_part(tile, 0)[r][t4];
 #pragma unroll
         for (int d = 1; d < kQuarters; ++d) {
-          const float4 v = sm.s_part[d][r][t4];
+          const float4 v = my_part(tile, d)[r][t4];
           acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
         }
         float sc[4] = {acc.x, acc.y, acc.z, acc.w};   // keys 2t4, 2t4+1, 8+2t4, 9+2t4
-        const int gr = row0 + r;
+        const int gr = wrow0 + r;
         const bool row_valid = gr < rows;
         if (full_prefix_tile) {
 #pragma unroll
@@ -279,12 +293,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
         // Lazy rescaling, as in the split kernel: keep the running max unless this tile
         // exceeds it by more than 2^8 (p <= 256), so most tiles skip the O rescale.
-        const float m_new = tile_max > m_run[mt][hi] + kRescaleThreshold ? tile_max : m_run[mt][hi];
+        const float m_old = m_run[mt][hi];
+        const float m_new = tile_max > m_old + kRescaleThreshold ? tile_max : m_old;
         const float base = m_new == -INFINITY ? 0.f : m_new;   // nothing visible yet: exp2 gives 0
         float p[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) p[j] = exp2f(sc[j] - base);
-        alpha[hi] = exp2f(m_run[mt][hi] - base);   // 0 when m_run is -inf, 1 when the max stays
+        // 1 when the max stays (also for a row with nothing visible yet, or a padding row)
+        alpha[hi] = m_new == m_old ? 1.f : exp2f(m_old - base);
         l_run[mt][hi] = l_run[mt][hi] * alpha[hi] + ((p[0] + p[1]) + (p[2] + p[3]));
         m_run[mt][hi] = m_new;
         pa[hi] = pack_bf16(p[0], p[1]);        // rows g / g+8, keys 2t4, 2t4+1
@@ -309,6 +325,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         mma_16816(o[mt][2 * np + 1], pa, vb[2], vb[3]);
       }
 #endif
+    }
+  };
+
+  // Ping-pong runs one round more: row pair 1's SM(n-1) and PV(n-1) after A(n).
+  const bool lagging = kPingPong && pair == 1;
+  for (int tile = 0; tile < num_tiles + kLag; ++tile) {
+    if (tile + 1 < num_tiles) cp_async_wait<kAhead - 1>();   // my copies of tile `tile` (group `tile`) have landed
+    else cp_async_wait<0>();
+    __syncthreads();                // A(tile): everyone's have; the stage refilled below is free
+    if (tile + kAhead < num_tiles) load_tile(tile + kAhead);
+    stage_index(tile + kIndexAhead, true);
+    cp_async_commit();
+    if (lagging) {
+      if (tile > 0) softmax_pv(tile - 1);   // its partials were written before A(tile)
+      if (tile < num_tiles) qk(tile);
+    } else if (tile < num_tiles) {
+      qk(tile);
+      if (kPingPong) barrier_sync(1, 128);   // B0(tile): row pair 0's partials are written
+      else __syncthreads();                  // B(tile): every quarter's partial S is written
+      softmax_pv(tile);
     }
   }
   cp_async_wait<0>();
