@@ -54,11 +54,13 @@ def baselines_from(table: pd.DataFrame) -> dict[str, str]:
 
 
 def default_rows(df: pd.DataFrame, tile_keys: int | None = None) -> pd.DataFrame:
-    """One row per (impl, shape): sm120_mla at its automatic split count and the given (or,
-    when None, the faster) tile size; other impls as they are."""
+    """One row per (impl, shape): sm120_mla (the default 32-row kernel) at its automatic split
+    count and the given (or, when None, the faster) tile size; other impls as they are."""
     if df.empty:
         return df
     sm = df[df["impl"] == "sm120_mla"]
+    if "cta_rows" in sm:   # the 64-row wide kernel is an option, not the default (records since v17)
+        sm = sm[sm["cta_rows"].fillna(32) == 32]
     if "num_splits_forced" in sm and sm["num_splits_forced"].notna().all():
         auto = sm[~sm["num_splits_forced"].astype(bool)]
     else:  # early records: the automatic row of a shape came first, the sweep after it
