@@ -67,3 +67,18 @@ def test_the_batch32_target_says_what_it_asks_of_the_mma_sync_ceiling():
     assert not row["met"] and row["note"] == ("needs 89% of this run's mma.sync ceiling (232 us); "
                                               "FlashMLA runs at 98% of it")
     assert (t.drop(index="b32 q16 h8 16k: within 10% of FlashMLA")["note"] == "").all()
+
+
+def test_cta_rows_table_pairs_the_two_kernels():
+    import pandas as pd
+
+    from sm120_workbook.kernels.bench_report import cta_rows_table
+
+    rows = [dict(impl="sm120_mla", batch=1, heads=8, q_len=16, ctx=65536, tile_keys=16, cta_rows=c, time_us=t,
+                 num_splits_forced=False) for c, t in ((32, 100.0), (64, 150.0))]
+    rows.append(dict(impl="sm120_mla", batch=1, heads=8, q_len=16, ctx=65536, tile_keys=16, cta_rows=64,
+                     time_us=500.0, num_splits_forced=True))   # a sweep point: left out
+    t = cta_rows_table(pd.DataFrame(rows))
+    assert t.to_dict("records") == [{"heads": 8, "q_len": 16, "ctx": 65536, "split_32_rows_us": 100.0,
+                                     "wide_64_rows_us": 150.0, "wide / split": 1.5}]
+    assert cta_rows_table(pd.DataFrame(rows).drop(columns="cta_rows")).empty

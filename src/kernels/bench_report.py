@@ -255,3 +255,22 @@ def version_history_chart(hist: pd.DataFrame, title: str):
         color=alt.Color("impl:N", sort=IMPL_ORDER),
         tooltip=["run", "impl", alt.Tooltip("time_us:Q", format=".1f")],
     ).properties(width=420, height=240, title=title)
+
+
+def cta_rows_table(df: pd.DataFrame, batch=1, tile_keys=16) -> pd.DataFrame:
+    """The two kernels side by side from the same run(s): µs of the 32-row split kernel (the
+    default) and the 64-row wide kernel at each recorded (heads, q_len, ctx), at the automatic
+    split count, with their ratio. Records from before v17 have no `cta_rows` and no wide rows."""
+    sm = df[(df["impl"] == "sm120_mla") & (df["batch"] == batch)]
+    if "cta_rows" not in sm or sm.empty:
+        return pd.DataFrame()
+    sm = sm[sm["tile_keys"] == tile_keys]
+    if "num_splits_forced" in sm:
+        sm = sm[~sm["num_splits_forced"].fillna(False).astype(bool)]
+    t = sm.pivot_table(index=["heads", "q_len", "ctx"], columns="cta_rows", values="time_us", aggfunc="min")
+    if 64 not in t.columns or 32 not in t.columns:
+        return pd.DataFrame()
+    t = t.dropna().rename(columns={32: "split_32_rows_us", 64: "wide_64_rows_us"})
+    t["wide / split"] = t["wide_64_rows_us"] / t["split_32_rows_us"]
+    t.columns.name = None
+    return t.round(2).reset_index()
