@@ -20,14 +20,19 @@
 // The four warps of a row pair exchange S partials, so they meet between QK(t) and SM(t).
 // WIDE_PINGPONG picks the schedule (both: one barrier of all 256 threads a round, "A(t)", once
 // tile t has landed):
-//   0, lockstep: every warp runs A(t) QK(t) B(t) SM(t) PV(t), B a barrier of all threads. On the
-//      H200 every phase's latency is exposed: 146 us at q16 h8 64k (NOTES.md, session 7).
+//   0, lockstep: every warp runs A(t) QK(t) B(t) SM(t) PV(t), B a barrier of all threads.
 //   1 (default), ping-pong: row pair 0 runs A(t) QK(t) B0(t) SM(t) PV(t), B0 its own 128-thread
 //      barrier; row pair 1 runs A(t) SM(t-1) PV(t-1) QK(t), a phase later, and needs no barrier
 //      of its own (A orders its partials; they alternate between two buffers). Each SMSP holds
 //      one warp of each pair (warps w and w+4), so one warp's softmax runs beside the other's
 //      mma.sync. Pair 1 still reads tile t-1 in round t, so the ring refills tile t-2's stage.
 // The split, workspace and combine step are the split kernel's (mla_verify.cuh).
+//
+// Measured on the H200 (NOTES.md, session 7): the gather halves as intended, but a round moves
+// ~200 KB of shared memory for 64 rows (V reloaded per m16 tile, every warp reading all four
+// partials of its rows) against ~150 KB for the split kernel's two 32-row rounds, so this kernel
+// is 1.26-1.36x slower at every shape, in either schedule (ping-pong gains 1%). It is an option
+// (cta_rows=64), not the default.
 #pragma once
 
 #include "mla_verify.cuh"
