@@ -80,10 +80,9 @@ VARIANTS = {
     # groups' mid-tile work overlaps (correct output; not racecheck clean)
     "group_barriers": Variant(("GROUP_BARRIERS=1",)),
     # v17, the 64-row wide kernel (mla_verify_wide.cuh; the same ABLATE_* switches): half the
-    # re-read at q16 h8, each warp holding Q and O for its rows. Its default schedule is the
-    # ping-pong of the two row pairs; lockstep (WIDE_PINGPONG=0) runs every phase in all warps at once
+    # re-read at q16 h8, each warp holding Q and O for its rows. (Records tagged v17b also hold
+    # `wide_lockstep`, a schedule of that version that the source no longer has.)
     "wide": Variant(cta_rows=64),
-    "wide_lockstep": Variant(("WIDE_PINGPONG=0",), cta_rows=64),
     "wide_no_loads": Variant(("ABLATE_NO_LOADS",), cta_rows=64),
     "wide_loads_only": Variant(_MATH, cta_rows=64),
     "wide_no_softmax": Variant(("ABLATE_NO_SOFTMAX",), cta_rows=64),
