@@ -80,9 +80,10 @@ VARIANTS = {
     # groups' mid-tile work overlaps (correct output; not racecheck clean)
     "group_barriers": Variant(("GROUP_BARRIERS=1",)),
     # v17, the 64-row wide kernel (mla_verify_wide.cuh; the same ABLATE_* switches): half the
-    # re-read at q16 h8, each warp holding Q and O for its rows. (Records tagged v17b also hold
-    # `wide_lockstep`, a schedule of that version that the source no longer has.)
+    # re-read at q16 h8, each warp holding Q and O for its rows; `wide_lockstep` runs its two
+    # row pairs in step instead of a phase apart (WIDE_PINGPONG=0)
     "wide": Variant(cta_rows=64),
+    "wide_lockstep": Variant(("WIDE_PINGPONG=0",), cta_rows=64),
     "wide_no_loads": Variant(("ABLATE_NO_LOADS",), cta_rows=64),
     "wide_loads_only": Variant(_MATH, cta_rows=64),
     "wide_no_softmax": Variant(("ABLATE_NO_SOFTMAX",), cta_rows=64),

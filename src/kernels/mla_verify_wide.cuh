@@ -11,8 +11,8 @@
 //   dims (144 of 576, Q in 72 registers) and of the O columns (128 of 512, O in 128 registers).
 // 200 of the 255 registers a thread may have at 256 threads an SM.
 //
-// A round (16 keys, one stage of the cp.async ring):
-//   A(t)    all 256 threads: tile t has landed; the stage of tile t-1 is refilled
+// A round (16 keys, one stage of the cp.async ring), for row pair 0:
+//   A(t)    all 256 threads: tile t has landed; a stage no warp reads any more is refilled
 //   QK(t)   partial S of my 32 rows over my 144 dims -> s_part
 //   B(t)    my row pair's 128 threads: every quarter's partials are written
 //   SM(t)   reduce-scatter: warp dq sums the four partials of 8 of the pair's 32 rows and runs
@@ -21,6 +21,8 @@
 //   C(t)    my row pair: P of all 32 rows is written
 //   PV(t)   P of my 32 rows through ldmatrix, O += P . V over my 128 columns, each V fragment
 //           used for both m16 tiles
+// Row pair 1 runs a phase behind (WIDE_PINGPONG): A(t) SM(t-1) C PV(t-1) QK(t), A ordering its
+// partials, so each SMSP (warps w and w+4) has one pair's softmax beside the other's mma.sync.
 // Per 64 rows a round moves ~130 KB of shared memory (K 37, V 32, partials 16 + 16, P 10,
 // cp.async 18). v17b, where every warp summed all four partials of its 32 rows and ran their
 // softmax itself (P stayed in registers), moved ~200 KB and was 1.26-1.36x slower than the
@@ -41,19 +43,28 @@ constexpr int kQkSteps = kDimQK / 16 / kQuarters;   // 9 k-steps of 16 dims
 constexpr int kVCols = kDimV / kQuarters;           // 128 output columns per warp
 constexpr int kKeys = 16;
 constexpr int kPRowStride = kKeys + 8;   // bf16: 48-byte rows, conflict-free ldmatrix
-// WIDE_STAGES: the ring. Only tile t is read in round t, so 4 stages keep 3 tiles in flight.
+// WIDE_PINGPONG: 1 runs row pair 1 a phase behind row pair 0 (A(t) SM(t-1) C PV(t-1) QK(t)),
+// so that on each SMSP (warps w and w+4) one pair's softmax and barriers run beside the other's
+// mma.sync; 0 runs both pairs in step.
+#ifndef WIDE_PINGPONG
+#define WIDE_PINGPONG 1
+#endif
+constexpr int kLag = WIDE_PINGPONG ? 1 : 0;
+constexpr bool kPingPong = kLag == 1;
+// WIDE_STAGES: the ring. In step, only tile t is read in round t, so 4 stages keep 3 tiles in
+// flight; ping-pong also reads tile t-1, which leaves 2.
 #ifndef WIDE_STAGES
 #define WIDE_STAGES 4
 #endif
 constexpr int kStages = WIDE_STAGES;
-static_assert(kStages >= 2 && kStages <= 4, "WIDE_STAGES: 2..4 (5 x 18.7 KB exceeds sm_120's 99 KB)");
+static_assert(kStages >= 2 + kLag && kStages <= 4, "WIDE_STAGES: 2..4, 3..4 with ping-pong (5 x 18.7 KB exceeds 99 KB)");
 constexpr int kStageElems = kKeys * kKvRowStride;
 constexpr int kLoadThreadsPerKey = kThreads / kKeys;                                     // 16
 constexpr int kLoadSteps = (kChunksPerKey + kLoadThreadsPerKey - 1) / kLoadThreadsPerKey;  // 5
-// Round r refills the stage of tile r-1 with tile r + kAhead, from an index staged in the
+// Round r refills the stage of tile r-1-kLag with tile r + kAhead, from an index staged in the
 // cp.async group of an earlier round. Round r waits for groups <= r (group k holds tile k), so
 // the index of tile X must be in a group <= X - kAhead, i.e. staged at round <= X - 2 kAhead.
-constexpr int kAhead = kStages - 1;
+constexpr int kAhead = kStages - 1 - kLag;
 constexpr int kIndexAhead = 2 * kAhead + 1;
 constexpr int kWideIndexRing = 8;
 static_assert(kIndexAhead + 1 <= kWideIndexRing, "index ring too small");
@@ -223,16 +234,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
                                ((lane >> 4) & 1) * 8;
   const __nv_bfloat16* plane = &sm.p[my_rows + (lane & 7) + ((lane >> 3) & 1) * 8][((lane >> 4) & 1) * 8];
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kAhead - 1>();    // my copies of tile `tile` (group `tile`) have landed
-    __syncthreads();                // A(tile): everyone's have; every warp is done with tile - 1
-    if (tile + kAhead < num_tiles) load_tile(tile + kAhead);
-    stage_index(tile + kIndexAhead, true);
-    cp_async_commit();
+  // QK(t): partial S = Q[my 32 rows, my 144 dims] . K[16 keys, my 144 dims]^T -> s_part
+  auto qk = [&](int tile) {
     const int stage = tile % kStages;
-
-    // QK(t): partial S = Q[my 32 rows, my 144 dims] . K[16 keys, my 144 dims]^T -> s_part
-    {
+    {   // (scope of the accumulators)
       float sacc[2][2][4] = {};
 #ifndef ABLATE_NO_QK
       const __nv_bfloat16* kbase = klane + stage * kStageElems;
@@ -254,9 +259,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         sm.s_part[dq][r + 8][t4] = make_float4(sacc[mt][0][2], sacc[mt][0][3], sacc[mt][1][2], sacc[mt][1][3]);
       }
     }
-    barrier_sync(1 + pair, 128);    // B(tile): the pair's partials are written
+  };
 
-    // SM(t): my row's 4 keys (2t4, 2t4+1, 8+2t4, 9+2t4), summed over the quarters in order.
+  // SM(t): my row's 4 keys (2t4, 2t4+1, 8+2t4, 9+2t4), summed over the quarters in order.
+  auto softmax_rows = [&](int tile) {
 #ifndef ABLATE_NO_SOFTMAX
     {
       float4 acc = sm.s_part[0][sm_row][t4];
@@ -298,9 +304,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       if (t4 == 0) sm.row_scale[sm_row] = alpha;
     }
 #endif
-    barrier_sync(1 + pair, 128);    // C(tile): P and the rescale of the pair's 32 rows are written
+  };
 
-    // PV(t): O = O * row_scale + P . V over my 128 columns.
+  // PV(t): O = O * row_scale + P . V over my 128 columns.
+  auto pv = [&](int tile) {
+    const int stage = tile % kStages;
     {
       uint32_t pa[2][4];
 #pragma unroll
@@ -328,6 +336,30 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         }
       }
 #endif
+    }
+  };
+
+  // Ping-pong runs one round more: row pair 1's SM, PV of the last tile after A(n).
+  const bool lagging = kPingPong && pair == 1;
+  for (int tile = 0; tile < num_tiles + kLag; ++tile) {
+    cp_async_wait<kAhead - 1>();    // my copies of tile `tile` (group `tile`) have landed
+    __syncthreads();                // A(tile): everyone's have; the stage refilled below is free
+    if (tile + kAhead < num_tiles) load_tile(tile + kAhead);
+    stage_index(tile + kIndexAhead, true);
+    cp_async_commit();
+    if (lagging) {                  // SM(t-1), C, PV(t-1), QK(t): A(t) ordered the partials of t-1
+      if (tile > 0) {
+        softmax_rows(tile - 1);
+        barrier_sync(1 + pair, 128);   // C(tile-1)
+        pv(tile - 1);
+      }
+      if (tile < num_tiles) qk(tile);  // after C: the pair is done reading the partials of t-1
+    } else if (tile < num_tiles) {
+      qk(tile);
+      barrier_sync(1 + pair, 128);     // B(tile): the pair's partials are written
+      softmax_rows(tile);
+      barrier_sync(1 + pair, 128);     // C(tile): P and the rescale of the pair's 32 rows are written
+      pv(tile);
     }
   }
   cp_async_wait<0>();
