@@ -82,3 +82,18 @@ def test_cta_rows_table_pairs_the_two_kernels():
     assert t.to_dict("records") == [{"heads": 8, "q_len": 16, "ctx": 65536, "split_32_rows_us": 100.0,
                                      "wide_64_rows_us": 150.0, "wide / split": 1.5}]
     assert cta_rows_table(pd.DataFrame(rows).drop(columns="cta_rows")).empty
+
+
+def test_default_rows_follow_the_kernel_the_workspace_picks():
+    import pandas as pd
+
+    from sm120_workbook.kernels.bench_report import default_rows
+
+    base = dict(impl="sm120_mla", batch=1, heads=16, q_len=16, ctx=65536, tile_keys=16, num_splits_forced=False)
+    new_run = [dict(base, run_id="b", cta_rows=64, kernel_forced=False, time_us=186.0),   # the default (by shape)
+               dict(base, run_id="b", cta_rows=32, kernel_forced=True, time_us=202.0),
+               dict(base, run_id="b", cta_rows=64, kernel_forced=True, time_us=185.0)]
+    old_run = [dict(base, run_id="a", cta_rows=32, time_us=201.0), dict(base, run_id="a", cta_rows=64, time_us=255.0)]
+    for rows, want in ((new_run, 186.0), (old_run, 201.0)):
+        t = default_rows(pd.DataFrame(rows))
+        assert t["time_us"].tolist() == [want]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sm120_workbook.kernels import MlaVerifyWorkspace, choose_num_splits, mla_verify_attention
+from sm120_workbook.kernels.verify_attention import choose_cta_rows
 from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
 
 
@@ -35,11 +36,18 @@ def test_split_policy_fills_the_gpu_from_static_shapes():
     assert choose_num_splits(batch=1, heads=8, max_q_len=8, num_sms=132, cta_rows=64) == 128
 
 
-def test_kernel_choice():
-    assert MlaVerifyWorkspace(16, 8, "cpu").cta_rows == 32          # the split kernel: faster on the H200
-    ws = MlaVerifyWorkspace(16, 8, "cpu", cta_rows=64)
-    assert ws.cta_rows == 64 and ws.num_splits_for(1, 16) == 1        # 1 SM on CPU: one split
-    assert ws.capacity_rows >= 64 + 16 * 8
+def test_kernel_choice_by_static_shape():
+    assert choose_cta_rows(batch=1, heads=8, max_q_len=16) == 32     # q16 h8: ties at 64k, loses below
+    assert choose_cta_rows(batch=1, heads=16, max_q_len=16) == 64    # 0.92x at 64k
+    assert choose_cta_rows(batch=32, heads=8, max_q_len=16) == 64    # 0.90x at 16k
+    assert choose_cta_rows(batch=1, heads=8, max_q_len=8) == 32      # q8 h8 loses
+    assert choose_cta_rows(batch=4, heads=8, max_q_len=8) == 64
+    assert choose_cta_rows(batch=64, heads=8, max_q_len=1) == 32     # decode: 8 rows would fill 1/8 of a CTA
+    ws = MlaVerifyWorkspace(64, 16, "cpu")
+    assert ws.cta_rows_for(1, 16) == 64 and ws.cta_rows_for(1, 1) == 32
+    assert MlaVerifyWorkspace(64, 16, "cpu", cta_rows=32).cta_rows_for(1, 16) == 32
+    assert MlaVerifyWorkspace(64, 16, "cpu", tile_keys=32).cta_rows_for(1, 16) == 32   # 32-key tiles: split kernel
+    assert ws.capacity_rows >= 64 + 64 * 16
 
 
 @pytest.mark.parametrize("kwargs,arg", [(dict(cta_rows=48), "cta_rows"), (dict(cta_rows=64, tile_keys=32), "tile_keys"),

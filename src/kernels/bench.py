@@ -73,7 +73,7 @@ class Inputs:
 # Each builder returns a zero-argument callable that runs one step on preallocated buffers.
 
 def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None,
-                    kernel_defines: tuple[str, ...] = (), cta_rows: int = 32):
+                    kernel_defines: tuple[str, ...] = (), cta_rows: int | None = None):
     s = x.shape
     T = s.batch * s.q_len
     out = torch.empty(T, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
@@ -90,7 +90,7 @@ def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | N
                                       max_q_len=s.q_len, **kw)
     fn.num_splits = ws.num_splits_for(s.batch, s.q_len)
     fn.tile_keys = ws.tile_keys
-    fn.cta_rows = ws.cta_rows
+    fn.cta_rows = ws.cta_rows_for(s.batch, s.q_len)
     return fn
 
 
@@ -204,22 +204,26 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
     for heads in (8, 16):
         for ctx in ctxs:
             v = Shape(1, heads, 16, ctx)
-            # the default (32-row split kernel, 16-key tiles), its 32-key tiles, the 64-row wide kernel
-            grid += [("sm120_mla", v, kw) for kw in ({}, {"tile_keys": 32}, {"cta_rows": 64})]
+            # the default (by shape), then each kernel fixed: 32 rows (16- and 32-key tiles), 64 rows
+            grid += [("sm120_mla", v, kw) for kw in ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})]
             for impl in ("flashmla", "flashinfer_mla"):
                 grid.append((impl, v, {}))
             if ctx <= 65536:
                 grid.append(("triton_verify", v, {}))
             if heads == 8:   # NGRAM's verify in the live service: 8 draft tokens, 64 rows, 2 row CTAs a split
                 n = Shape(1, heads, 8, ctx)
-                grid += [("sm120_mla", n, {}), ("sm120_mla", n, {"cta_rows": 64})]
+                grid += [("sm120_mla", n, {}), ("sm120_mla", n, {"cta_rows": 32}), ("sm120_mla", n, {"cta_rows": 64})]
                 grid += [(impl, n, {}) for impl in ("flashmla", "flashinfer_mla")]
             d = Shape(1, heads, 1, ctx)
             grid += [("sm120_mla", d, {"tile_keys": k}) for k in (16, 32)]
             for impl in ("triton_decode", "flashmla"):
                 grid.append((impl, d, {}))
         b32 = Shape(32, heads, 16, 16384)
-        grid += [("sm120_mla", b32, kw) for kw in ({}, {"tile_keys": 32}, {"cta_rows": 64})] + [("flashmla", b32, {})]
+        grid += [("sm120_mla", b32, kw) for kw in ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})]
+        grid += [("flashmla", b32, {})]
+    for b, q in ((2, 16), (4, 8)):   # small batches: where the kernel choice switches (choose_cta_rows)
+        m = Shape(b, 8, q, 65536)
+        grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})] + [("flashmla", m, {})]
     for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
         grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "tile_keys": k}) for k in (16, 32)]
     return grid
@@ -261,7 +265,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
     records, cache = [], {}
     for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
         rec = {"impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"), "run_id": run_id,
-               "num_splits_forced": "num_splits" in kw}
+               "num_splits_forced": "num_splits" in kw, "kernel_forced": "cta_rows" in kw or "tile_keys" in kw}
         try:
             if shape not in cache:
                 cache.clear()

@@ -54,13 +54,17 @@ def baselines_from(table: pd.DataFrame) -> dict[str, str]:
 
 
 def default_rows(df: pd.DataFrame, tile_keys: int | None = None) -> pd.DataFrame:
-    """One row per (impl, shape): sm120_mla (the default 32-row kernel) at its automatic split
-    count and the given (or, when None, the faster) tile size; other impls as they are."""
+    """One row per (impl, shape): sm120_mla as the workspace runs it by default (its kernel and
+    split count chosen from the shape; in runs before v17d, the 32-row kernel) at the given (or,
+    when None, the faster) tile size; other impls as they are."""
     if df.empty:
         return df
     sm = df[df["impl"] == "sm120_mla"]
-    if "cta_rows" in sm:   # the 64-row wide kernel is an option, not the default (records since v17)
-        sm = sm[sm["cta_rows"].fillna(32) == 32]
+    # Runs since v17d mark the rows that fix a kernel (kernel_forced): a shape's default row is the
+    # one that does not. In earlier runs the default kernel was the 32-row one (no cta_rows: v16).
+    forced = sm["kernel_forced"] if "kernel_forced" in sm else pd.Series(float("nan"), index=sm.index)
+    rows32 = sm["cta_rows"].fillna(32) == 32 if "cta_rows" in sm else pd.Series(True, index=sm.index)
+    sm = sm[(forced.isna() & rows32) | (forced == False)]  # noqa: E712 (NaN-aware)
     if "num_splits_forced" in sm and sm["num_splits_forced"].notna().all():
         auto = sm[~sm["num_splits_forced"].astype(bool)]
     else:  # early records: the automatic row of a shape came first, the sweep after it
@@ -265,6 +269,8 @@ def cta_rows_table(df: pd.DataFrame, batch=1, tile_keys=16) -> pd.DataFrame:
     if "cta_rows" not in sm or sm.empty:
         return pd.DataFrame()
     sm = sm[sm["tile_keys"] == tile_keys]
+    if "kernel_forced" in sm:   # the rows that fix the kernel (the default row duplicates one of them)
+        sm = sm[sm["kernel_forced"].fillna(True).astype(bool)]
     if "num_splits_forced" in sm:
         sm = sm[~sm["num_splits_forced"].fillna(False).astype(bool)]
     t = sm.pivot_table(index=["heads", "q_len", "ctx"], columns="cta_rows", values="time_us", aggfunc="min")

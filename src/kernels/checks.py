@@ -32,10 +32,10 @@ FIXED_CASES = [
 
 def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
                tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
-               cta_rows: int = 32):
+               cta_rows: int | None = None):
     """The kernel on a `make_verify_case` dict, with NaN-poisoned out and lse (`kernel_defines`:
     a diagnostic build of mla_verify.cuh, e.g. ("GROUP_BARRIERS=1",); `cta_rows`: 32, the split
-    kernel, or 64, the wide kernel)."""
+    kernel, or 64, the wide kernel; None picks by shape)."""
     q = case["q"]
     T, H, _ = q.shape
     out = torch.full((T, H, DIM_V), float("nan"), device=q.device, dtype=torch.bfloat16)

@@ -20,13 +20,18 @@ TILE_KEYS = (16, 32)      # keys per softmax round of the 32-row kernel: the two
 DEFAULT_TILE_KEYS = 16      # measured faster at every shape since v6 (NOTES.md)
 # (token, head) rows per CTA: 32 is the split kernel (score and value warps, mla_verify.cuh),
 # 64 the wide kernel (every warp alike, 16-key tiles only, mla_verify_wide.cuh), which reads
-# each key half as often when a request has more than 32 rows. On the H200 the wide kernel's
-# rounds are bound by shared memory (it exchanges S partials between the warps of a row pair)
-# and it is slower at every measured shape (NOTES.md, session 7), so 32 is the default and 64
-# an option, kept for the first sm_120 measurements.
+# each key half as often when a request has more than 32 rows.
 CTA_ROWS = (32, 64)
-DEFAULT_CTA_ROWS = 32
-ROWS_PER_CTA = DEFAULT_CTA_ROWS
+ROWS_PER_CTA = 32           # the split kernel's, the default of choose_num_splits
+
+
+def choose_cta_rows(batch: int, heads: int, max_q_len: int) -> int:
+    """The kernel for a call's static shape (NOTES.md, session 7, H200): the 64-row kernel once
+    a request fills its 64 rows and the call has 256 rows or more (q16 h16: 0.92x the split
+    kernel's time at 64k; batch 32 q16 h8/h16 at 16k: 0.90x), else the 32-row split kernel
+    (q16 h8 at batch 1 ties at 64k and loses below; q8 h8 and decode lose)."""
+    rows = heads * max_q_len
+    return 64 if rows >= 64 and batch * rows >= 256 else 32
 
 
 def _fail(arg: str, msg: str):
@@ -81,13 +86,14 @@ class MlaVerifyWorkspace:
     """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
 
     With num_splits=None the split count follows `choose_num_splits` for each call's
-    batch; the buffer is sized so that any batch up to max_tokens fits. cta_rows picks the
-    kernel: 32 (default) or 64 (the wide kernel, 16-key tiles only).
+    batch; the buffer is sized so that any batch up to max_tokens fits. With cta_rows=None
+    the kernel follows `choose_cta_rows` for each call's batch and max_q_len (32-key tiles
+    exist only in the 32-row kernel); 32 or 64 fixes it.
     """
 
     def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None,
                  tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
-                 cta_rows: int = DEFAULT_CTA_ROWS):
+                 cta_rows: int | None = None):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             _fail("max_tokens", f"must be a positive int, got {max_tokens!r}")
         if not isinstance(heads, int) or not 1 <= heads <= 128:
@@ -96,11 +102,11 @@ class MlaVerifyWorkspace:
             _fail("num_splits", f"must be in 1..{MAX_SPLITS}, got {num_splits!r}")
         if tile_keys not in TILE_KEYS:
             _fail("tile_keys", f"must be one of {TILE_KEYS}, got {tile_keys!r}")
-        if cta_rows not in CTA_ROWS:
-            _fail("cta_rows", f"must be one of {CTA_ROWS}, got {cta_rows!r}")
+        if cta_rows is not None and cta_rows not in CTA_ROWS:
+            _fail("cta_rows", f"must be one of {CTA_ROWS} or None (by shape), got {cta_rows!r}")
         if cta_rows == 64 and tile_keys != 16:
             _fail("tile_keys", f"the 64-row kernel has 16-key tiles only, got {tile_keys!r}")
-        self.tile_keys, self.cta_rows = tile_keys, cta_rows
+        self.tile_keys, self.fixed_cta_rows = tile_keys, cta_rows
         self.kernel_defines = tuple(kernel_defines)   # a build variant, for ablations only
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
@@ -117,10 +123,15 @@ class MlaVerifyWorkspace:
         self.partial_o = torch.empty(rows * DIM_V, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
 
+    def cta_rows_for(self, batch: int, max_q_len: int) -> int:
+        if self.fixed_cta_rows is not None:
+            return self.fixed_cta_rows
+        return 32 if self.tile_keys != 16 else choose_cta_rows(batch, self.heads, max_q_len)
+
     def num_splits_for(self, batch: int, max_q_len: int) -> int:
         if self.fixed_splits is not None:
             return self.fixed_splits
-        return choose_num_splits(batch, self.heads, max_q_len, self.num_sms, self.cta_rows)
+        return choose_num_splits(batch, self.heads, max_q_len, self.num_sms, self.cta_rows_for(batch, max_q_len))
 
     @property
     def nbytes(self) -> int:
@@ -229,5 +240,6 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     mod = load_kernel_module(torch.cuda.get_device_capability(dev), defines=workspace.kernel_defines)
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
                            mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
-                           float(sm_scale), max_q_len, splits, workspace.tile_keys, workspace.cta_rows)
+                           float(sm_scale), max_q_len, splits, workspace.tile_keys,
+                           workspace.cta_rows_for(batch, max_q_len))
     return out
