@@ -79,8 +79,8 @@ def test_cta_rows_table_pairs_the_two_kernels():
     rows.append(dict(impl="sm120_mla", batch=1, heads=8, q_len=16, ctx=65536, tile_keys=16, cta_rows=64,
                      time_us=500.0, num_splits_forced=True))   # a sweep point: left out
     t = cta_rows_table(pd.DataFrame(rows))
-    assert t.to_dict("records") == [{"heads": 8, "q_len": 16, "ctx": 65536, "split_32_rows_us": 100.0,
-                                     "wide_64_rows_us": 150.0, "wide / split": 1.5}]
+    assert t.to_dict("records") == [{"batch": 1, "heads": 8, "q_len": 16, "ctx": 65536, "split_32_rows_us": 100.0,
+                                     "wide_64_rows_us": 150.0, "wide / split": 1.5, "picked": 32}]
     assert cta_rows_table(pd.DataFrame(rows).drop(columns="cta_rows")).empty
 
 
@@ -94,6 +94,9 @@ def test_default_rows_follow_the_kernel_the_workspace_picks():
                dict(base, run_id="b", cta_rows=32, kernel_forced=True, time_us=202.0),
                dict(base, run_id="b", cta_rows=64, kernel_forced=True, time_us=185.0)]
     old_run = [dict(base, run_id="a", cta_rows=32, time_us=201.0), dict(base, run_id="a", cta_rows=64, time_us=255.0)]
-    for rows, want in ((new_run, 186.0), (old_run, 201.0)):
+    # a decode shape timed only with its tile size fixed: the 16-key row is still the default
+    dec = dict(base, q_len=1, heads=8, run_id="c", cta_rows=32, kernel_forced=True)
+    decode_run = [dict(dec, tile_keys=16, time_us=52.0), dict(dec, tile_keys=32, time_us=72.0)]
+    for rows, want in ((new_run, 186.0), (old_run, 201.0), (decode_run, 52.0)):
         t = default_rows(pd.DataFrame(rows))
         assert t["time_us"].tolist() == [want]

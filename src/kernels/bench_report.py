@@ -60,11 +60,22 @@ def default_rows(df: pd.DataFrame, tile_keys: int | None = None) -> pd.DataFrame
     if df.empty:
         return df
     sm = df[df["impl"] == "sm120_mla"]
-    # Runs since v17d mark the rows that fix a kernel (kernel_forced): a shape's default row is the
-    # one that does not. In earlier runs the default kernel was the 32-row one (no cta_rows: v16).
-    forced = sm["kernel_forced"] if "kernel_forced" in sm else pd.Series(float("nan"), index=sm.index)
-    rows32 = sm["cta_rows"].fillna(32) == 32 if "cta_rows" in sm else pd.Series(True, index=sm.index)
-    sm = sm[(forced.isna() & rows32) | (forced == False)]  # noqa: E712 (NaN-aware)
+    # The kernel the workspace runs by default: since v17d (runs whose records carry
+    # `kernel_forced`) the one choose_cta_rows picks for the shape, before that the 32-row one.
+    # Where a run timed that configuration twice (the default row and a row fixing it), the
+    # default row is kept.
+    if "cta_rows" in sm:
+        from .verify_attention import choose_cta_rows
+
+        policy = sm["kernel_forced"].notna() if "kernel_forced" in sm else pd.Series(False, index=sm.index)
+        picked = [choose_cta_rows(b, h, q) if new else 32
+                  for b, h, q, new in zip(sm["batch"], sm["heads"], sm["q_len"], policy)]
+        sm = sm[sm["cta_rows"].fillna(32).to_numpy() == picked]
+        if "kernel_forced" in sm:
+            key = [c for c in ("run_id", "batch", "heads", "q_len", "ctx", "tile_keys", "num_splits",
+                               "num_splits_forced") if c in sm]
+            sm = (sm.assign(_forced=sm["kernel_forced"].fillna(False).astype(bool)).sort_values("_forced", kind="stable")
+                  .drop_duplicates(key).drop(columns="_forced"))
     if "num_splits_forced" in sm and sm["num_splits_forced"].notna().all():
         auto = sm[~sm["num_splits_forced"].astype(bool)]
     else:  # early records: the automatic row of a shape came first, the sweep after it
@@ -261,22 +272,28 @@ def version_history_chart(hist: pd.DataFrame, title: str):
     ).properties(width=420, height=240, title=title)
 
 
-def cta_rows_table(df: pd.DataFrame, batch=1, tile_keys=16) -> pd.DataFrame:
-    """The two kernels side by side from the same run(s): µs of the 32-row split kernel (the
-    default) and the 64-row wide kernel at each recorded (heads, q_len, ctx), at the automatic
-    split count, with their ratio. Records from before v17 have no `cta_rows` and no wide rows."""
-    sm = df[(df["impl"] == "sm120_mla") & (df["batch"] == batch)]
+def cta_rows_table(df: pd.DataFrame, tile_keys=16) -> pd.DataFrame:
+    """The two kernels side by side from the same run(s): µs of the 32-row split kernel and the
+    64-row wide kernel at each recorded (batch, heads, q_len, ctx), at the automatic split count,
+    their ratio, and which one the workspace picks there (`choose_cta_rows`). Records from before
+    v17 have no `cta_rows` and no wide rows."""
+    from .verify_attention import choose_cta_rows
+
+    sm = df[df["impl"] == "sm120_mla"]
     if "cta_rows" not in sm or sm.empty:
         return pd.DataFrame()
     sm = sm[sm["tile_keys"] == tile_keys]
-    if "kernel_forced" in sm:   # the rows that fix the kernel (the default row duplicates one of them)
-        sm = sm[sm["kernel_forced"].fillna(True).astype(bool)]
     if "num_splits_forced" in sm:
         sm = sm[~sm["num_splits_forced"].fillna(False).astype(bool)]
-    t = sm.pivot_table(index=["heads", "q_len", "ctx"], columns="cta_rows", values="time_us", aggfunc="min")
+    if "kernel_forced" in sm:   # a configuration timed twice (default row and fixed row): the fixed one
+        sm = (sm.assign(_default=~sm["kernel_forced"].fillna(True).astype(bool)).sort_values("_default")
+              .drop_duplicates([c for c in ("run_id", "batch", "heads", "q_len", "ctx", "cta_rows") if c in sm]))
+    t = sm.pivot_table(index=["batch", "heads", "q_len", "ctx"], columns="cta_rows", values="time_us", aggfunc="min")
     if 64 not in t.columns or 32 not in t.columns:
         return pd.DataFrame()
     t = t.dropna().rename(columns={32: "split_32_rows_us", 64: "wide_64_rows_us"})
     t["wide / split"] = t["wide_64_rows_us"] / t["split_32_rows_us"]
     t.columns.name = None
-    return t.round(2).reset_index()
+    t = t.round(2).reset_index()
+    t["picked"] = [choose_cta_rows(b, h, q) for b, h, q in zip(t["batch"], t["heads"], t["q_len"])]
+    return t

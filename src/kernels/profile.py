@@ -6,7 +6,8 @@ cudaProfilerStart and cudaProfilerStop, so that Nsight Compute sees only that la
     ncu --import prof.ncu-rep --page source --csv --print-source sass > sass.csv
 
 The source page gives the warp-stall samples of every SASS instruction (NOTES.md reads
-them); a define (e.g. --define PREFETCH_AHEAD=8) profiles a build variant.
+them); a define (e.g. --define PREFETCH_AHEAD=8) profiles a build variant, and --cta-rows 64
+the wide kernel (then `sass_profile --kernel wide_kernel`).
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def main(argv=None) -> None:
     ap.add_argument("--q-len", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=65536)
     ap.add_argument("--tile-keys", type=int, default=None)
+    ap.add_argument("--cta-rows", type=int, choices=(32, 64), default=None,
+                    help="fix the kernel: 32 (split) or 64 (wide); default: the workspace's choice for the shape")
     ap.add_argument("--define", action="append", default=[], help="a build define, e.g. PREFETCH_AHEAD=8")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profiling needs a CUDA GPU; none is visible to torch")
     x = Inputs(Shape(a.batch, a.heads, a.q_len, a.ctx))
-    fn = build_sm120_mla(x, tile_keys=a.tile_keys, kernel_defines=tuple(a.define))
+    fn = build_sm120_mla(x, tile_keys=a.tile_keys, kernel_defines=tuple(a.define), cta_rows=a.cta_rows)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -38,7 +41,7 @@ def main(argv=None) -> None:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print(f"profiled one call: b{a.batch} h{a.heads} q{a.q_len} ctx {a.ctx}, "
-          f"{fn.num_splits} splits, {fn.tile_keys}-key tiles, defines {a.define or 'none'}")
+          f"{fn.cta_rows}-row kernel, {fn.num_splits} splits, {fn.tile_keys}-key tiles, defines {a.define or 'none'}")
 
 
 if __name__ == "__main__":
