@@ -1,9 +1,9 @@
-"""The split kernel's score/value hand-over schedule, checked for races and deadlocks on a CPU."""
+"""The kernels' barrier schedules (the split kernel's score/value hand-over, the wide kernel's ring), checked for races and deadlocks on a CPU."""
 from __future__ import annotations
 
 import pytest
 
-from sm120_workbook.kernels.handover_model import ProtocolError, check
+from sm120_workbook.kernels.handover_model import ProtocolError, check, check_wide, wide_pair_steps
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])       # TileConfig<32>, <16> with STAGES_16=3, <16>
@@ -125,3 +125,19 @@ def test_split_loads_refill_before_the_mid_round_races():
 def test_split_loads_is_a_group_barriers_0_schedule():
     with pytest.raises(ValueError, match="GROUP_BARRIERS=0"):
         check(4, 4, split_loads=True, group_barriers=True)
+
+
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("stages,pingpong", [(4, True), (3, True), (4, False), (3, False), (2, False)])
+def test_wide_kernel_ring_is_race_free(num_tiles, stages, pingpong):
+    check_wide(num_tiles, stages, pingpong=pingpong)
+
+
+def test_checker_catches_a_wide_pingpong_refill_of_the_stage_pair_1_still_multiplies():
+    with pytest.raises(ProtocolError, match="race on"):
+        check_wide(9, 4, pingpong=True, refill_lag=0)
+
+
+def test_wide_pingpong_needs_three_stages():
+    with pytest.raises(ValueError):
+        list(wide_pair_steps(0, 4, 2, pingpong=True))

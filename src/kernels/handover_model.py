@@ -22,6 +22,7 @@ a write at the time it is issued, which is when its slot must be free.
     from sm120_workbook.kernels.handover_model import check
     check(num_tiles=9, stages=4)               # raises ProtocolError on a broken schedule
     check(num_tiles=9, stages=4, pv_lag=True)  # the PV_LAG=1 build
+    check_wide(num_tiles=9, stages=4)          # the wide kernel's ring (mla_verify_wide.cuh)
 """
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ class _Round:
     waiting: set = field(default_factory=set)        # agents blocked in sync
 
 
-def run(score, value, rng: random.Random) -> None:
+def run(score, value, rng: random.Random, names=("score", "value")) -> None:
     """One random schedule of the two step streams; raises ProtocolError on a violation."""
     programs = [iter(score), iter(value)]
     clock = [[0, 0], [0, 0]]
@@ -162,13 +163,13 @@ def run(score, value, rng: random.Random) -> None:
         if op in ("read", "write"):
             for b, kind, at in accesses.setdefault(arg, []):
                 if b != a and "write" in (kind, op) and at[b] > clock[a][b]:
-                    raise ProtocolError(f"race on {arg}: {('score', 'value')[b]} {kind} and "
-                                        f"{('score', 'value')[a]} {op} are not ordered by a barrier")
+                    raise ProtocolError(f"race on {arg}: {names[b]} {kind} and "
+                                        f"{names[a]} {op} are not ordered by a barrier")
             accesses[arg].append((a, op, list(clock[a])))
         else:
             rnd = rounds.setdefault(arg, _Round())
             if a in rnd.arrived:
-                raise ProtocolError(f"{('score', 'value')[a]} entered barrier {arg} twice in one round")
+                raise ProtocolError(f"{names[a]} entered barrier {arg} twice in one round")
             rnd.arrived[a] = list(clock[a])
             if op == "sync":
                 rnd.waiting.add(a)
@@ -184,7 +185,7 @@ def run(score, value, rng: random.Random) -> None:
     while pending[0] is not None or pending[1] is not None:
         ready = [a for a in (SCORE, VALUE) if pending[a] is not None and not blocked[a]]
         if not ready:
-            raise ProtocolError(f"deadlock: both groups wait (score at {pending[0]}, value at {pending[1]})")
+            raise ProtocolError(f"deadlock: both groups wait ({names[0]} at {pending[0]}, {names[1]} at {pending[1]})")
         step(rng.choice(ready))
     if any(blocked) or rounds:
         raise ProtocolError(f"unfinished barrier rounds at exit: {sorted(rounds)}")
@@ -199,3 +200,51 @@ def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **va
     for _ in range(schedules):
         run(score_steps(num_tiles, stages, parity, group_barriers=group_barriers, split_loads=split_loads),
             value_steps(num_tiles, stages, parity, **variant), rng)
+
+
+# The wide kernel (mla_verify_wide.cuh). Its two row pairs share only the cp.async ring: every
+# thread copies part of each tile (pair 0 keys 0-7, pair 1 keys 8-15) and every warp reads all of
+# it. Their S partials, P and row sums are each pair's own, ordered by the pair's barriers (B, C),
+# which this model treats as program order. Across pairs only barrier A (all 256 threads, once a
+# round) orders anything.
+WIDE_A = 0
+
+
+def wide_pair_steps(pair: int, num_tiles: int, stages: int, pingpong: bool = True, refill_lag: int | None = None):
+    """Row pair `pair`'s accesses to the ring, in the kernel's order: it copies its half of each
+    tile's keys (buffer ("stage", slot, pair)) and reads both halves. With ping-pong, pair 1
+    multiplies tile t-1 and scores tile t in round t, so round t refills the stage of tile t-2
+    (lag 1). `refill_lag` 0 with ping-pong refills tile t-1's stage, which pair 1 still reads:
+    a deliberate bug, for testing the checker."""
+    lag = 1 if pingpong else 0
+    if pingpong and stages < 3:
+        raise ValueError("ping-pong needs 3 or more stages")
+    refill_lag = lag if refill_lag is None else refill_lag
+    ahead = stages - 1 - refill_lag
+
+    def read(tile):
+        for half in (0, 1):
+            yield "read", ("stage", tile % stages, half)
+
+    for s in range(min(ahead, num_tiles)):
+        yield "write", ("stage", s, pair)            # prologue
+    lagging = pingpong and pair == 1
+    for t in range(num_tiles + lag):
+        yield "sync", WIDE_A                         # A(t): tile t landed
+        if t + ahead < num_tiles:
+            yield "write", ("stage", (t + ahead) % stages, pair)   # refill: my keys of tile t + ahead
+        if lagging:
+            if t > 0:
+                yield from read(t - 1)               # PV(t-1)
+            if t < num_tiles:
+                yield from read(t)                   # QK(t)
+        elif t < num_tiles:
+            yield from read(t)                       # QK(t), PV(t)
+
+
+def check_wide(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **variant) -> None:
+    """The wide kernel's ring under `schedules` random interleavings of its two row pairs."""
+    rng = random.Random(seed)
+    for _ in range(schedules):
+        run(wide_pair_steps(0, num_tiles, stages, **variant), wide_pair_steps(1, num_tiles, stages, **variant),
+            rng, names=("row pair 0", "row pair 1"))
