@@ -23,6 +23,7 @@
 //           used for both m16 tiles
 // Row pair 1 runs a phase behind (WIDE_PINGPONG): A(t) SM(t-1) C PV(t-1) QK(t), A ordering its
 // partials, so each SMSP (warps w and w+4) has one pair's softmax beside the other's mma.sync.
+// (On the H200 that times the same as running the pairs in step, WIDE_PINGPONG=0.)
 // Per 64 rows a round moves ~130 KB of shared memory (K 37, V 32, partials 16 + 16, P 10,
 // cp.async 18). v17b, where every warp summed all four partials of its 32 rows and ran their
 // softmax itself (P stayed in registers), moved ~200 KB and was 1.26-1.36x slower than the
