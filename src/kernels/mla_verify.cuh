@@ -248,6 +248,79 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// Helpers shared by the split kernel and the wide kernel (mla_verify_wide.cuh).
+
+// Workspace slot of (token, head) row `gr` of a request (q_start: its first token), or -1 for
+// a padding row past `rows`.
+__device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, int rows, int gr, int split) {
+  if (gr >= rows) return -1;
+  const int tok = q_start + gr / prm.heads, head = gr % prm.heads;
+  return (static_cast<int64_t>(tok) * prm.heads + head) * prm.num_splits + split;
+}
+
+// The split's slice of kv_indices (a few KB) to L2 up front: each index load of the gather then
+// waits on an L2 hit rather than an HBM miss. `threads` threads of the CTA share the lines.
+__device__ __forceinline__ void prefetch_index_slice(const Params& prm, int64_t kv_start, int key_begin,
+                                                     int prefix_keys, int tid, int threads) {
+  const int elem = prm.kv_indices_64 ? 8 : 4;
+  const char* first = static_cast<const char*>(prm.kv_indices) + (kv_start + key_begin) * elem;
+  for (int64_t off = int64_t(tid) * 128; off < int64_t(prefix_keys) * elem; off += int64_t(threads) * 128)
+    prefetch_l2(first + off);
+}
+
+// One warp's O (fp32, 32 rows x 128 columns as two m16 tiles): rows g and g+8 of m16 tile `mt`
+// times a0 and a1, skipped when every factor in the warp is 1 (warp-uniform; the lazy rescale
+// makes that the usual case).
+__device__ __forceinline__ void rescale_o(float (&o)[2][kVColsPerWarp / 8][4], int mt, float a0, float a1) {
+  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+    for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
+      o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
+      o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
+    }
+  }
+}
+
+// O += P . V over 16 keys and one warp's 128 columns: pa holds P of both m16 tiles (A operand),
+// vbase is this lane's ldmatrix.trans address of the 16 key rows at the warp's first column.
+// Each V fragment serves both m16 tiles.
+__device__ __forceinline__ void pv_16_keys(float (&o)[2][kVColsPerWarp / 8][4], const uint32_t (&pa)[2][4],
+                                           const __nv_bfloat16* vbase) {
+#pragma unroll
+  for (int np = 0; np < kVColsPerWarp / 16; ++np) {
+    uint32_t vb[4];
+    ldmatrix_x4_trans(vb, vbase + np * 16);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
+      mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+    }
+  }
+}
+
+// Q fragments (the mma A operand) of 32 rows from `first_row`, over the 144 dims of quarter
+// `dim_part`; rows past `rows` are 0. They stay in registers for the whole split.
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[2][kQkSteps][4], const Params& prm, int q_start,
+                                                 int rows, int first_row, int dim_part, int g, int t4) {
+  const int H = prm.heads;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int gr = first_row + mt * 16 + g + hi * 8;
+      const uint32_t* qrow = nullptr;
+      if (gr < rows)
+        qrow = reinterpret_cast<const uint32_t*>(
+            prm.q + (static_cast<int64_t>(q_start + gr / H) * H + gr % H) * kDimQK + dim_part * (kQkSteps * 16));
+#pragma unroll
+      for (int ks = 0; ks < kQkSteps; ++ks) {
+        qf[mt][ks][hi] = qrow ? qrow[ks * 8 + t4] : 0u;          // dims 2*t4, +1
+        qf[mt][ks][hi + 2] = qrow ? qrow[ks * 8 + 4 + t4] : 0u;  // dims 8 + 2*t4, +1
+      }
+    }
+  }
+}
+
 // grid: (row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
 //
 // handover_model.py states this schedule step by step and checks it for races and
@@ -295,10 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   };
 
   auto partial_index = [&](int r) {  // workspace slot of local row r, or -1 for padding
-    const int gr = row0 + r;
-    if (gr >= rows) return int64_t(-1);
-    const int tok = q_start + gr / H, head = gr % H;
-    return (static_cast<int64_t>(tok) * H + head) * prm.num_splits + split;
+    return partial_slot(prm, q_start, rows, row0 + r, split);
   };
 
   if (num_tiles == 0) {  // empty split: the combine step gives it zero weight
@@ -309,15 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     return;
   }
 
-  // The split's slice of kv_indices (a few KB) goes to L2 up front: each index load of the
-  // gather then waits on an L2 hit rather than an HBM miss.
-  {
-    const int prefix_keys = max(0, min(key_end, prefix_len) - key_begin);
-    const int elem = prm.kv_indices_64 ? 8 : 4;
-    const char* first = static_cast<const char*>(prm.kv_indices) + (kv_start + key_begin) * elem;
-    for (int64_t off = int64_t(tid) * 128; off < int64_t(prefix_keys) * elem; off += int64_t(kThreads) * 128)
-      prefetch_l2(first + off);
-  }
+  prefetch_index_slice(prm, kv_start, key_begin, max(0, min(key_end, prefix_len) - key_begin), tid, kThreads);
 
   // Gather: kLoadThreadsPerKey threads per key row, 16 B each per step. A row reference is
   // a pool row (>= 0), a k_extend row (-2 - r), or nothing (-1: zero-fill past key_end).
@@ -414,24 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   if (warp < kScoreWarps) {
     // ---------------- score warps: S = Q.K^T over this warp's 144 dims, then softmax ----------------
     const int dim_part = warp;
-    // Q fragments stay in registers for the whole split: 32 rows x 144 dims.
-    uint32_t qf[2][kQkSteps][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int gr = row0 + mt * 16 + g + hi * 8;
-        const uint32_t* qrow = nullptr;
-        if (gr < rows)
-          qrow = reinterpret_cast<const uint32_t*>(
-              prm.q + (static_cast<int64_t>(q_start + gr / H) * H + gr % H) * kDimQK + dim_part * (kQkSteps * 16));
-#pragma unroll
-        for (int ks = 0; ks < kQkSteps; ++ks) {
-          qf[mt][ks][hi] = qrow ? qrow[ks * 8 + t4] : 0u;          // dims 2*t4, +1
-          qf[mt][ks][hi + 2] = qrow ? qrow[ks * 8 + 4 + t4] : 0u;  // dims 8 + 2*t4, +1
-        }
-      }
-    }
+    uint32_t qf[2][kQkSteps][4];   // 32 rows x 144 dims, for the whole split
+    load_q_fragments(qf, prm, q_start, rows, row0, dim_part, g, t4);
 
     // Softmax layout: 4 threads per row, KEYS/4 keys each. The row's running max and sum
     // live in registers, identical in the row's 4 threads.
@@ -610,14 +656,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      const float a0 = sm.row_scale[par][mt * 16 + g], a1 = sm.row_scale[par][mt * 16 + g + 8];
-      if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {  // warp-uniform: usually skipped
-#pragma unroll
-        for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
-          o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
-          o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
-        }
-      }
+      rescale_o(o, mt, sm.row_scale[par][mt * 16 + g], sm.row_scale[par][mt * 16 + g + 8]);
     }
 #ifndef ABLATE_NO_PV
 #pragma unroll
@@ -626,18 +665,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
         ldmatrix_x4(pa[mt], &sm.p[par][mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + ((lane >> 4) & 1) * 8]);
-      const __nv_bfloat16* vbase = kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + pv_col0 +
-                                   ((lane >> 4) & 1) * 8;
-#pragma unroll
-      for (int np = 0; np < kVColsPerWarp / 16; ++np) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, vbase + np * 16);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
-          mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
-        }
-      }
+      pv_16_keys(o, pa, kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + pv_col0 +
+                            ((lane >> 4) & 1) * 8);
     }
 #endif
   };

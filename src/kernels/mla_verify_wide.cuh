@@ -119,11 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int key_end = min(num_keys, key_begin + chunk);
   const int num_tiles = key_begin < key_end ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
 
-  auto partial_index = [&](int gr) {  // workspace slot of row gr, or -1 for padding
-    if (gr >= rows) return int64_t(-1);
-    const int tok = q_start + gr / H, head = gr % H;
-    return (static_cast<int64_t>(tok) * H + head) * prm.num_splits + split;
-  };
+  auto partial_index = [&](int gr) { return partial_slot(prm, q_start, rows, gr, split); };
   if (num_tiles == 0) {  // empty split: the combine step gives it zero weight
     if (tid < kRows) {
       const int64_t pi = partial_index(row0 + tid);
@@ -132,13 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     return;
   }
 
-  {  // the split's slice of kv_indices to L2 up front (see the split kernel)
-    const int prefix_keys = max(0, min(key_end, prefix_len) - key_begin);
-    const int elem = prm.kv_indices_64 ? 8 : 4;
-    const char* first = static_cast<const char*>(prm.kv_indices) + (kv_start + key_begin) * elem;
-    for (int64_t off = int64_t(tid) * 128; off < int64_t(prefix_keys) * elem; off += int64_t(kThreads) * 128)
-      prefetch_l2(first + off);
-  }
+  prefetch_index_slice(prm, kv_start, key_begin, max(0, min(key_end, prefix_len) - key_begin), tid, kThreads);
 
   // Gather: 16 threads per key row, 16 B each per step; the row's index comes from sm.index.
   const int ld_key = tid / kLoadThreadsPerKey, ld_part = tid % kLoadThreadsPerKey;
@@ -191,32 +181,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     cp_async_commit();
   }
 
-  // Q fragments of my 32 rows x 144 dims, in registers for the whole split.
-  uint32_t qf[2][kQkSteps][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int gr = wrow0 + mt * 16 + g + hi * 8;
-      const uint32_t* qrow = nullptr;
-      if (gr < rows)
-        qrow = reinterpret_cast<const uint32_t*>(
-            prm.q + (static_cast<int64_t>(q_start + gr / H) * H + gr % H) * kDimQK + dq * (kQkSteps * 16));
-#pragma unroll
-      for (int ks = 0; ks < kQkSteps; ++ks) {
-        qf[mt][ks][hi] = qrow ? qrow[ks * 8 + t4] : 0u;          // dims 2*t4, +1
-        qf[mt][ks][hi + 2] = qrow ? qrow[ks * 8 + 4 + t4] : 0u;  // dims 8 + 2*t4, +1
-      }
-    }
-  }
+  uint32_t qf[2][kQkSteps][4];   // my 32 rows x 144 dims, for the whole split
+  load_q_fragments(qf, prm, q_start, rows, wrow0, dq, g, t4);
 
-  float o[2][kVCols / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kVCols / 8; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
+  float o[2][kVCols / 8][4] = {};
 
   // The softmax row this lane shares with 3 others (reduce-scatter: warp dq owns rows
   // my_rows + dq*8 .. +8), its running max (log2 domain) and this lane's share of its sum.
@@ -315,27 +283,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         ldmatrix_x4(pa[mt], plane + mt * 16 * kPRowStride);
-        const float a0 = sm.row_scale[my_rows + mt * 16 + g], a1 = sm.row_scale[my_rows + mt * 16 + g + 8];
-        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {   // warp-uniform: usually skipped
-#pragma unroll
-          for (int nt = 0; nt < kVCols / 8; ++nt) {
-            o[mt][nt][0] *= a0; o[mt][nt][1] *= a0;
-            o[mt][nt][2] *= a1; o[mt][nt][3] *= a1;
-          }
-        }
+        rescale_o(o, mt, sm.row_scale[my_rows + mt * 16 + g], sm.row_scale[my_rows + mt * 16 + g + 8]);
       }
 #ifndef ABLATE_NO_PV
-      const __nv_bfloat16* vbase = vlane + stage * kStageElems;
-#pragma unroll
-      for (int np = 0; np < kVCols / 16; ++np) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, vbase + np * 16);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
-          mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
-        }
-      }
+      pv_16_keys(o, pa, vlane + stage * kStageElems);
 #endif
     }
   };
