@@ -17,7 +17,7 @@ from pathlib import Path
 
 # First match wins; patterns are searched in lower-cased kernel names.
 CATEGORIES = (
-    ("attention: sm120_mla", r"mla_verify_(split|combine)_kernel"),
+    ("attention: sm120_mla", r"mla_verify_(split|wide|combine)_kernel"),
     ("attention: flashmla", r"flash_fwd_splitkv_mla|flashmla|flash_mla|mla_combine"),
     ("attention: triton", r"^_fwd_kernel|_fwd_grouped_kernel|_fwd_kernel_stage|extend_attention|decode_att"),
     ("moe", r"moe|topk|expert|grouped_gemm|fused_experts|count_and_sort"),

@@ -129,13 +129,20 @@ def test_split_loads_is_a_group_barriers_0_schedule():
 
 @pytest.mark.parametrize("num_tiles", [1, 2, 3, 5, 9])
 @pytest.mark.parametrize("stages,pingpong", [(4, True), (3, True), (4, False), (3, False), (2, False)])
-def test_wide_kernel_ring_is_race_free(num_tiles, stages, pingpong):
-    check_wide(num_tiles, stages, pingpong=pingpong)
+@pytest.mark.parametrize("refill_in_qk", [True, False])
+def test_wide_kernel_ring_is_race_free(num_tiles, stages, pingpong, refill_in_qk):
+    check_wide(num_tiles, stages, pingpong=pingpong, refill_in_qk=refill_in_qk)
 
 
-def test_checker_catches_a_wide_pingpong_refill_of_the_stage_pair_1_still_multiplies():
+@pytest.mark.parametrize("refill_in_qk", [True, False])
+def test_checker_catches_a_wide_pingpong_refill_of_the_stage_pair_1_still_multiplies(refill_in_qk):
     with pytest.raises(ProtocolError, match="race on"):
-        check_wide(9, 4, pingpong=True, refill_lag=0)
+        check_wide(9, 4, pingpong=True, refill_lag=0, refill_in_qk=refill_in_qk)
+
+
+def test_checker_catches_a_wide_in_step_refill_of_the_stage_being_read():
+    with pytest.raises(ProtocolError, match="race on"):
+        check_wide(9, 4, pingpong=False, refill_lag=-1)
 
 
 def test_wide_pingpong_needs_three_stages():

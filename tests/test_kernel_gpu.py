@@ -49,7 +49,7 @@ def test_random_shapes(seed):
         assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} r{cta_rows} tk{tk}")
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 7, 33, 128])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 8, 31, 33, 128])   # every combine layout (1, 4, 16 groups)
 @layouts
 def test_any_split_count(num_splits, cta_rows, tile_keys, seed):
     case = make_verify_case(batch=2, heads=8, q_len=16, ctx_lens=[9000, 300], mask="tree", seed=seed,
@@ -212,11 +212,12 @@ def test_compute_sanitizer_clean(tool):
 @pytest.mark.parametrize("defines,cta_rows", [
     (("GROUP_BARRIERS=1",), 32), (("PV_LAG=1",), 32), (("PV_LAG=1", "STAGES_16=3"), 32), (("STAGES_16=3",), 32),
     (("TILE_STAGGER=3",), 32), (("SPLIT_LOADS=1",), 32), (("SPLIT_LOADS=1", "STAGES_16=3"), 32),
-    (("WIDE_STAGES=3",), 64), (("WIDE_PINGPONG=0",), 64), (("WIDE_PINGPONG=0", "WIDE_STAGES=2"), 64)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
+    (("WIDE_STAGES=3",), 64), (("WIDE_STAGES=2",), 64), (("WIDE_REFILL_IN_QK=0",), 64), (("WIDE_PINGPONG=1",), 64),
+    (("WIDE_PINGPONG=1", "WIDE_STAGES=3"), 64), (("WIDE_PINGPONG=1", "WIDE_REFILL_IN_QK=0"), 64)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part
-    of each refill; the wide kernel with a 3-stage ring, or with its row pairs in step) compute the
+    of each refill; the wide kernel with a 2- or 3-stage ring, its refill before QK, or its row pairs a phase apart) compute the
     same attention."""
 
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7]:

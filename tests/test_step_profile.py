@@ -11,7 +11,8 @@ from sm120_workbook.step_profile import categorize, load_trace, profile_frame, s
 
 @pytest.mark.parametrize("name,cat", [
     ("void sm120_mla::mla_verify_split_kernel<16>(sm120_mla::Params)", "attention: sm120_mla"),
-    ("void sm120_mla::mla_verify_combine_kernel(sm120_mla::Params)", "attention: sm120_mla"),
+    ("void sm120_mla::mla_verify_combine_kernel<16>(sm120_mla::Params)", "attention: sm120_mla"),
+    ("sm120_mla::wide::mla_verify_wide_kernel(sm120_mla::Params)", "attention: sm120_mla"),
     ("_fwd_kernel", "attention: triton"),
     ("_fwd_grouped_kernel_stage1", "attention: triton"),
     ("void flash::flash_fwd_splitkv_mla_kernel<...>", "attention: flashmla"),

@@ -210,9 +210,12 @@ def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **va
 WIDE_A = 0
 
 
-def wide_pair_steps(pair: int, num_tiles: int, stages: int, pingpong: bool = True, refill_lag: int | None = None):
+def wide_pair_steps(pair: int, num_tiles: int, stages: int, pingpong: bool = False, refill_lag: int | None = None,
+                    refill_in_qk: bool = True):
     """Row pair `pair`'s accesses to the ring, in the kernel's order: it copies its half of each
-    tile's keys (buffer ("stage", slot, pair)) and reads both halves. With ping-pong, pair 1
+    tile's keys (buffer ("stage", slot, pair)) and reads both halves. Round t refills the stage of
+    tile t-1-lag with tile t+ahead, past the split's end too (zero-fill), either between QK's
+    k-steps (`refill_in_qk`, the default build) or right after barrier A. With ping-pong, pair 1
     multiplies tile t-1 and scores tile t in round t, so round t refills the stage of tile t-2
     (lag 1). `refill_lag` 0 with ping-pong refills tile t-1's stage, which pair 1 still reads:
     a deliberate bug, for testing the checker."""
@@ -231,15 +234,15 @@ def wide_pair_steps(pair: int, num_tiles: int, stages: int, pingpong: bool = Tru
     lagging = pingpong and pair == 1
     for t in range(num_tiles + lag):
         yield "sync", WIDE_A                         # A(t): tile t landed
-        if t + ahead < num_tiles:
-            yield "write", ("stage", (t + ahead) % stages, pair)   # refill: my keys of tile t + ahead
-        if lagging:
-            if t > 0:
-                yield from read(t - 1)               # PV(t-1)
-            if t < num_tiles:
-                yield from read(t)                   # QK(t)
-        elif t < num_tiles:
-            yield from read(t)                       # QK(t), PV(t)
+        refill = ("write", ("stage", (t + ahead) % stages, pair))   # my keys of tile t + ahead
+        if not refill_in_qk:
+            yield refill
+        if lagging and t > 0:
+            yield from read(t - 1)                   # PV(t-1)
+        if t < num_tiles:
+            if refill_in_qk:
+                yield refill                         # during QK(t)
+            yield from read(t)                       # QK(t) (and PV(t) in step)
 
 
 def check_wide(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **variant) -> None:

@@ -96,7 +96,14 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
     launch_split<16>(prm, grid, stream, device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
-  mla_verify_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(prm);
+  const int groups = combine_groups(prm.num_splits);
+  const dim3 combine_grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));   // groups column slices
+  if (groups == 16)
+    mla_verify_combine_kernel<16><<<combine_grid, kCombineThreads, 0, stream>>>(prm);
+  else if (groups == 4)
+    mla_verify_combine_kernel<4><<<combine_grid, kCombineThreads, 0, stream>>>(prm);
+  else
+    mla_verify_combine_kernel<1><<<combine_grid, kCombineThreads, 0, stream>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

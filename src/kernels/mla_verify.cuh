@@ -194,12 +194,35 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));
 }
+// The same 16-byte copy, issued only where `issue` holds: a predicate on the instruction instead
+// of a branch, so a copy that only some lanes make does not split the warp.
+__device__ __forceinline__ void cp_async_16_if(void* smem, const void* gmem, bool valid, bool issue) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n"
+               ::"r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0), "r"(static_cast<int>(issue)));
+}
+// a ? x : y without a branch: ptxas turns a C++ select whose one side needs a load into a
+// branch around that load, which splits the refill from the code it should overlap.
+__device__ __forceinline__ uint64_t select_u64(bool a, uint64_t x, uint64_t y) {
+  uint64_t r;
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n selp.b64 %0, %2, %3, p;\n}\n"
+      : "=l"(r) : "r"(static_cast<int>(a)), "l"(x), "l"(y));
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ T* select_ptr(bool a, T* x, T* y) {
+  return reinterpret_cast<T*>(select_u64(a, reinterpret_cast<uint64_t>(x), reinterpret_cast<uint64_t>(y)));
+}
 // 4- or 8-byte asynchronous copy (kv_indices entries).
 template <int BYTES>
 __device__ __forceinline__ void cp_async_small(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(BYTES));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int BYTES>
+__device__ __forceinline__ void cp_async_small_if(void* smem, const void* gmem, bool issue) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], %3;\n}\n"
+               ::"r"(smem_addr(smem)), "l"(gmem), "r"(static_cast<int>(issue)), "n"(BYTES));
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
@@ -727,15 +750,34 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   }
 }
 
-constexpr int kCombineThreads = kDimV / 4;  // one CTA per (token, head) row, 4 columns a thread
+// The combine step. A CTA merges one row's splits for a slice of its 512 columns: kGroups
+// groups of threads each sum every kGroups-th split, then the groups' sums are added in shared
+// memory. With kGroups == 1 a CTA holds a whole row (4 columns a thread) and walks its splits in
+// order, which is all a row with few splits needs. With many splits that one walk is the
+// bottleneck: at q16 h8 64k (128 rows x 66 splits, 17 MB of fp32 partials) it took 18 us under
+// ncu, 4 warps an SM with one 16-byte load in flight per thread. kGroups == 16 spreads a row over
+// 16 CTAs with every split's load in flight at once. The launcher picks kGroups from num_splits
+// (combine_groups), a static shape, so a captured graph keeps its grid.
+constexpr int kCombineThreads = 128;
 
-// Merge the splits of each row by their LSE: out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max).
+template <int kGroups>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
+  constexpr int kVecs = kCombineThreads / kGroups;   // float4 columns per CTA: 128, 32 or 8
+  constexpr int kCols = kVecs * 4;                   // 512, 128 or 32 (grid.y = kDimV / kCols)
+  static_assert(kCols * kGroups == kDimV, "a row's columns are covered by kGroups slices");
   __shared__ float weight[kMaxSplits];
+  __shared__ float4 group_sum[kGroups > 1 ? kGroups : 1][kVecs];
   __shared__ float total[2];
   const int64_t row = blockIdx.x;
+  const int col0 = blockIdx.y * kCols;
   const int S = prm.num_splits, tid = threadIdx.x, lane = tid & 31;
-  // Rows the split kernel never wrote: tokens past the last request (CUDA-graph padding)
+  const int vec = tid % kVecs, group = tid / kVecs;
+  __nv_bfloat16* dst = prm.out + row * kDimV + col0 + vec * 4;
+  auto store = [&](float4 v) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v.x, v.y);
+    *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(v.z, v.w);
+  };
+  // Rows the attention kernel never wrote: tokens past the last request (CUDA-graph padding)
   // get 0 and lse -inf; tokens past max_q_len within their request broke the caller's
   // contract and get NaN, so it shows. The test is uniform across the CTA.
   {
@@ -751,10 +793,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
     if (unwritten) {
       const float fill = unwritten == 1 ? 0.f : NAN;
-      __nv_bfloat16* dst = prm.out + row * kDimV + tid * 4;
-      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(fill, fill);
-      *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(fill, fill);
-      if (tid == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
+      if (group == 0) store(make_float4(fill, fill, fill, fill));
+      if (tid == 0 && blockIdx.y == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
       return;
     }
   }
@@ -775,22 +815,39 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     if (lane == 0) { total[0] = m; total[1] = sum; }
   }
   __syncthreads();
-  const float wsum = total[1];
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4* src = reinterpret_cast<const float4*>(prm.ws_o + row * S * kDimV) + tid;
-#pragma unroll 8
-  for (int s = 0; s < S; ++s) {
+  const float4* src = reinterpret_cast<const float4*>(prm.ws_o + row * S * kDimV + col0) + vec;
+#pragma unroll 4
+  for (int s = group; s < S; s += kGroups) {
+    // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
+    // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied.
+    const float4 v = src[static_cast<int64_t>(s) * (kDimV / 4)];
     const float w = weight[s];
-    if (w != 0.f) {  // never read the output of a split that had no keys
-      const float4 v = src[s * (kDimV / 4)];
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    if (w != 0.f) {
+      acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
+      acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
     }
   }
+  if constexpr (kGroups > 1) {
+    group_sum[group][vec] = acc;
+    __syncthreads();
+    if (group != 0) return;
+#pragma unroll
+    for (int k = 1; k < kGroups; ++k) {   // in group order: the same sum on every run
+      const float4 v = group_sum[k][vec];
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+  }
+  const float wsum = total[1];
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  __nv_bfloat16* dst = prm.out + row * kDimV + tid * 4;
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  if (tid == 0) prm.lse[row] = wsum > 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+  store(make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+  if (tid == 0 && blockIdx.y == 0) prm.lse[row] = wsum > 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+}
+
+// Split groups of the combine step for num_splits splits: enough that each thread has a few
+// splits' loads in flight, no more (with few splits, a row in one CTA wastes fewer threads).
+__host__ __device__ constexpr int combine_groups(int num_splits) {
+  return num_splits >= 32 ? 16 : num_splits >= 8 ? 4 : 1;
 }
 
 }  // namespace sm120_mla

@@ -11,9 +11,10 @@
 //   dims (144 of 576, Q in 72 registers) and of the O columns (128 of 512, O in 128 registers).
 // 200 of the 255 registers a thread may have at 256 threads an SM.
 //
-// A round (16 keys, one stage of the cp.async ring), for row pair 0:
-//   A(t)    all 256 threads: tile t has landed; a stage no warp reads any more is refilled
-//   QK(t)   partial S of my 32 rows over my 144 dims -> s_part
+// A round (16 keys, one stage of the cp.async ring); both row pairs run it in step:
+//   A(t)    all 256 threads: tile t has landed, and the stage of tile t-1 is free
+//   QK(t)   partial S of my 32 rows over my 144 dims -> s_part; between its k-steps, the
+//           copies that refill the free stage with tile t+3 (branch-free, v17e)
 //   B(t)    my row pair's 128 threads: every quarter's partials are written
 //   SM(t)   reduce-scatter: warp dq sums the four partials of 8 of the pair's 32 rows and runs
 //           their online softmax (one row per 4 lanes, the row's max and sum in registers),
@@ -21,9 +22,10 @@
 //   C(t)    my row pair: P of all 32 rows is written
 //   PV(t)   P of my 32 rows through ldmatrix, O += P . V over my 128 columns, each V fragment
 //           used for both m16 tiles
-// Row pair 1 runs a phase behind (WIDE_PINGPONG): A(t) SM(t-1) C PV(t-1) QK(t), A ordering its
-// partials, so each SMSP (warps w and w+4) has one pair's softmax beside the other's mma.sync.
-// (On the H200 that times the same as running the pairs in step, WIDE_PINGPONG=0.)
+// WIDE_PINGPONG=1 (v17d's default) runs row pair 1 a phase behind: A(t) SM(t-1) C PV(t-1)
+// QK(t), A ordering its partials, so each SMSP (warps w and w+4) has one pair's softmax beside
+// the other's mma.sync. On the H200 that timed the same as in step, which keeps 3 tiles in
+// flight instead of 2 and a loop without branches between A and B.
 // Per 64 rows a round moves ~130 KB of shared memory (K 37, V 32, partials 16 + 16, P 10,
 // cp.async 18). v17b, where every warp summed all four partials of its 32 rows and ran their
 // softmax itself (P stayed in registers), moved ~200 KB and was 1.26-1.36x slower than the
@@ -48,9 +50,15 @@ constexpr int kPRowStride = kKeys + 8;   // bf16: 48-byte rows, conflict-free ld
 // so that on each SMSP (warps w and w+4) one pair's softmax and barriers run beside the other's
 // mma.sync; 0 runs both pairs in step.
 #ifndef WIDE_PINGPONG
-#define WIDE_PINGPONG 1
+#define WIDE_PINGPONG 0
 #endif
 constexpr int kLag = WIDE_PINGPONG ? 1 : 0;
+// WIDE_REFILL_IN_QK: 1 issues a round's refill copies one by one between QK's k-steps, so the
+// load units take them while the tensor pipe works; 0 issues all of them before QK.
+#ifndef WIDE_REFILL_IN_QK
+#define WIDE_REFILL_IN_QK 1
+#endif
+constexpr bool kRefillInQk = WIDE_REFILL_IN_QK;
 constexpr bool kPingPong = kLag == 1;
 // WIDE_STAGES: the ring. In step, only tile t is read in round t, so 4 stages keep 3 tiles in
 // flight; ping-pong also reads tile t-1, which leaves 2.
@@ -131,41 +139,56 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   prefetch_index_slice(prm, kv_start, key_begin, max(0, min(key_end, prefix_len) - key_begin), tid, kThreads);
 
   // Gather: 16 threads per key row, 16 B each per step; the row's index comes from sm.index.
+  // The refill is branch-free (selects and predicated copies), so ptxas can schedule it into
+  // the QK that follows it. In v17d it was a branchy block of its own after barrier A, and its
+  // dependent address arithmetic, at 2 warps an SMSP, held a third of the round's stall samples
+  // (ncu, NOTES.md session 8).
   const int ld_key = tid / kLoadThreadsPerKey, ld_part = tid % kLoadThreadsPerKey;
   const int prefix_end = min(key_end, prefix_len);
-  auto row_of = [&](int tile) -> const __nv_bfloat16* {
-    const int key = key_begin + tile * kKeys + ld_key;
-    if (tile >= num_tiles || key >= key_end) return nullptr;
-    if (key >= prefix_len) return prm.k_extend + static_cast<int64_t>(q_start + key - prefix_len) * kDimQK;
-    const int64_t v = sm.index[tile % kWideIndexRing][ld_key];
-    const int64_t row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
-    return prm.kv_pool + row * kDimQK;
+  auto index_src = [&](int key) {
+    return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
   };
   auto stage_index = [&](int tile, bool async) {  // one thread per key row
     const int key = key_begin + tile * kKeys + ld_key;
-    if (ld_part != 0 || tile >= num_tiles || key >= prefix_end) return;
+    const bool copy = ld_part == 0 && tile < num_tiles && key < prefix_end;
     int64_t* dst = &sm.index[tile % kWideIndexRing][ld_key];
-    const char* src = static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
-    if (!async)
-      *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-    else if (prm.kv_indices_64)
-      cp_async_small<8>(dst, src);
-    else
-      cp_async_small<4>(dst, src);
-  };
-  auto load_tile = [&](int tile) {  // into stage tile % kStages; a missing row zero-fills
-    const __nv_bfloat16* row = row_of(tile);
-    const bool valid = row != nullptr;
-    const __nv_bfloat16* src = (valid ? row : prm.kv_pool) + ld_part * 8;
-    __nv_bfloat16* dst = &sm.kv[tile % kStages][ld_key * kKvRowStride + ld_part * 8];
-#ifdef ABLATE_NO_LOADS
-    return;
-#endif
-#pragma unroll
-    for (int j = 0; j < kLoadSteps; ++j) {
-      const int step = kLoadThreadsPerKey * 8 * j;
-      if (ld_part + kLoadThreadsPerKey * j < kChunksPerKey) cp_async_16(dst + step, src + step, valid);
+    if (!async) {   // the prologue's plain loads
+      if (copy) *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+      return;
     }
+    cp_async_small_if<8>(dst, index_src(key), copy && prm.kv_indices_64);
+    cp_async_small_if<4>(dst, index_src(key), copy && !prm.kv_indices_64);
+  };
+  // A refill's copies: the key row this thread gathers (16 B a step) into stage tile % kStages;
+  // a missing row (past the split's end) zero-fills from a valid address.
+  struct Refill {
+    const __nv_bfloat16* src;
+    __nv_bfloat16* dst;
+    bool live;
+  };
+  auto plan_refill = [&](int tile) {
+    const int key = key_begin + tile * kKeys + ld_key;
+    const bool live = tile < num_tiles && key < key_end;
+    // Stale unless the key is a live prefix key, and used only then.
+    const int64_t v = sm.index[tile % kWideIndexRing][ld_key];
+    const int64_t pool_row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
+    const bool extend = key >= prefix_len;
+    const int64_t row = static_cast<int64_t>(select_u64(extend, static_cast<uint64_t>(q_start + key - prefix_len),
+                                                        static_cast<uint64_t>(pool_row)));
+    const __nv_bfloat16* base = select_ptr(extend, prm.k_extend, prm.kv_pool);
+    return Refill{select_ptr(live, base + row * kDimQK, prm.kv_pool) + ld_part * 8,
+                  &sm.kv[tile % kStages][ld_key * kKvRowStride + ld_part * 8], live};
+  };
+  auto copy_step = [&](const Refill& r, int j) {   // step j of kLoadSteps
+#ifndef ABLATE_NO_LOADS
+    const int step = kLoadThreadsPerKey * 8 * j;
+    cp_async_16_if(r.dst + step, r.src + step, r.live, ld_part + kLoadThreadsPerKey * j < kChunksPerKey);
+#endif
+  };
+  auto load_tile = [&](int tile) {
+    const Refill r = plan_refill(tile);
+#pragma unroll
+    for (int j = 0; j < kLoadSteps; ++j) copy_step(r, j);
   };
 
   // Prologue: the indices of the first kIndexAhead tiles (plain loads), then tiles
@@ -204,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const __nv_bfloat16* plane = &sm.p[my_rows + (lane & 7) + ((lane >> 3) & 1) * 8][((lane >> 4) & 1) * 8];
 
   // QK(t): partial S = Q[my 32 rows, my 144 dims] . K[16 keys, my 144 dims]^T -> s_part
-  auto qk = [&](int tile) {
+  auto qk = [&](int tile, const Refill& rf) {
     const int stage = tile % kStages;
     {   // (scope of the accumulators)
       float sacc[2][2][4] = {};
@@ -219,7 +242,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
           mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
           mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
         }
+        // copies at k-steps 1, 3, 5, 7, 8: the first waits for the address arithmetic, which
+        // the first k-step's ldmatrix and mma.sync can run beside
+        if (kRefillInQk && (ks % 2 == 1 || ks == kQkSteps - 1)) copy_step(rf, (ks + 1) / 2 - 1 + (ks == kQkSteps - 1));
       }
+#else
+      if (kRefillInQk)
+        for (int j = 0; j < kLoadSteps; ++j) copy_step(rf, j);
 #endif
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -296,23 +325,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   for (int tile = 0; tile < num_tiles + kLag; ++tile) {
     cp_async_wait<kAhead - 1>();    // my copies of tile `tile` (group `tile`) have landed
     __syncthreads();                // A(tile): everyone's have; the stage refilled below is free
-    if (tile + kAhead < num_tiles) load_tile(tile + kAhead);
-    stage_index(tile + kIndexAhead, true);
-    cp_async_commit();
+    // Refill the stage of tile `tile - 1 - kLag` with tile `tile + kAhead` (past the split's end
+    // it zero-fills a stage no round reads), during QK or before it.
+    const Refill rf = plan_refill(tile + kAhead);
+    if (!kRefillInQk)
+      for (int j = 0; j < kLoadSteps; ++j) copy_step(rf, j);
     if (lagging) {                  // SM(t-1), C, PV(t-1), QK(t): A(t) ordered the partials of t-1
       if (tile > 0) {
         softmax_rows(tile - 1);
         barrier_sync(1 + pair, 128);   // C(tile-1)
         pv(tile - 1);
       }
-      if (tile < num_tiles) qk(tile);  // after C: the pair is done reading the partials of t-1
+      if (tile < num_tiles) qk(tile, rf);  // after C: the pair is done reading the partials of t-1
     } else if (tile < num_tiles) {
-      qk(tile);
+      qk(tile, rf);
       barrier_sync(1 + pair, 128);     // B(tile): the pair's partials are written
       softmax_rows(tile);
       barrier_sync(1 + pair, 128);     // C(tile): P and the rescale of the pair's 32 rows are written
       pv(tile);
     }
+    stage_index(tile + kIndexAhead, true);
+    cp_async_commit();              // group `tile + kAhead`: this round's copies
   }
   cp_async_wait<0>();
 

@@ -43,7 +43,9 @@ def _kernel_label(mangled: str) -> str | None:
     if "mla_verify_wide_kernel" in mangled:
         return "mla_verify_wide_kernel"
     if "mla_verify_combine_kernel" in mangled:
-        return "mla_verify_combine_kernel"
+        for groups in (1, 4, 16):
+            if f"ILi{groups}E" in mangled:
+                return f"mla_verify_combine_kernel<{groups}>"
     return None   # a device function (cta_sync), not a kernel
 
 
@@ -53,7 +55,9 @@ def ptxas_report(arch: str) -> dict[str, dict]:
         src = Path(tmp) / "resources.cu"
         src.write_text('#include "mla_verify_wide.cuh"\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
-                       'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n')
+                       'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n'
+                       + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}>(const sm120_mla::Params);\n'
+                                 for g in (1, 4, 16)))
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
                                f"-I{KERNEL_DIR}", "-o", str(Path(tmp) / "k.cubin"), str(src)],
                               capture_output=True, text=True)
