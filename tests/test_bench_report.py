@@ -80,7 +80,7 @@ def test_cta_rows_table_pairs_the_two_kernels():
                      time_us=500.0, num_splits_forced=True))   # a sweep point: left out
     t = cta_rows_table(pd.DataFrame(rows))
     assert t.to_dict("records") == [{"batch": 1, "heads": 8, "q_len": 16, "ctx": 65536, "split_32_rows_us": 100.0,
-                                     "wide_64_rows_us": 150.0, "wide / split": 1.5, "picked": 32}]
+                                     "wide_64_rows_us": 150.0, "wide / split": 1.5, "picked": 64}]
     assert cta_rows_table(pd.DataFrame(rows).drop(columns="cta_rows")).empty
 
 
@@ -97,6 +97,10 @@ def test_default_rows_follow_the_kernel_the_workspace_picks():
     # a decode shape timed only with its tile size fixed: the 16-key row is still the default
     dec = dict(base, q_len=1, heads=8, run_id="c", cta_rows=32, kernel_forced=True)
     decode_run = [dict(dec, tile_keys=16, time_us=52.0), dict(dec, tile_keys=32, time_us=72.0)]
-    for rows, want in ((new_run, 186.0), (old_run, 201.0), (decode_run, 52.0)):
+    # a run whose default row used the split kernel, as the policy of its day picked: that row
+    then = dict(base, heads=8, run_id="d")
+    policy_then = [dict(then, cta_rows=32, kernel_forced=False, time_us=108.0),
+                   dict(then, cta_rows=64, kernel_forced=True, time_us=109.0)]
+    for rows, want in ((new_run, 186.0), (old_run, 201.0), (decode_run, 52.0), (policy_then, 108.0)):
         t = default_rows(pd.DataFrame(rows))
         assert t["time_us"].tolist() == [want]

@@ -80,10 +80,10 @@ VARIANTS = {
     # groups' mid-tile work overlaps (correct output; not racecheck clean)
     "group_barriers": Variant(("GROUP_BARRIERS=1",)),
     # v17, the 64-row wide kernel (mla_verify_wide.cuh; the same ABLATE_* switches): half the
-    # re-read at q16 h8, each warp holding Q and O for its rows. Its row pairs run in step
-    # (`wide_lockstep`, the default since v17e) or a phase apart (`wide_pingpong`, v17d's
-    # default); `wide_refill_first` issues a round's refill copies before QK instead of
-    # between its k-steps (v17e)
+    # re-read at q16 h8, each warp holding Q and O for its rows. Its row pairs run a phase
+    # apart (the default; `wide_pingpong` names it explicitly) or in step (`wide_lockstep`);
+    # `wide_refill_first` issues a round's refill copies before QK instead of between its
+    # k-steps (v17e)
     "wide": Variant(cta_rows=64),
     "wide_lockstep": Variant(("WIDE_PINGPONG=0",), cta_rows=64),
     "wide_pingpong": Variant(("WIDE_PINGPONG=1",), cta_rows=64),

@@ -61,15 +61,22 @@ def default_rows(df: pd.DataFrame, tile_keys: int | None = None) -> pd.DataFrame
         return df
     sm = df[df["impl"] == "sm120_mla"]
     # The kernel the workspace runs by default: since v17d (runs whose records carry
-    # `kernel_forced`) the one choose_cta_rows picks for the shape, before that the 32-row one.
-    # Where a run timed that configuration twice (the default row and a row fixing it), the
-    # default row is kept.
+    # `kernel_forced`) the one the run's own default row (kernel_forced False) used, which is
+    # what choose_cta_rows picked then; a shape timed only with the kernel fixed takes today's
+    # choose_cta_rows. Before v17d, the 32-row one. Where a run timed that configuration twice
+    # (the default row and a row fixing it), the default row is kept.
     if "cta_rows" in sm:
         from .verify_attention import choose_cta_rows
 
         policy = sm["kernel_forced"].notna() if "kernel_forced" in sm else pd.Series(False, index=sm.index)
-        picked = [choose_cta_rows(b, h, q) if new else 32
-                  for b, h, q, new in zip(sm["batch"], sm["heads"], sm["q_len"], policy)]
+        shape_key = [c for c in ("run_id", "batch", "heads", "q_len", "ctx") if c in sm]
+        ran = {}
+        if "kernel_forced" in sm:
+            defaults = sm[sm["kernel_forced"].notna() & ~sm["kernel_forced"].fillna(True).astype(bool)]
+            ran = {tuple(k): int(c) for k, c in zip(defaults[shape_key].itertuples(index=False), defaults["cta_rows"])}
+        picked = [ran.get(tuple(k), choose_cta_rows(b, h, q)) if new else 32
+                  for k, b, h, q, new in zip(sm[shape_key].itertuples(index=False), sm["batch"], sm["heads"],
+                                             sm["q_len"], policy)]
         sm = sm[sm["cta_rows"].fillna(32).to_numpy() == picked]
         if "kernel_forced" in sm:
             key = [c for c in ("run_id", "batch", "heads", "q_len", "ctx", "tile_keys", "num_splits",

@@ -11,10 +11,10 @@
 //   dims (144 of 576, Q in 72 registers) and of the O columns (128 of 512, O in 128 registers).
 // 200 of the 255 registers a thread may have at 256 threads an SM.
 //
-// A round (16 keys, one stage of the cp.async ring); both row pairs run it in step:
-//   A(t)    all 256 threads: tile t has landed, and the stage of tile t-1 is free
+// A round (16 keys, one stage of the cp.async ring), for row pair 0:
+//   A(t)    all 256 threads: tile t has landed, and a stage no warp reads any more is free
 //   QK(t)   partial S of my 32 rows over my 144 dims -> s_part; between its k-steps, the
-//           copies that refill the free stage with tile t+3 (branch-free, v17e)
+//           copies that refill the free stage (branch-free, v17e)
 //   B(t)    my row pair's 128 threads: every quarter's partials are written
 //   SM(t)   reduce-scatter: warp dq sums the four partials of 8 of the pair's 32 rows and runs
 //           their online softmax (one row per 4 lanes, the row's max and sum in registers),
@@ -22,10 +22,10 @@
 //   C(t)    my row pair: P of all 32 rows is written
 //   PV(t)   P of my 32 rows through ldmatrix, O += P . V over my 128 columns, each V fragment
 //           used for both m16 tiles
-// WIDE_PINGPONG=1 (v17d's default) runs row pair 1 a phase behind: A(t) SM(t-1) C PV(t-1)
-// QK(t), A ordering its partials, so each SMSP (warps w and w+4) has one pair's softmax beside
-// the other's mma.sync. On the H200 that timed the same as in step, which keeps 3 tiles in
-// flight instead of 2 and a loop without branches between A and B.
+// Row pair 1 runs a phase behind (WIDE_PINGPONG): A(t) SM(t-1) C PV(t-1) QK(t), A ordering its
+// partials, so each SMSP (warps w and w+4) has one pair's softmax beside the other's mma.sync.
+// In v17d that timed the same as running the pairs in step (WIDE_PINGPONG=0); with v17e's
+// refill between QK's k-steps it is 3% faster (NOTES.md, session 8).
 // Per 64 rows a round moves ~130 KB of shared memory (K 37, V 32, partials 16 + 16, P 10,
 // cp.async 18). v17b, where every warp summed all four partials of its 32 rows and ran their
 // softmax itself (P stayed in registers), moved ~200 KB and was 1.26-1.36x slower than the
@@ -50,7 +50,7 @@ constexpr int kPRowStride = kKeys + 8;   // bf16: 48-byte rows, conflict-free ld
 // so that on each SMSP (warps w and w+4) one pair's softmax and barriers run beside the other's
 // mma.sync; 0 runs both pairs in step.
 #ifndef WIDE_PINGPONG
-#define WIDE_PINGPONG 0
+#define WIDE_PINGPONG 1
 #endif
 constexpr int kLag = WIDE_PINGPONG ? 1 : 0;
 // WIDE_REFILL_IN_QK: 1 issues a round's refill copies one by one between QK's k-steps, so the

@@ -26,12 +26,15 @@ ROWS_PER_CTA = 32           # the split kernel's, the default of choose_num_spli
 
 
 def choose_cta_rows(batch: int, heads: int, max_q_len: int) -> int:
-    """The kernel for a call's static shape (NOTES.md, session 7, H200): the 64-row kernel once
-    a request fills its 64 rows and the call has 256 rows or more (q16 h16: 0.92x the split
-    kernel's time at 64k; batch 32 q16 h8/h16 at 16k: 0.90x), else the 32-row split kernel
-    (q16 h8 at batch 1 ties at 64k and loses below; q8 h8 and decode lose)."""
+    """The kernel for a call's static shape (NOTES.md, sessions 7-8, H200): the 64-row kernel once
+    a request fills its 64 rows and the call has 128 rows or more, else the 32-row split kernel.
+    Since v17e the 64-row kernel is 0.84x the split kernel's time at q16 h8 64k and 0.80x at
+    q16 h16, and 1.02x / 1.20x at 16k / 4k, where both take under 45 us: a few us lost at short
+    contexts for tens gained at long ones. With 64 rows in the call (q8 h8 at batch 1) the gain
+    at 64k (0.94x) no longer pays for the loss below 16k (1.12-1.20x); decode stays on the split
+    kernel (8 rows a request)."""
     rows = heads * max_q_len
-    return 64 if rows >= 64 and batch * rows >= 256 else 32
+    return 64 if rows >= 64 and batch * rows >= 128 else 32
 
 
 def _fail(arg: str, msg: str):
