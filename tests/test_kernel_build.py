@@ -40,8 +40,8 @@ def test_kernel_choice_by_static_shape():
     assert choose_cta_rows(batch=1, heads=8, max_q_len=16) == 64     # q16 h8: 0.84x at 64k since v17e
     assert choose_cta_rows(batch=1, heads=16, max_q_len=16) == 64    # 0.92x at 64k
     assert choose_cta_rows(batch=32, heads=8, max_q_len=16) == 64    # 0.90x at 16k
-    assert choose_cta_rows(batch=1, heads=8, max_q_len=8) == 32      # q8 h8: 64 rows, loses below 16k
-    assert choose_cta_rows(batch=2, heads=8, max_q_len=8) == 64
+    assert choose_cta_rows(batch=1, heads=8, max_q_len=8) == 64      # q8 h8: 0.93x at 64k, 1.17x at 4k
+    assert choose_cta_rows(batch=64, heads=4, max_q_len=8) == 32     # 32 rows a request
     assert choose_cta_rows(batch=4, heads=8, max_q_len=8) == 64
     assert choose_cta_rows(batch=64, heads=8, max_q_len=1) == 32     # decode: 8 rows would fill 1/8 of a CTA
     ws = MlaVerifyWorkspace(64, 16, "cpu")

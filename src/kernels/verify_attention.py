@@ -27,14 +27,12 @@ ROWS_PER_CTA = 32           # the split kernel's, the default of choose_num_spli
 
 def choose_cta_rows(batch: int, heads: int, max_q_len: int) -> int:
     """The kernel for a call's static shape (NOTES.md, sessions 7-8, H200): the 64-row kernel once
-    a request fills its 64 rows and the call has 128 rows or more, else the 32-row split kernel.
-    Since v17e the 64-row kernel is 0.84x the split kernel's time at q16 h8 64k and 0.80x at
-    q16 h16, and 1.02x / 1.20x at 16k / 4k, where both take under 45 us: a few us lost at short
-    contexts for tens gained at long ones. With 64 rows in the call (q8 h8 at batch 1) the gain
-    at 64k (0.94x) no longer pays for the loss below 16k (1.12-1.20x); decode stays on the split
-    kernel (8 rows a request)."""
-    rows = heads * max_q_len
-    return 64 if rows >= 64 and batch * rows >= 128 else 32
+    a request fills its 64 rows, else the 32-row split kernel. Since v17e the 64-row kernel takes
+    0.84x the split kernel's time at q16 h8 64k, 0.80x at q16 h16 and 0.93x at q8 h8 (0.81x,
+    0.77x and 0.86x at 128k), and 1.15-1.17x at 4k, where both take under 35 us: a few us lost at
+    short contexts for tens gained at long ones, which is where the Triton path this kernel
+    replaces hurts. Decode (8 rows a request at h8) stays on the split kernel."""
+    return 64 if heads * max_q_len >= 64 else 32
 
 
 def _fail(arg: str, msg: str):
