@@ -132,14 +132,31 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
     from sm120_workbook.kernels.build import KERNEL_DIR
 
     src = tmp_path / "a.cu"
-    for name, v in VARIANTS.items():
-        src.write_text('#include "mla_verify.cuh"\n'
-                       f"template __global__ void sm120_mla::mla_verify_split_kernel<{v.tile_keys}>"
-                       "(const sm120_mla::Params);\n")
+    for name, v in VARIANTS.items():   # the 64-row variants build the wide kernel (its header), the others the split kernel
+        src.write_text(('#include "mla_verify_wide.cuh"\n' if v.cta_rows == 64 else
+                        '#include "mla_verify.cuh"\n'
+                        f"template __global__ void sm120_mla::mla_verify_split_kernel<{v.tile_keys}>"
+                        "(const sm120_mla::Params);\n"))
         proc = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-arch=sm_120a", *[f"-D{d}" for d in v.defines],
                                f"-I{KERNEL_DIR}", "-o", str(tmp_path / "a.cubin"), str(src)],
                               capture_output=True, text=True)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90"])
+def test_phase_trace_build_compiles_without_spills(tmp_path, arch):
+    """The WIDE_TRACE diagnostic build (phase_trace.py) must keep the wide kernel's registers."""
+    import subprocess
+
+    from sm120_workbook.kernels.build import KERNEL_DIR
+
+    src = tmp_path / "t.cu"
+    src.write_text('#include "mla_verify_wide.cuh"\n')
+    proc = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v", "-DWIDE_TRACE",
+                           f"-I{KERNEL_DIR}", "-o", str(tmp_path / "t.cubin"), str(src)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mla_verify_wide_kernel" in proc.stderr and " 0 bytes spill stores" in proc.stderr
 
 
 @pytest.mark.nvcc

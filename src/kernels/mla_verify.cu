@@ -107,6 +107,19 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The wide kernel's phase stamps from the last call of a WIDE_TRACE build (mla_verify_wide.cuh):
+// int64 [warps, rounds, events] of clock64() values, on the CPU.
+at::Tensor wide_phase_trace() {
+#ifdef WIDE_TRACE
+  namespace wide = sm120_mla::wide;
+  at::Tensor out = torch::empty({wide::kWarps, wide::kTraceRounds, wide::kTraceEvents}, torch::kLong);
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(out.data_ptr(), wide::wide_trace_clocks, out.numel() * sizeof(long long)));
+  return out;
+#else
+  TORCH_CHECK(false, "wide_phase_trace: this build records no trace; build it with defines=(\"WIDE_TRACE\",)");
+#endif
+}
+
 // One launch of the mma.sync ceiling kernel: out.numel() / threads_per_block blocks, each
 // warp doing iters x kPeakChains mma.sync m16n8k16 (2 * 16 * 8 * 16 flops each).
 void mma_sync_peak(at::Tensor& out, int64_t iters, int64_t threads_per_block) {

@@ -78,6 +78,18 @@ constexpr int kIndexAhead = 2 * kAhead + 1;
 constexpr int kWideIndexRing = 8;
 static_assert(kIndexAhead + 1 <= kWideIndexRing, "index ring too small");
 
+// WIDE_TRACE (a diagnostic build, off by default): lane 0 of every warp of CTA (0, 0, 0) stamps
+// clock64() at each phase boundary of its first kTraceRounds rounds; wide_phase_trace() (the
+// launcher) copies the stamps out and phase_trace.py turns them into phase lengths. Events of
+// round t, in program order: arrive at A, leave A, then the ends of the round's phases: QK, B,
+// SM, C, PV for row pair 0 (and both pairs in step); SM(t-1), C, PV(t-1), QK(t) for row pair 1
+// under ping-pong (its last slot unused).
+constexpr int kTraceRounds = 64;
+constexpr int kTraceEvents = 7;
+#ifdef WIDE_TRACE
+__device__ long long wide_trace_clocks[kWarps][kTraceRounds][kTraceEvents];
+#endif
+
 struct Shared {
   __nv_bfloat16 kv[kStages][kStageElems];
   // QK partial sums of each dim quarter, in the mma accumulator order: float4 t4 of a row holds
@@ -115,6 +127,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int pair = warp / kQuarters;                  // row pair: warps 0-3 and 4-7
   const int my_rows = pair * 32;                      // my warp's first row within the CTA's 64
   const int wrow0 = row0 + my_rows;
+  auto stamp = [&](int tile, int event) {
+#ifdef WIDE_TRACE
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && lane == 0 && tile >= 0 && tile < kTraceRounds)
+      wide_trace_clocks[warp][tile][event] = clock64();
+#endif
+  };
 
   const int64_t kv_start = prm.kv_indptr[b];
   const int prefix_len = prm.kv_indptr[b + 1] - static_cast<int>(kv_start);
@@ -324,7 +342,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const bool lagging = kPingPong && pair == 1;
   for (int tile = 0; tile < num_tiles + kLag; ++tile) {
     cp_async_wait<kAhead - 1>();    // my copies of tile `tile` (group `tile`) have landed
+    stamp(tile, 0);
     __syncthreads();                // A(tile): everyone's have; the stage refilled below is free
+    stamp(tile, 1);
     // Refill the stage of tile `tile - 1 - kLag` with tile `tile + kAhead` (past the split's end
     // it zero-fills a stage no round reads), during QK or before it.
     const Refill rf = plan_refill(tile + kAhead);
@@ -333,16 +353,25 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     if (lagging) {                  // SM(t-1), C, PV(t-1), QK(t): A(t) ordered the partials of t-1
       if (tile > 0) {
         softmax_rows(tile - 1);
+        stamp(tile, 2);
         barrier_sync(1 + pair, 128);   // C(tile-1)
+        stamp(tile, 3);
         pv(tile - 1);
+        stamp(tile, 4);
       }
       if (tile < num_tiles) qk(tile, rf);  // after C: the pair is done reading the partials of t-1
+      stamp(tile, 5);
     } else if (tile < num_tiles) {
       qk(tile, rf);
+      stamp(tile, 2);
       barrier_sync(1 + pair, 128);     // B(tile): the pair's partials are written
+      stamp(tile, 3);
       softmax_rows(tile);
+      stamp(tile, 4);
       barrier_sync(1 + pair, 128);     // C(tile): P and the rescale of the pair's 32 rows are written
+      stamp(tile, 5);
       pv(tile);
+      stamp(tile, 6);
     }
     stage_index(tile + kIndexAhead, true);
     cp_async_commit();              // group `tile + kAhead`: this round's copies

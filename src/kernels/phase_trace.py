@@ -1,0 +1,105 @@
+"""Where a round of the 64-row kernel goes, phase by phase, from clock64() stamps.
+
+    python -m sm120_workbook.kernels.phase_trace --heads 8 --q-len 16 --ctx 65536
+
+builds the wide kernel with WIDE_TRACE (lane 0 of every warp of CTA (0, 0, 0) stamps each phase
+boundary of its first 64 rounds; mla_verify_wide.cuh), runs one call and prints, per row pair,
+the median cycles of each phase of a round: the wait for barrier A, QK, the pair barriers, the
+softmax and P.V. Nsight Compute's stall samples say what the warps wait on; this says when,
+and whether the two row pairs' phases overlap as the schedule intends. The stamps cost a few
+instructions a phase, so the traced call is a little slower than the shipped build (the
+record carries both times).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+TRACE_DEFINE = "WIDE_TRACE"
+# Phase names of each event slot after "arrive A" (slot 0), in program order (mla_verify_wide.cuh).
+IN_STEP_PHASES = ("A wait", "QK", "B wait", "softmax", "C wait", "P.V")
+LAGGING_PHASES = ("A wait", "softmax(t-1)", "C wait", "P.V(t-1)", "QK")
+
+
+def phase_table(clocks: np.ndarray, warps_per_pair: int = 4, pingpong: bool = True, skip: int = 2) -> pd.DataFrame:
+    """Median cycles of each phase and of the whole round, per row pair, from stamps shaped
+    [warps, rounds, events] (0 where a round was not reached). Rounds with every stamp set
+    are used, leaving out the first `skip` (the ring filling) and the last (the tail)."""
+    clocks = np.asarray(clocks, dtype=np.int64)
+    if clocks.ndim != 3 or clocks.shape[0] % warps_per_pair:
+        raise ValueError(f"clocks: expected [warps, rounds, events] with warps a multiple of {warps_per_pair}, "
+                         f"got shape {clocks.shape}")
+    rows = []
+    for pair in range(clocks.shape[0] // warps_per_pair):
+        lagging = pingpong and pair == 1
+        names = LAGGING_PHASES if lagging else IN_STEP_PHASES
+        c = clocks[pair * warps_per_pair:(pair + 1) * warps_per_pair, :, :len(names) + 1]
+        done = (c > 0).all(axis=(0, 2))
+        rounds = np.flatnonzero(done)
+        if lagging:
+            rounds = rounds[rounds >= 1]   # round 0 of the lagging pair has no softmax or P.V
+        rounds = rounds[skip:-1] if len(rounds) > skip + 1 else rounds[:0]
+        if len(rounds) < 2:
+            raise ValueError(f"clocks: row pair {pair} has fewer than 2 complete rounds to measure")
+        steps = np.diff(c[:, rounds, :], axis=2)                          # [warps, rounds, phases]
+        period = c[:, rounds[1:], 0] - c[:, rounds[:-1], 0]                # arrive A to arrive A
+        row = {"row pair": pair, "schedule": "a phase behind" if lagging else "in order", "rounds": len(rounds)}
+        row.update({n: float(np.median(steps[:, :, i])) for i, n in enumerate(names)})
+        row["round"] = float(np.median(period))
+        rows.append(row)
+    cols = ["row pair", "schedule", "rounds", *dict.fromkeys(IN_STEP_PHASES + LAGGING_PHASES), "round"]
+    return pd.DataFrame(rows).reindex(columns=cols)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--q-len", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=65536)
+    ap.add_argument("--define", action="append", default=[], help="another build define, e.g. WIDE_PINGPONG=0")
+    ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
+    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_phase_trace.jsonl)")
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("the phase trace needs a CUDA GPU; none is visible to torch")
+    from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
+    from .build import load_kernel_module
+
+    defines = tuple(a.define) + (TRACE_DEFINE,)
+    shape = Shape(a.batch, a.heads, a.q_len, a.ctx)
+    x = Inputs(shape)
+    traced = build_sm120_mla(x, kernel_defines=defines, cta_rows=64)
+    shipped = build_sm120_mla(x, kernel_defines=tuple(a.define), cta_rows=64)
+    times = {"traced_us": time_graph_us(traced)["time_us"], "untraced_us": time_graph_us(shipped)["time_us"]}
+    traced()
+    torch.cuda.synchronize()
+    clocks = load_kernel_module(defines=defines).wide_phase_trace().numpy()
+    table = phase_table(clocks, pingpong="WIDE_PINGPONG=0" not in a.define)
+    print(f"b{a.batch} h{a.heads} q{a.q_len} ctx {a.ctx}, 64-row kernel, defines {list(a.define) or 'none'}: "
+          f"{times['traced_us']:.1f} us traced, {times['untraced_us']:.1f} us without the stamps; "
+          f"median cycles per 16-key round of CTA (0, 0, 0):")
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.0f}"))
+    if a.no_record:
+        return
+    from ..results import append_records
+
+    records = [{k: v for k, v in r.items() if not (isinstance(v, float) and np.isnan(v))}
+               | {"impl": "sm120_mla", **shape.__dict__, "cta_rows": 64, "defines": list(a.define), **times,
+                  "kernel_version": a.tag}
+               for r in table.to_dict("records")]
+    path = append_records("kernel_phase_trace", records,
+                          command="python -m sm120_workbook.kernels.phase_trace " + " ".join(argv or sys.argv[1:]),
+                          path=Path(a.out) if a.out else None)
+    print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""phase_trace.phase_table: the wide kernel's clock64() stamps turned into phase lengths."""
+import numpy as np
+import pytest
+
+from sm120_workbook.kernels.phase_trace import phase_table
+
+
+def synthetic(rounds=10, pingpong=True, steps_in_order=(10, 100, 20, 200, 30, 90), steps_lagging=(15, 210, 25, 95, 105),
+              reached=None):
+    """Stamps of 8 warps whose phases take the given cycles every round (+ a warp offset)."""
+    clocks = np.zeros((8, 64, 7), dtype=np.int64)
+    for w in range(8):
+        lag = pingpong and w >= 4
+        steps = steps_lagging if lag else steps_in_order
+        t = 1000 + w
+        for r in range(reached or rounds):
+            clocks[w, r, 0] = t
+            for i, d in enumerate(steps):
+                clocks[w, r, i + 1] = clocks[w, r, i] + d
+            t += 500   # the round, arrive A to arrive A
+    return clocks
+
+
+def test_phase_lengths_and_round_per_row_pair():
+    t = phase_table(synthetic()).set_index("row pair")
+    assert t.loc[0, "schedule"] == "in order" and t.loc[1, "schedule"] == "a phase behind"
+    assert t.loc[0, ["A wait", "QK", "B wait", "softmax", "C wait", "P.V"]].tolist() == [10, 100, 20, 200, 30, 90]
+    assert t.loc[1, ["A wait", "softmax(t-1)", "C wait", "P.V(t-1)", "QK"]].tolist() == [15, 210, 25, 95, 105]
+    assert np.isnan(t.loc[1, "B wait"])          # the lagging pair has no B barrier
+    assert t["round"].tolist() == [500, 500]
+    # rounds used: complete ones, minus 2 of ring fill and the last; the lagging pair also drops round 0
+    assert t["rounds"].tolist() == [7, 6]
+
+
+def test_in_step_build_labels_both_pairs_in_order():
+    t = phase_table(synthetic(pingpong=False), pingpong=False)
+    assert t["schedule"].tolist() == ["in order", "in order"] and t["QK"].tolist() == [100, 100]
+
+
+def test_rounds_never_reached_are_left_out():
+    short = synthetic(reached=6)
+    assert phase_table(short)["round"].tolist() == [500, 500]
+
+
+def test_too_few_rounds_or_a_wrong_shape_raise():
+    with pytest.raises(ValueError, match="fewer than 2 complete rounds"):
+        phase_table(synthetic(reached=3))
+    with pytest.raises(ValueError, match="clocks"):
+        phase_table(np.zeros((7, 64, 7)))
