@@ -55,6 +55,24 @@ def phase_table(clocks: np.ndarray, warps_per_pair: int = 4, pingpong: bool = Tr
     return pd.DataFrame(rows).reindex(columns=cols)
 
 
+def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536) -> pd.DataFrame:
+    """The recorded phase traces of one shape (data/results/kernel_phase_trace.jsonl): the newest
+    of each build and row pair, the shipped build first; cycles of each phase and the round."""
+    from ..results import load_records
+
+    df = load_records("kernel_phase_trace") if df is None else df
+    if len(df) == 0:
+        return pd.DataFrame()
+    df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx)].copy()
+    df["build"] = [", ".join(d) if len(d) else "(shipped build)" for d in df["defines"]]
+    df = df.sort_values("date").groupby(["build", "row pair"]).tail(1)
+    cols = ["build", "row pair", "schedule", *dict.fromkeys(IN_STEP_PHASES + LAGGING_PHASES), "round", "untraced_us"]
+    builds = list(df.drop_duplicates("build")["build"])   # the shipped build first, the others as recorded
+    order = {b: (b != "(shipped build)", i) for i, b in enumerate(builds)}
+    return (df.assign(_o=df["build"].map(order)).sort_values(["_o", "row pair"]).reindex(columns=cols)
+            .rename(columns={"untraced_us": "us untraced"}).reset_index(drop=True))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
