@@ -63,3 +63,13 @@ def test_recorded_table_keeps_the_newest_trace_of_each_build():
     assert t["build"].tolist() == ["(shipped build)", "ABLATE_NO_LOADS"]
     assert t["QK"].tolist() == [700.0, 800.0]
     assert recorded_table(pd.DataFrame()).empty
+
+
+def test_cli_without_a_gpu_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the CLI would run the traced kernel (the GPU machine's scripts do)")
+    from sm120_workbook.kernels.phase_trace import main
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["--heads", "16", "--no-record"])

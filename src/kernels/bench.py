@@ -39,6 +39,19 @@ class Shape:
     ctx: int       # committed context per request (prefix keys); the draft adds q_len keys
 
 
+def add_shape_args(ap) -> None:
+    """--batch, --heads, --q-len and --ctx for a one-shape tool (profile, phase_trace); the
+    default is the workbook's headline shape, b1 h8 q16 at 64k."""
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--q-len", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=65536)
+
+
+def shape_from_args(a) -> Shape:
+    return Shape(a.batch, a.heads, a.q_len, a.ctx)
+
+
 class Inputs:
     """One verify step's tensors, shared by every implementation (random, never zeros)."""
 

@@ -74,11 +74,10 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536) -
 
 
 def main(argv=None) -> None:
+    from .bench import add_shape_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--q-len", type=int, default=16)
-    ap.add_argument("--ctx", type=int, default=65536)
+    add_shape_args(ap)
     ap.add_argument("--define", action="append", default=[], help="another build define, e.g. WIDE_PINGPONG=0")
     ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
     ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_phase_trace.jsonl)")
@@ -88,11 +87,11 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("the phase trace needs a CUDA GPU; none is visible to torch")
-    from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
+    from .bench import Inputs, build_sm120_mla, shape_from_args, time_graph_us
     from .build import load_kernel_module
 
     defines = tuple(a.define) + (TRACE_DEFINE,)
-    shape = Shape(a.batch, a.heads, a.q_len, a.ctx)
+    shape = shape_from_args(a)
     x = Inputs(shape)
     traced = build_sm120_mla(x, kernel_defines=defines, cta_rows=64)
     shipped = build_sm120_mla(x, kernel_defines=tuple(a.define), cta_rows=64)

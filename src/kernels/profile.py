@@ -15,15 +15,12 @@ import argparse
 
 import torch
 
-from .bench import Inputs, Shape, build_sm120_mla
+from .bench import Inputs, add_shape_args, build_sm120_mla, shape_from_args
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--q-len", type=int, default=16)
-    ap.add_argument("--ctx", type=int, default=65536)
+    add_shape_args(ap)
     ap.add_argument("--tile-keys", type=int, default=None)
     ap.add_argument("--cta-rows", type=int, choices=(32, 64), default=None,
                     help="fix the kernel: 32 (split) or 64 (wide); default: the workspace's choice for the shape")
@@ -31,7 +28,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profiling needs a CUDA GPU; none is visible to torch")
-    x = Inputs(Shape(a.batch, a.heads, a.q_len, a.ctx))
+    x = Inputs(shape_from_args(a))
     fn = build_sm120_mla(x, tile_keys=a.tile_keys, kernel_defines=tuple(a.define), cta_rows=a.cta_rows)
     for _ in range(3):
         fn()
