@@ -104,3 +104,19 @@ def test_default_rows_follow_the_kernel_the_workspace_picks():
     for rows, want in ((new_run, 186.0), (old_run, 201.0), (decode_run, 52.0), (policy_then, 108.0)):
         t = default_rows(pd.DataFrame(rows))
         assert t["time_us"].tolist() == [want]
+
+
+def test_comparison_run_skips_kernel_only_runs():
+    import pandas as pd
+    import pytest
+
+    from sm120_workbook.kernels.bench_report import comparison_run
+
+    rows = [dict(run_id="a", impl="sm120_mla"), dict(run_id="a", impl="flashmla"),
+            dict(run_id="b", impl="sm120_mla")]            # newer, kernel-only
+    df = pd.DataFrame(rows)
+    assert set(comparison_run(df)["run_id"]) == {"a"}
+    assert set(comparison_run(df, "b")["run_id"]) == {"b"}
+    assert set(comparison_run(df[df.run_id == "b"])["run_id"]) == {"b"}   # nothing compares: the newest
+    with pytest.raises(ValueError, match="bench_run"):
+        comparison_run(df, "zzz")

@@ -28,6 +28,21 @@ def latest_run(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["run_id"] == sorted(df["run_id"].unique())[-1]].copy()
 
 
+def comparison_run(df: pd.DataFrame, run_id: str = "") -> pd.DataFrame:
+    """The records of run `run_id`, or by default of the newest run that timed other
+    implementations beside sm120_mla. Kernel-only runs (`--impls sm120_mla`, made to check a
+    kernel change) are left out of the default, since the notebook's tables compare."""
+    if df.empty:
+        return df
+    if run_id:
+        if run_id not in set(df["run_id"]):
+            raise ValueError(f"bench_run: no run {run_id!r} recorded; newest: {sorted(set(df['run_id']))[-3:]}")
+        return df[df["run_id"] == run_id].copy()
+    compared = df.groupby("run_id")["impl"].agg(lambda s: (s != "sm120_mla").any())
+    ids = sorted(compared[compared].index)
+    return latest_run(df) if not ids else df[df["run_id"] == ids[-1]].copy()
+
+
 def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
     """`run` plus, for each baseline impl it lacks (e.g. a run made without SGLang's Triton
     kernels installed), that impl's rows from the newest run that has it. Their `run_id`
