@@ -194,6 +194,7 @@ def test_gpu_check_profile_job_is_timed_and_reads_its_own_export(tmp_path):
     script = prof[1][2]
     assert "sm120_workbook.kernels.profile" in script and str(tmp_path / "prof_sass.csv") in script
     assert "sm120_workbook.kernels.sass_profile" in script
+    assert "regex:wide_kernel" in script and "--kernel wide_kernel" in script   # the headline shape's kernel
 
 
 def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):
@@ -201,8 +202,8 @@ def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):
 
     js = jobs(tmp_path, "vX")
     names = {j[0] for j in js}
-    assert {"tests", "sanitizer", "bench", "ablation"} <= names
-    assert all("--tag" in j[1] for j in js if j[0] in ("bench", "ablation"))
+    assert {"tests", "sanitizer", "bench", "ablation", "phase_trace"} <= names
+    assert all("--tag" in j[1] for j in js if j[0] in ("bench", "ablation", "phase_trace"))
     for gpus in (1, 2, 4, 8):
         queues = assign(js, gpus)
         assert sorted(j[0] for q in queues for j in q) == sorted(names)   # every job once
@@ -210,7 +211,7 @@ def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):
             timed = [i for i, j in enumerate(q) if j[2]]
             assert all(i >= len(q) - len(timed) for i in timed)
     four = assign(js, 4)
-    assert [sum(j[2] for j in q) for q in four].count(1) == 2 and all(sum(j[2] for j in q) <= 1 for q in four)
+    assert [sum(j[2] for j in q) for q in four].count(1) == 3 and all(sum(j[2] for j in q) <= 1 for q in four)
 
 
 def test_gpu_check_runs_the_queues_and_merges_the_logs(tmp_path, monkeypatch):

@@ -2,11 +2,11 @@
 
 Device time is scarce (minutes per session), so the checks that a kernel change needs run
 side by side: the correctness tests, the three compute-sanitizer tools, the SGLang backend
-tests (where SGLang imports), the benchmark, the ablation and, with --ncu, an Nsight
-Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their
+tests (where SGLang imports), the benchmark, the ablation, the 64-row kernel's phase trace
+and, with --ncu, an Nsight Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their
 own where there are enough GPUs; otherwise jobs share GPUs in turn. The records land in
 --out, and the jobs' logs end up in one file, gpu_check.log (the device machine returns
-at most 8 files: records and the profile CSV are at most five more), with a summary of
+at most 8 files: records and the profile CSV are at most six more), with a summary of
 which passed.
 
     python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu]
@@ -45,15 +45,21 @@ def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, 
          + tag_args, True),
         ("ablation", [py, "-m", "sm120_workbook.kernels.ablation", "--out", str(out / "kernel_ablation.jsonl")]
          + tag_args, True),
+        # the 64-row kernel's round phase by phase (clock64() stamps of a WIDE_TRACE build)
+        ("phase_trace", [py, "-m", "sm120_workbook.kernels.phase_trace", "--out", str(out / "kernel_phase_trace.jsonl")]
+         + tag_args, True),
     ]
     if importlib.util.find_spec("sglang") is not None:
         out_jobs.insert(2, ("backend", pytest + ["tests/test_backend_gpu.py"], False))
-    if ncu:   # one launch of the split kernel at b1 q16 h8 64k, its SASS with stall samples
+    if ncu:   # one launch at b1 q16 h8 64k of the kernel the workspace picks there, its SASS with stall samples
+        from .verify_attention import choose_cta_rows
+
+        kernel = "wide_kernel" if choose_cta_rows(1, 8, 16) == 64 else "split_kernel"
         rep, csv = "/tmp/sm120_prof", str(out / "prof_sass.csv")
-        script = (f"{shlex.quote(ncu)} --profile-from-start off --set full --import-source yes -k regex:split "
+        script = (f"{shlex.quote(ncu)} --profile-from-start off --set full --import-source yes -k regex:{kernel} "
                   f"-o {rep} -f {shlex.quote(py)} -m sm120_workbook.kernels.profile && "
                   f"{shlex.quote(ncu)} --import {rep}.ncu-rep --page source --csv --print-source sass > {shlex.quote(csv)} && "
-                  f"{shlex.quote(py)} -m sm120_workbook.kernels.sass_profile {shlex.quote(csv)}")
+                  f"{shlex.quote(py)} -m sm120_workbook.kernels.sass_profile {shlex.quote(csv)} --kernel {kernel}")
         out_jobs.append(("profile", ["bash", "-c", script], True))
     return out_jobs
 
