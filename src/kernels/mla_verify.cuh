@@ -438,26 +438,46 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     }
     return prm.kv_pool + row * kDimQK;
   };
+  // The refill's copies are predicated rather than branched around (as in the wide kernel,
+  // v17e): a branchy refill is a chain of dependent address arithmetic in the value warps'
+  // round, which set the pace (ncu, NOTES.md session 8).
   auto stage_index = [&](int tile, bool async) {  // one thread per key row
     const int key = tile_key(tile);
-    if (ld_part != 0 || tile >= num_tiles || key >= prefix_end) return;
+    const bool copy = ld_part == 0 && tile < num_tiles && key < prefix_end;
     int64_t* dst = &sm.index[tile % kIndexRing][ld_key];
+    if (!async) {   // the prologue's plain loads
+      if (copy) *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+      return;
+    }
 #ifdef ABLATE_NO_INDEX   // with ABLATE_NO_LOADS: what is left is the barriers and the loop itself
-    if (async) return;
+    return;
 #endif
-    if (!async)
-      *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-    else if (prm.kv_indices_64)
-      cp_async_small<8>(dst, index_src(key));
-    else
-      cp_async_small<4>(dst, index_src(key));
+    cp_async_small_if<8>(dst, index_src(key), copy && prm.kv_indices_64);
+    cp_async_small_if<4>(dst, index_src(key), copy && !prm.kv_indices_64);
+  };
+  // A refill's key row from its staged index, branch-free: `live` is false past key_end (the
+  // copies then zero-fill from a valid address). The staged index is stale unless the key is a
+  // live prefix key, and used only then.
+  struct RowRef {
+    const __nv_bfloat16* row;
+    bool live;
+  };
+  auto staged_row = [&](int tile) {
+    const int key = tile_key(tile);
+    const bool live = tile < num_tiles && key < key_end;
+    const int64_t v = sm.index[tile % kIndexRing][ld_key];
+    const int64_t pool_row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
+    const bool extend = key >= prefix_len;
+    const int64_t row = static_cast<int64_t>(select_u64(extend, static_cast<uint64_t>(q_start + key - prefix_len),
+                                                        static_cast<uint64_t>(pool_row)));
+    const __nv_bfloat16* base = select_ptr(extend, prm.k_extend, prm.kv_pool);
+    return RowRef{select_ptr(live, base + row * kDimQK, prm.kv_pool), live};
   };
   // One base address and constant offsets per thread, so each cp.async is one instruction.
   // A missing row copies 0 bytes (zero-fill) from a valid address.
   // Steps [first, end) of the row's kLoadSteps copies (SPLIT_LOADS gives the score warps the upper ones).
-  auto load_tile = [&](const __nv_bfloat16* row, int stage, int first, int end) {
-    const bool valid = row != nullptr;
-    const __nv_bfloat16* src = (valid ? row : prm.kv_pool) + ld_part * 8;
+  auto copy_row = [&](RowRef r, int stage, int first, int end) {
+    const __nv_bfloat16* src = r.row + ld_part * 8;
     __nv_bfloat16* dst = &sm.kv[stage][ld_key * kKvRowStride + ld_part * 8];
 #ifdef ABLATE_NO_LOADS
     return;
@@ -465,9 +485,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
     for (int j = 0; j < Cfg::kLoadSteps; ++j) {
       const int step = Cfg::kLoadThreadsPerKey * 8 * j;
-      if (j >= first && j < end && ld_part + Cfg::kLoadThreadsPerKey * j < kChunksPerKey)
-        cp_async_16(dst + step, src + step, valid);
+      if (j >= first && j < end)
+        cp_async_16_if(dst + step, src + step, r.live, ld_part + Cfg::kLoadThreadsPerKey * j < kChunksPerKey);
     }
+  };
+  auto load_tile = [&](const __nv_bfloat16* row, int stage, int first, int end) {   // the prologue's rows
+    copy_row(RowRef{row != nullptr ? row : prm.kv_pool, row != nullptr}, stage, first, end);
   };
   auto prefetch_rows = [&](const __nv_bfloat16* row) {   // the key row's 9 lines of 128 B
     if (row == nullptr) return;
@@ -483,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   constexpr int kScoreFirstStep = kSplitLoads ? Cfg::kLoadSteps - Cfg::kLoadSteps * 4 / 9 : Cfg::kLoadSteps;
   auto refill = [&](int done) {
     const int next = done + kStages;
-    if (next < num_tiles) load_tile(row_of(next, true), done % kStages, 0, kScoreFirstStep);
+    copy_row(staged_row(next), done % kStages, 0, kScoreFirstStep);   // past the end: zero-fills a free stage
     stage_index(next + kIndexAhead, true);
     cp_async_commit();
     if (kPrefetchAhead > 0) prefetch_rows(row_of(next + kPrefetchAhead, true));
@@ -492,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   // The score warps' share of the refill (SPLIT_LOADS): the same tile, the upper copies.
   auto score_refill = [&](int done) {
     const int next = done + kStages;
-    if (next < num_tiles) load_tile(row_of(next, true), done % kStages, kScoreFirstStep, Cfg::kLoadSteps);
+    copy_row(staged_row(next), done % kStages, kScoreFirstStep, Cfg::kLoadSteps);
     cp_async_commit();
   };
 
