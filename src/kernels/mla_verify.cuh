@@ -438,9 +438,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     }
     return prm.kv_pool + row * kDimQK;
   };
-  // The refill's copies are predicated rather than branched around (as in the wide kernel,
-  // v17e): a branchy refill is a chain of dependent address arithmetic in the value warps'
-  // round, which set the pace (ncu, NOTES.md session 8).
+  // The refill's copies are predicated rather than branched around, as in the wide kernel
+  // (v17e): one straight-line block. Here that times within 1.5% of the branchy version (v16e,
+  // NOTES.md session 8): the value warps' refill waits on the load units taking the copies
+  // (ncu: a long-scoreboard stall right after them), not on the address arithmetic.
   auto stage_index = [&](int tile, bool async) {  // one thread per key row
     const int key = tile_key(tile);
     const bool copy = ld_part == 0 && tile < num_tiles && key < prefix_end;
