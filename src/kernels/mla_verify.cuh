@@ -212,6 +212,20 @@ template <typename T>
 __device__ __forceinline__ T* select_ptr(bool a, T* x, T* y) {
   return reinterpret_cast<T*>(select_u64(a, reinterpret_cast<uint64_t>(x), reinterpret_cast<uint64_t>(y)));
 }
+// A refill's key row, branch-free (both kernels): the k_extend row of a draft key (key >=
+// prefix_len), else the pool row of `staged`, the key's kv_indices entry as staged in shared
+// memory (an int32 entry fills its low half). `staged` is stale unless the key is a live prefix
+// key, and used only then. Not `live` (past the split's end): kv_pool itself, so the copies
+// that zero-fill still name a valid address.
+__device__ __forceinline__ const __nv_bfloat16* staged_key_row(const Params& prm, int64_t staged, int key,
+                                                               int prefix_len, int q_start, bool live) {
+  const int64_t pool_row = prm.kv_indices_64 ? staged : static_cast<int64_t>(static_cast<int32_t>(staged & 0xffffffff));
+  const bool extend = key >= prefix_len;
+  const int64_t row = static_cast<int64_t>(select_u64(extend, static_cast<uint64_t>(q_start + key - prefix_len),
+                                                      static_cast<uint64_t>(pool_row)));
+  const __nv_bfloat16* base = select_ptr(extend, prm.k_extend, prm.kv_pool);
+  return select_ptr(live, base + row * kDimQK, prm.kv_pool);
+}
 // 4- or 8-byte asynchronous copy (kv_indices entries).
 template <int BYTES>
 __device__ __forceinline__ void cp_async_small(void* smem, const void* gmem) {
@@ -269,6 +283,20 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// Stage the kv_indices entry of `key` in shared memory (one thread per key row), where `copy`:
+// a plain load (a prologue) or a predicated 4- or 8-byte cp.async (an int32 entry fills the
+// low half; the reader masks the rest).
+__device__ __forceinline__ void stage_key_index(const Params& prm, int64_t* dst, int64_t kv_start, int key, bool copy,
+                                                bool async) {
+  if (!async) {
+    if (copy) *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
+    return;
+  }
+  const char* src = static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
+  cp_async_small_if<8>(dst, src, copy && prm.kv_indices_64);
+  cp_async_small_if<4>(dst, src, copy && !prm.kv_indices_64);
 }
 
 // Helpers shared by the split kernel and the wide kernel (mla_verify_wide.cuh).
@@ -421,9 +449,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int ld_key = gtid / Cfg::kLoadThreadsPerKey, ld_part = gtid % Cfg::kLoadThreadsPerKey;
   const int prefix_end = min(key_end, prefix_len);   // keys below it come through kv_indices
   auto tile_key = [&](int tile) { return key_begin + key_tile(tile) * KEYS + ld_key; };
-  auto index_src = [&](int key) {
-    return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
-  };
   // This thread's key row of a tile: a pool row, a k_extend row, or nullptr past key_end.
   auto row_of = [&](int tile, bool staged) -> const __nv_bfloat16* {  // staged: index in sm.index
     const int key = tile_key(tile);
@@ -445,20 +470,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   auto stage_index = [&](int tile, bool async) {  // one thread per key row
     const int key = tile_key(tile);
     const bool copy = ld_part == 0 && tile < num_tiles && key < prefix_end;
-    int64_t* dst = &sm.index[tile % kIndexRing][ld_key];
-    if (!async) {   // the prologue's plain loads
-      if (copy) *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-      return;
-    }
 #ifdef ABLATE_NO_INDEX   // with ABLATE_NO_LOADS: what is left is the barriers and the loop itself
-    return;
+    if (async) return;
 #endif
-    cp_async_small_if<8>(dst, index_src(key), copy && prm.kv_indices_64);
-    cp_async_small_if<4>(dst, index_src(key), copy && !prm.kv_indices_64);
+    stage_key_index(prm, &sm.index[tile % kIndexRing][ld_key], kv_start, key, copy, async);
   };
-  // A refill's key row from its staged index, branch-free: `live` is false past key_end (the
-  // copies then zero-fill from a valid address). The staged index is stale unless the key is a
-  // live prefix key, and used only then.
+  // A refill's key row from its staged index (`live` false past key_end: the copies zero-fill).
   struct RowRef {
     const __nv_bfloat16* row;
     bool live;
@@ -466,13 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   auto staged_row = [&](int tile) {
     const int key = tile_key(tile);
     const bool live = tile < num_tiles && key < key_end;
-    const int64_t v = sm.index[tile % kIndexRing][ld_key];
-    const int64_t pool_row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
-    const bool extend = key >= prefix_len;
-    const int64_t row = static_cast<int64_t>(select_u64(extend, static_cast<uint64_t>(q_start + key - prefix_len),
-                                                        static_cast<uint64_t>(pool_row)));
-    const __nv_bfloat16* base = select_ptr(extend, prm.k_extend, prm.kv_pool);
-    return RowRef{select_ptr(live, base + row * kDimQK, prm.kv_pool), live};
+    return RowRef{staged_key_row(prm, sm.index[tile % kIndexRing][ld_key], key, prefix_len, q_start, live), live};
   };
   // One base address and constant offsets per thread, so each cp.async is one instruction.
   // A missing row copies 0 bytes (zero-fill) from a valid address.

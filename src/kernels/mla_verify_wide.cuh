@@ -163,19 +163,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   // (ncu, NOTES.md session 8).
   const int ld_key = tid / kLoadThreadsPerKey, ld_part = tid % kLoadThreadsPerKey;
   const int prefix_end = min(key_end, prefix_len);
-  auto index_src = [&](int key) {
-    return static_cast<const char*>(prm.kv_indices) + (kv_start + key) * (prm.kv_indices_64 ? 8 : 4);
-  };
   auto stage_index = [&](int tile, bool async) {  // one thread per key row
     const int key = key_begin + tile * kKeys + ld_key;
     const bool copy = ld_part == 0 && tile < num_tiles && key < prefix_end;
-    int64_t* dst = &sm.index[tile % kWideIndexRing][ld_key];
-    if (!async) {   // the prologue's plain loads
-      if (copy) *dst = load_index(prm.kv_indices, kv_start + key, prm.kv_indices_64);
-      return;
-    }
-    cp_async_small_if<8>(dst, index_src(key), copy && prm.kv_indices_64);
-    cp_async_small_if<4>(dst, index_src(key), copy && !prm.kv_indices_64);
+    stage_key_index(prm, &sm.index[tile % kWideIndexRing][ld_key], kv_start, key, copy, async);
   };
   // A refill's copies: the key row this thread gathers (16 B a step) into stage tile % kStages;
   // a missing row (past the split's end) zero-fills from a valid address.
@@ -187,14 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   auto plan_refill = [&](int tile) {
     const int key = key_begin + tile * kKeys + ld_key;
     const bool live = tile < num_tiles && key < key_end;
-    // Stale unless the key is a live prefix key, and used only then.
-    const int64_t v = sm.index[tile % kWideIndexRing][ld_key];
-    const int64_t pool_row = prm.kv_indices_64 ? v : static_cast<int64_t>(static_cast<int32_t>(v & 0xffffffff));
-    const bool extend = key >= prefix_len;
-    const int64_t row = static_cast<int64_t>(select_u64(extend, static_cast<uint64_t>(q_start + key - prefix_len),
-                                                        static_cast<uint64_t>(pool_row)));
-    const __nv_bfloat16* base = select_ptr(extend, prm.k_extend, prm.kv_pool);
-    return Refill{select_ptr(live, base + row * kDimQK, prm.kv_pool) + ld_part * 8,
+    return Refill{staged_key_row(prm, sm.index[tile % kWideIndexRing][ld_key], key, prefix_len, q_start, live) + ld_part * 8,
                   &sm.kv[tile % kStages][ld_key * kKvRowStride + ld_part * 8], live};
   };
   auto copy_step = [&](const Refill& r, int j) {   // step j of kLoadSteps

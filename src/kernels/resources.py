@@ -34,6 +34,9 @@ def _nvcc() -> str:
     return exe
 
 
+COMBINE_GROUPS = (1, 4, 16)   # the combine step's instantiations (combine_groups in mla_verify.cuh)
+
+
 def _kernel_label(mangled: str) -> str | None:
     """Readable names: mla_verify_split_kernel<16> mangles to ...ILi16E..."""
     if "mla_verify_split_kernel" in mangled:
@@ -43,7 +46,7 @@ def _kernel_label(mangled: str) -> str | None:
     if "mla_verify_wide_kernel" in mangled:
         return "mla_verify_wide_kernel"
     if "mla_verify_combine_kernel" in mangled:
-        for groups in (1, 4, 16):
+        for groups in COMBINE_GROUPS:
             if f"ILi{groups}E" in mangled:
                 return f"mla_verify_combine_kernel<{groups}>"
     return None   # a device function (cta_sync), not a kernel
@@ -57,7 +60,7 @@ def ptxas_report(arch: str) -> dict[str, dict]:
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n'
                        + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}>(const sm120_mla::Params);\n'
-                                 for g in (1, 4, 16)))
+                                 for g in COMBINE_GROUPS))
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
                                f"-I{KERNEL_DIR}", "-o", str(Path(tmp) / "k.cubin"), str(src)],
                               capture_output=True, text=True)
