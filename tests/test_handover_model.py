@@ -140,6 +140,17 @@ def test_checker_catches_a_wide_pingpong_refill_of_the_stage_pair_1_still_multip
         check_wide(9, 4, pingpong=True, refill_lag=0, refill_in_qk=refill_in_qk)
 
 
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("stages", [3, 4])
+def test_wide_fused_round_is_race_free(num_tiles, stages):
+    check_wide(num_tiles, stages, fused=True)
+
+
+def test_checker_catches_a_wide_fused_refill_of_the_stage_still_multiplied():
+    with pytest.raises(ProtocolError, match="race on"):
+        check_wide(9, 4, fused=True, refill_lag=0)
+
+
 def test_checker_catches_a_wide_in_step_refill_of_the_stage_being_read():
     with pytest.raises(ProtocolError, match="race on"):
         check_wide(9, 4, pingpong=False, refill_lag=-1)

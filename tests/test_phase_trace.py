@@ -73,3 +73,20 @@ def test_cli_without_a_gpu_says_so():
 
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["--heads", "16", "--no-record"])
+
+
+def test_fused_build_names_the_merged_phase():
+    clocks = synthetic(steps_in_order=(10, 300, 20, 200, 30), steps_lagging=(15, 210, 25, 310))
+    t = phase_table(clocks, fused=True).set_index("row pair")
+    assert t.loc[0, ["A wait", "QK+P.V(t-1)", "B wait", "softmax", "C wait"]].tolist() == [10, 300, 20, 200, 30]
+    assert t.loc[1, ["A wait", "softmax(t-1)", "C wait", "QK+P.V(t-1)"]].tolist() == [15, 210, 25, 310]
+    assert "P.V" not in t.columns and "QK" not in t.columns
+
+
+def test_build_schedule_reads_the_source_defaults_and_the_defines():
+    from sm120_workbook.kernels.phase_trace import build_schedule
+
+    default = build_schedule()
+    assert set(default) == {"pingpong", "fused"}
+    assert build_schedule(["WIDE_PINGPONG=0", "WIDE_FUSED=1"]) == {"pingpong": False, "fused": True}
+    assert build_schedule(["WIDE_FUSED=0"])["pingpong"] == default["pingpong"]

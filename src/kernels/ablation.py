@@ -93,6 +93,12 @@ VARIANTS = {
     "wide_no_softmax": Variant(("ABLATE_NO_SOFTMAX",), cta_rows=64),
     "wide_handovers_only": Variant(("ABLATE_NO_LOADS",) + _MATH, cta_rows=64),
     "wide_stages3": Variant(("WIDE_STAGES=3",), cta_rows=64),
+    # v17f: each warp's QK(t) and P.V(t-1) as one instruction stream (WIDE_FUSED), so P.V's
+    # independent mma.sync fill the gaps in QK's four accumulator chains
+    "wide_fused": Variant(("WIDE_FUSED=1",), cta_rows=64),
+    "wide_fused_lockstep": Variant(("WIDE_FUSED=1", "WIDE_PINGPONG=0"), cta_rows=64),
+    "wide_fused_no_loads": Variant(("WIDE_FUSED=1", "ABLATE_NO_LOADS"), cta_rows=64),
+    "wide_fused_stages3": Variant(("WIDE_FUSED=1", "WIDE_STAGES=3"), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

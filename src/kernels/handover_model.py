@@ -211,17 +211,20 @@ WIDE_A = 0
 
 
 def wide_pair_steps(pair: int, num_tiles: int, stages: int, pingpong: bool = False, refill_lag: int | None = None,
-                    refill_in_qk: bool = True):
+                    refill_in_qk: bool = True, fused: bool = False):
     """Row pair `pair`'s accesses to the ring, in the kernel's order: it copies its half of each
     tile's keys (buffer ("stage", slot, pair)) and reads both halves. Round t refills the stage of
     tile t-1-lag with tile t+ahead, past the split's end too (zero-fill), either between QK's
     k-steps (`refill_in_qk`, the default build) or right after barrier A. With ping-pong, pair 1
     multiplies tile t-1 and scores tile t in round t, so round t refills the stage of tile t-2
     (lag 1). `refill_lag` 0 with ping-pong refills tile t-1's stage, which pair 1 still reads:
-    a deliberate bug, for testing the checker."""
-    lag = 1 if pingpong else 0
-    if pingpong and stages < 3:
-        raise ValueError("ping-pong needs 3 or more stages")
+    a deliberate bug, for testing the checker.
+    `fused` (WIDE_FUSED) is the round in which every warp multiplies tile t-1 while it scores
+    tile t, in one instruction stream (the refill between QK's k-steps): lag 1 for both pairs,
+    whichever order a pair runs its softmax in."""
+    lag = 1 if (pingpong or fused) else 0
+    if lag and stages < 3:
+        raise ValueError("ping-pong and the fused round need 3 or more stages")
     refill_lag = lag if refill_lag is None else refill_lag
     ahead = stages - 1 - refill_lag
 
@@ -231,6 +234,15 @@ def wide_pair_steps(pair: int, num_tiles: int, stages: int, pingpong: bool = Fal
 
     for s in range(min(ahead, num_tiles)):
         yield "write", ("stage", s, pair)            # prologue
+    if fused:
+        for t in range(num_tiles + 1):
+            yield "sync", WIDE_A                     # A(t): tile t landed
+            if t < num_tiles:
+                yield "write", ("stage", (t + ahead) % stages, pair)   # between QK(t)'s k-steps
+                yield from read(t)                   # QK(t)
+            if t > 0:
+                yield from read(t - 1)               # PV(t-1), in the same stream
+        return
     lagging = pingpong and pair == 1
     for t in range(num_tiles + lag):
         yield "sync", WIDE_A                         # A(t): tile t landed

@@ -52,7 +52,17 @@ constexpr int kPRowStride = kKeys + 8;   // bf16: 48-byte rows, conflict-free ld
 #ifndef WIDE_PINGPONG
 #define WIDE_PINGPONG 1
 #endif
-constexpr int kLag = WIDE_PINGPONG ? 1 : 0;
+// WIDE_FUSED: 1 runs each warp's QK(t) and PV(t-1) as one instruction stream, a QK k-step and
+// a P.V column pair in turn. QK alone is four accumulator chains of 9 mma.sync each, and an
+// mma.sync's result is ~64 cycles away on the H200 (one warp with 8 chains issues one every
+// ~8.2 cycles), so QK waits on its own chains (~600 cycles for 36 mma.sync, phase trace);
+// P.V's 32 independent accumulators fill those gaps without registers of their own beyond P
+// and one V fragment. Both tiles t-1 and t are read in round t, as under ping-pong.
+#ifndef WIDE_FUSED
+#define WIDE_FUSED 0
+#endif
+constexpr bool kFused = WIDE_FUSED;
+constexpr int kLag = (WIDE_PINGPONG || WIDE_FUSED) ? 1 : 0;
 // WIDE_REFILL_IN_QK: 1 issues a round's refill copies one by one between QK's k-steps, so the
 // load units take them while the tensor pipe works; 0 issues all of them before QK.
 #ifndef WIDE_REFILL_IN_QK
@@ -106,6 +116,20 @@ static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memor
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The softmax row of thread `tid` (reduce-scatter: warp dq of a row pair owns 8 of its 32 rows,
+// one row per 4 lanes).
+__device__ __forceinline__ int softmax_row_of(int tid) {
+  const int warp = tid >> 5;
+  return (warp / kQuarters) * 32 + (warp % kQuarters) * 8 + ((tid & 31) >> 2);
+}
+
+// threadIdx.x, read again where it is used (volatile, so not merged with the first read).
+__device__ __forceinline__ int fresh_thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
 }
 
 // grid: (64-row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
@@ -213,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
 
   // The softmax row this lane shares with 3 others (reduce-scatter: warp dq owns rows
   // my_rows + dq*8 .. +8), its running max (log2 domain) and this lane's share of its sum.
-  const int sm_row = my_rows + dq * 8 + g;
+  const int sm_row = softmax_row_of(tid);
   const int sm_gr = row0 + sm_row;
   const bool sm_row_valid = sm_gr < rows;
   const int sm_tok = sm_row_valid ? sm_gr / H : 0;
@@ -299,9 +323,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       const float alpha = m_new == m_run ? 1.f : exp2f(m_run - base);   // 1 when the max stays
       l_run = l_run * alpha + ((pr[0] + pr[1]) + (pr[2] + pr[3]));
       m_run = m_new;
-      *reinterpret_cast<uint32_t*>(&sm.p[sm_row][2 * t4]) = pack_bf16(pr[0], pr[1]);
-      *reinterpret_cast<uint32_t*>(&sm.p[sm_row][8 + 2 * t4]) = pack_bf16(pr[2], pr[3]);
-      if (t4 == 0) sm.row_scale[sm_row] = alpha;
+      // The fused round (WIDE_FUSED) takes the row's P and rescale addresses from a fresh read
+      // of the thread index: kept live over the round, they are the one value it spills.
+      const int prow = kFused ? softmax_row_of(fresh_thread_index()) : sm_row;
+      *reinterpret_cast<uint32_t*>(&sm.p[prow][2 * t4]) = pack_bf16(pr[0], pr[1]);
+      *reinterpret_cast<uint32_t*>(&sm.p[prow][8 + 2 * t4]) = pack_bf16(pr[2], pr[3]);
+      if (t4 == 0) sm.row_scale[prow] = alpha;
     }
 #endif
   };
@@ -322,8 +349,92 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     }
   };
 
+  // QK(tile) and PV(tile - 1) in one stream (WIDE_FUSED): k-step ks of QK, then column pair
+  // ks of P.V, so each QK accumulator's next mma.sync has four independent ones before it.
+  auto qk_pv = [&](int tile, const Refill& rf) {
+    const __nv_bfloat16* kbase = klane + (tile % kStages) * kStageElems;
+    const __nv_bfloat16* vbase = vlane + ((tile - 1) % kStages) * kStageElems;
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      ldmatrix_x4(pa[mt], plane + mt * 16 * kPRowStride);
+      rescale_o(o, mt, sm.row_scale[my_rows + mt * 16 + g], sm.row_scale[my_rows + mt * 16 + g + 8]);
+    }
+    float sacc[2][2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kQkSteps; ++ks) {
+#ifndef ABLATE_NO_QK
+      uint32_t kb[4];
+      ldmatrix_x4(kb, kbase + ks * 16);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
+        mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
+      }
+#endif
+      if (ks % 2 == 1 || ks == kQkSteps - 1) copy_step(rf, (ks + 1) / 2 - 1 + (ks == kQkSteps - 1));
+#ifndef ABLATE_NO_PV
+      if (ks < kVCols / 16) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vbase + ks * 16);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_16816(o[mt][2 * ks], pa[mt], vb[0], vb[1]);
+          mma_16816(o[mt][2 * ks + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+#endif
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int r = my_rows + mt * 16 + g;
+      sm.s_part[dq][r][t4] = make_float4(sacc[mt][0][0], sacc[mt][0][1], sacc[mt][1][0], sacc[mt][1][1]);
+      sm.s_part[dq][r + 8][t4] = make_float4(sacc[mt][0][2], sacc[mt][0][3], sacc[mt][1][2], sacc[mt][1][3]);
+    }
+  };
+  // The MMA phase of round `tile`: QK(tile) and PV(tile - 1), each where it exists.
+  auto mma_phase = [&](int tile, const Refill& rf) {
+    if (tile > 0 && tile < num_tiles) qk_pv(tile, rf);
+    else if (tile < num_tiles) qk(tile, rf);
+    else pv(tile - 1);
+  };
+
   // Ping-pong runs one round more: row pair 1's SM, PV of the last tile after A(n).
   const bool lagging = kPingPong && pair == 1;
+  if constexpr (kFused) {
+    // Round t: A(t), then row pair 0: QK(t)+PV(t-1), B, SM(t), C; row pair 1 (ping-pong): SM(t-1),
+    // C, QK(t)+PV(t-1). A(t) frees the stage of tile t-2 (both pairs multiplied it in round t-1).
+    for (int tile = 0; tile <= num_tiles; ++tile) {
+      cp_async_wait<kAhead - 1>();
+      stamp(tile, 0);
+      __syncthreads();
+      stamp(tile, 1);
+      const Refill rf = plan_refill(tile + kAhead);
+      if (lagging) {
+        if (tile > 0) {
+          softmax_rows(tile - 1);
+          stamp(tile, 2);
+          barrier_sync(1 + pair, 128);   // C(tile-1)
+          stamp(tile, 3);
+        }
+        mma_phase(tile, rf);
+        stamp(tile, 4);
+      } else {
+        mma_phase(tile, rf);
+        stamp(tile, 2);
+        if (tile < num_tiles) {
+          barrier_sync(1 + pair, 128);   // B(tile)
+          stamp(tile, 3);
+          softmax_rows(tile);
+          stamp(tile, 4);
+          barrier_sync(1 + pair, 128);   // C(tile)
+          stamp(tile, 5);
+        }
+      }
+      stage_index(tile + kIndexAhead, true);
+      cp_async_commit();
+    }
+  } else
   for (int tile = 0; tile < num_tiles + kLag; ++tile) {
     cp_async_wait<kAhead - 1>();    // my copies of tile `tile` (group `tile`) have landed
     stamp(tile, 0);

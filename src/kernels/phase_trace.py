@@ -23,12 +23,36 @@ TRACE_DEFINE = "WIDE_TRACE"
 # Phase names of each event slot after "arrive A" (slot 0), in program order (mla_verify_wide.cuh).
 IN_STEP_PHASES = ("A wait", "QK", "B wait", "softmax", "C wait", "P.V")
 LAGGING_PHASES = ("A wait", "softmax(t-1)", "C wait", "P.V(t-1)", "QK")
+# WIDE_FUSED: QK(t) and P.V(t-1) are one phase of each warp.
+FUSED_PHASES = ("A wait", "QK+P.V(t-1)", "B wait", "softmax", "C wait")
+FUSED_LAGGING_PHASES = ("A wait", "softmax(t-1)", "C wait", "QK+P.V(t-1)")
+ALL_PHASES = tuple(dict.fromkeys(IN_STEP_PHASES + LAGGING_PHASES + FUSED_PHASES + FUSED_LAGGING_PHASES))
 
 
-def phase_table(clocks: np.ndarray, warps_per_pair: int = 4, pingpong: bool = True, skip: int = 2) -> pd.DataFrame:
+def build_schedule(defines=()) -> dict[str, bool]:
+    """The wide kernel's schedule switches (WIDE_PINGPONG, WIDE_FUSED) in a build with these
+    defines: the source's defaults, overridden by any `NAME=value` among them."""
+    import re
+
+    from .build import KERNEL_DIR
+
+    src = (KERNEL_DIR / "mla_verify_wide.cuh").read_text()
+    out = {}
+    for name in ("WIDE_PINGPONG", "WIDE_FUSED"):
+        m = re.search(rf"#define {name} (\d+)", src)
+        out[name] = bool(int(m.group(1))) if m else False
+        for d in defines:
+            if d.startswith(name + "="):
+                out[name] = bool(int(d.split("=", 1)[1]))
+    return {"pingpong": out["WIDE_PINGPONG"], "fused": out["WIDE_FUSED"]}
+
+
+def phase_table(clocks: np.ndarray, warps_per_pair: int = 4, pingpong: bool = True, skip: int = 2,
+                fused: bool = False) -> pd.DataFrame:
     """Median cycles of each phase and of the whole round, per row pair, from stamps shaped
     [warps, rounds, events] (0 where a round was not reached). Rounds with every stamp set
-    are used, leaving out the first `skip` (the ring filling) and the last (the tail)."""
+    are used, leaving out the first `skip` (the ring filling) and the last (the tail).
+    `pingpong` and `fused` name the build's schedule (`build_schedule`)."""
     clocks = np.asarray(clocks, dtype=np.int64)
     if clocks.ndim != 3 or clocks.shape[0] % warps_per_pair:
         raise ValueError(f"clocks: expected [warps, rounds, events] with warps a multiple of {warps_per_pair}, "
@@ -36,7 +60,10 @@ def phase_table(clocks: np.ndarray, warps_per_pair: int = 4, pingpong: bool = Tr
     rows = []
     for pair in range(clocks.shape[0] // warps_per_pair):
         lagging = pingpong and pair == 1
-        names = LAGGING_PHASES if lagging else IN_STEP_PHASES
+        if fused:
+            names = FUSED_LAGGING_PHASES if lagging else FUSED_PHASES
+        else:
+            names = LAGGING_PHASES if lagging else IN_STEP_PHASES
         c = clocks[pair * warps_per_pair:(pair + 1) * warps_per_pair, :, :len(names) + 1]
         done = (c > 0).all(axis=(0, 2))
         rounds = np.flatnonzero(done)
@@ -51,8 +78,8 @@ def phase_table(clocks: np.ndarray, warps_per_pair: int = 4, pingpong: bool = Tr
         row.update({n: float(np.median(steps[:, :, i])) for i, n in enumerate(names)})
         row["round"] = float(np.median(period))
         rows.append(row)
-    cols = ["row pair", "schedule", "rounds", *dict.fromkeys(IN_STEP_PHASES + LAGGING_PHASES), "round"]
-    return pd.DataFrame(rows).reindex(columns=cols)
+    used = [n for n in ALL_PHASES if any(n in r for r in rows)]
+    return pd.DataFrame(rows).reindex(columns=["row pair", "schedule", "rounds", *used, "round"])
 
 
 def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536) -> pd.DataFrame:
@@ -66,7 +93,7 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536) -
     df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx)].copy()
     df["build"] = [", ".join(d) if len(d) else "(shipped build)" for d in df["defines"]]
     df = df.sort_values("date").groupby(["build", "row pair"]).tail(1)
-    cols = ["build", "row pair", "schedule", *dict.fromkeys(IN_STEP_PHASES + LAGGING_PHASES), "round", "untraced_us"]
+    cols = ["build", "row pair", "schedule", *[n for n in ALL_PHASES if n in df.columns], "round", "untraced_us"]
     builds = list(df.drop_duplicates("build")["build"])   # the shipped build first, the others as recorded
     order = {b: (b != "(shipped build)", i) for i, b in enumerate(builds)}
     return (df.assign(_o=df["build"].map(order)).sort_values(["_o", "row pair"]).reindex(columns=cols)
@@ -99,7 +126,7 @@ def main(argv=None) -> None:
     traced()
     torch.cuda.synchronize()
     clocks = load_kernel_module(defines=defines).wide_phase_trace().numpy()
-    table = phase_table(clocks, pingpong="WIDE_PINGPONG=0" not in a.define)
+    table = phase_table(clocks, **build_schedule(a.define))
     print(f"b{a.batch} h{a.heads} q{a.q_len} ctx {a.ctx}, 64-row kernel, defines {list(a.define) or 'none'}: "
           f"{times['traced_us']:.1f} us traced, {times['untraced_us']:.1f} us without the stamps; "
           f"median cycles per 16-key round of CTA (0, 0, 0):")
