@@ -45,8 +45,12 @@ def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.D
         accept = float(g["accept_len"].median())
         step = fixed + per_layer * project_to
         r = dict(zip(CONFIG_KEYS, key))
+        # The commits behind the line: points re-measured with newer code replace older ones
+        # (decode_points), so one line can span two kernel versions; the table says so.
+        commits = "/".join(sorted(set(g["commit"].astype(str)))) if "commit" in g else "?"
         rows.append({**r, "config": config_label(r["backend"], r["expert_record"], r["ngram_tail"], r["tp"]),
                      "ctx_label": ctx_label(int(r["ctx"])), "layers_measured": sorted(int(x) for x in set(layers)),
+                     "commits": commits,
                      "fixed_ms": fixed, "per_layer_ms": per_layer, "max_residual_pct": residual,
                      "accept_len": accept,
                      "projected_layers": project_to, "projected_step_ms": step,
@@ -92,7 +96,7 @@ def projected_speedup(fit: pd.DataFrame, baseline: str = "triton") -> pd.DataFra
 
 def scaling_table(fit: pd.DataFrame) -> pd.DataFrame:
     """The compact table a notebook prints (rounded, deterministic order)."""
-    cols = ["config", "spec", "ctx_label", "layers_measured", "fixed_ms", "per_layer_ms", "max_residual_pct",
+    cols = ["config", "spec", "ctx_label", "layers_measured", "commits", "fixed_ms", "per_layer_ms", "max_residual_pct",
             "projected_step_ms", "projected_tok_s"]
     t = fit.sort_values(["spec", "backend", "ctx"])[cols].copy()
     t["layers_measured"] = t["layers_measured"].map(lambda ls: "/".join(map(str, ls)))

@@ -97,3 +97,14 @@ def test_holdout_needs_the_held_out_points():
     with pytest.raises(ValueError, match="held_out: no point was measured at 32 layers"):
         holdout_check(decode_points(pd.DataFrame(_records((4, 16)))), held_out=32)
     assert len(holdout_check(decode_points(pd.DataFrame(_records((4, 24)))), held_out=24)) == 0
+
+
+def test_fit_names_the_commits_behind_each_line():
+    recs = _records((4, 16))
+    for r in recs:
+        if r["layers"] == 16 and r["backend"] == "sm120_mla":
+            r.update(commit="newer", date="2026-11-30")   # re-measured at one depth with newer code
+    fit = fit_layer_scaling(decode_points(pd.DataFrame(recs))).set_index(["backend", "ctx"])
+    assert fit.loc[("sm120_mla", 65536), "commits"] == "c/newer"
+    assert fit.loc[("triton", 65536), "commits"] == "c"
+    assert "commits" in scaling_table(fit.reset_index()).columns
