@@ -120,3 +120,42 @@ def test_comparison_run_skips_kernel_only_runs():
     assert set(comparison_run(df[df.run_id == "b"])["run_id"]) == {"b"}   # nothing compares: the newest
     with pytest.raises(ValueError, match="bench_run"):
         comparison_run(df, "zzz")
+
+
+def _linear_run(heads=8, ours=(20.0, 70.0), fm=(40.0, 20.0), mma_per_64k=30.0, ctxs=(16384, 32768, 65536, 131072)):
+    """Times exactly fixed + per_64k x ctx/64k for sm120_mla and flashmla, and the mma.sync ceiling."""
+    rows = []
+    for c in ctxs:
+        x = c / 65536
+        rows.append(dict(impl="sm120_mla", batch=1, heads=heads, q_len=16, ctx=c, time_us=ours[0] + ours[1] * x,
+                         roofline_mma_us=mma_per_64k * x))
+        rows.append(dict(impl="flashmla", batch=1, heads=heads, q_len=16, ctx=c, time_us=fm[0] + fm[1] * x,
+                         roofline_mma_us=float("nan")))
+    return pd.DataFrame(rows)
+
+
+def test_flashmla_reach_splits_fixed_and_per_key_time_and_bounds_any_mma_sync_kernel():
+    import pytest
+
+    r = br.flashmla_reach(_linear_run()).iloc[0]
+    assert (r["sm120_mla fixed us"], r["sm120_mla us per 64k keys"]) == (pytest.approx(20.0), pytest.approx(70.0))
+    assert (r["FlashMLA fixed us"], r["FlashMLA us per 64k keys"]) == (pytest.approx(40.0), pytest.approx(20.0))
+    assert r["mma.sync ceiling us per 64k keys"] == pytest.approx(30.0)
+    assert r["FlashMLA per-key rate / ceiling"] == 1.5 and r["sm120_mla per-key rate / ceiling"] == 0.43
+    # at 100%: 20 + 30x = 40 + 20x -> x = 2 (128k); at 70%: 20 + 42.86x = 40 + 20x -> x = 0.875 (56k)
+    assert r["at 100% of the ceiling, matches FlashMLA up to"] == "128k"
+    assert r["at 70% of the ceiling, matches FlashMLA up to"] == "56k"
+    assert r["fit miss %"] == 0.0
+
+
+def test_flashmla_reach_when_flashmla_is_slower_per_key_than_the_ceiling():
+    r = br.flashmla_reach(_linear_run(fm=(40.0, 40.0)), efficiencies=(1.0,)).iloc[0]
+    assert r["at 100% of the ceiling, matches FlashMLA up to"] == "every context"
+
+
+def test_flashmla_reach_needs_three_contexts_and_the_mma_sync_rate():
+    import pytest
+
+    assert br.flashmla_reach(_linear_run(ctxs=(16384, 65536))).empty
+    with pytest.raises(ValueError, match="roofline_mma_us"):
+        br.flashmla_reach(_linear_run().drop(columns="roofline_mma_us"))

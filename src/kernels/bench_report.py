@@ -5,6 +5,7 @@ the measured results, and on the records of a live `bench.run` alike.
 """
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from ..results import load_records
@@ -220,6 +221,58 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     out.loc[unknown, "met"] = None
     out.loc[unknown, "measured"] = out.loc[unknown, "measured"].str.replace("nan", "not measured")
     return out
+
+
+def _fixed_and_per_key(sel: pd.DataFrame, col: str = "time_us") -> tuple[float, float, float]:
+    """Least squares over the contexts of one shape: `col` = fixed + per_64k × (ctx / 65,536).
+    Returns (fixed, per_64k, worst miss in % of the time)."""
+    g = sel.groupby("ctx")[col].min()
+    x = g.index.to_numpy(dtype=float) / 65536
+    per_64k, fixed = np.polyfit(x, g.to_numpy(dtype=float), 1)
+    miss = float(np.max(np.abs(g.to_numpy() - (fixed + per_64k * x)) / g.to_numpy()) * 100)
+    return float(fixed), float(per_64k), miss
+
+
+def flashmla_reach(df: pd.DataFrame, batch: int = 1, q_len: int = 16, min_ctx: int = 16384,
+                   efficiencies=(1.0, 0.7)) -> pd.DataFrame:
+    """What the "at least as fast as FlashMLA" targets ask of any mma.sync kernel, per head count.
+
+    Each impl's time over the run's contexts (from `min_ctx`) splits by least squares into a
+    fixed part and a part per 64k keys; the mma.sync ceiling's own time (`roofline_mma_us`, the
+    FLOPs over the rate measured in the same run) is all per-key. Where FlashMLA's per-key time
+    is below the ceiling's (its wgmma path outruns mma.sync), a kernel that runs at a fraction
+    `e` of the ceiling, with sm120_mla's measured fixed part, falls behind FlashMLA beyond
+    ctx = 64k × (fixed_fm - fixed_ours) / (ceiling / e - per_key_fm): the `matches FlashMLA up
+    to` columns. A fit, not a measurement: `fit miss %` is its worst residual."""
+    need = {"impl", "batch", "heads", "q_len", "ctx", "time_us", "roofline_mma_us"}
+    missing = need - set(df.columns)
+    if missing:
+        raise ValueError(f"df: missing columns {sorted(missing)} (a run that measured the mma.sync rate is needed)")
+    rows = []
+    for heads in sorted(df["heads"].unique()):
+        shape = dict(batch=batch, heads=heads, q_len=q_len)
+        ours = _select(df, "sm120_mla", **shape)
+        fm = _select(df, "flashmla", **shape)
+        ours, fm = ours[ours["ctx"] >= min_ctx], fm[fm["ctx"] >= min_ctx]
+        if ours["ctx"].nunique() < 3 or fm["ctx"].nunique() < 3 or ours["roofline_mma_us"].isna().all():
+            continue
+        f_ours, k_ours, miss_ours = _fixed_and_per_key(ours)
+        f_fm, k_fm, miss_fm = _fixed_and_per_key(fm)
+        _, k_mma, _ = _fixed_and_per_key(ours.dropna(subset=["roofline_mma_us"]), "roofline_mma_us")
+        row = {"heads": int(heads), "contexts": "/".join(f"{c // 1024}k" for c in sorted(ours["ctx"].unique())),
+               "sm120_mla fixed us": round(f_ours, 1), "sm120_mla us per 64k keys": round(k_ours, 1),
+               "FlashMLA fixed us": round(f_fm, 1), "FlashMLA us per 64k keys": round(k_fm, 1),
+               "mma.sync ceiling us per 64k keys": round(k_mma, 1),
+               "sm120_mla per-key rate / ceiling": round(k_mma / k_ours, 2),
+               "FlashMLA per-key rate / ceiling": round(k_mma / k_fm, 2)}
+        for e in efficiencies:
+            gap = k_mma / e - k_fm
+            reach = float("inf") if gap <= 0 else 65536 * (f_fm - f_ours) / gap
+            row[f"at {e:.0%} of the ceiling, matches FlashMLA up to"] = (
+                "every context" if reach == float("inf") else "no context" if reach <= 0 else f"{reach / 1024:.0f}k")
+        row["fit miss %"] = round(max(miss_ours, miss_fm), 1)
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: int = 1):
