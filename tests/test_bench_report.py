@@ -159,3 +159,15 @@ def test_flashmla_reach_needs_three_contexts_and_the_mma_sync_rate():
     assert br.flashmla_reach(_linear_run(ctxs=(16384, 65536))).empty
     with pytest.raises(ValueError, match="roofline_mma_us"):
         br.flashmla_reach(_linear_run().drop(columns="roofline_mma_us"))
+
+
+def test_rtx_projection_is_a_range_from_the_fixed_part_plus_the_rtx_roofline_to_the_same_efficiency():
+    import pytest
+
+    df = _linear_run().assign(roofline_us=lambda d: d["roofline_mma_us"] * 0.8)
+    p = br.rtx_projection(df)
+    assert len(p) == 4 and p["rtx_bound_us"].notna().all()
+    assert (p["rtx_bound_us"] - p["rtx_roofline_us"]).tolist() == pytest.approx([20.0] * 4, abs=0.15)
+    assert (p["rtx_bound_us"] <= p["rtx_projected_us"]).all()
+    few = br.rtx_projection(_linear_run(ctxs=(16384, 65536)).assign(roofline_us=1.0))
+    assert few["rtx_bound_us"].isna().all() and few["rtx_projected_us"].notna().all()

@@ -130,28 +130,45 @@ def bandwidth_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFram
 
 
 def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.DataFrame:
-    """sm120_mla's projected time on an RTX PRO 6000: its roofline there, divided by the
-    fraction of the roofline the kernel reached on the measured GPU (same code, same
-    efficiency assumed; a projection, not a measurement).
+    """sm120_mla's projected time on an RTX PRO 6000, as a range (projections, not measurements).
 
+    `rtx_projected_us`, the high end: its roofline there, divided by the fraction of the
+    roofline the kernel reached on the measured GPU (same code, same efficiency assumed).
     Where the run measured the mma.sync rate, the fraction is taken against the H200's
     mma.sync roofline (`roofline_mma_us`): the kernel may use no faster instruction, and
     mma.sync is the RTX PRO 6000's native tensor path, so that is the like-for-like fraction.
-    Without it, the cuBLAS-rate roofline is used (which makes the projection pessimistic)."""
+    Without it, the cuBLAS-rate roofline is used (which makes the projection pessimistic).
+
+    `rtx_bound_us`, the low end: the fixed part of the kernel's time on the measured GPU (a
+    least-squares line over the shape's contexts, `_fixed_and_per_key`) plus the RTX roofline,
+    i.e. the per-key part running at the RTX PRO 6000's roofline. It is what the kernel takes
+    there if its rounds are bound by that GPU's tensor pipe or DRAM rather than by the
+    per-warp latency chains that bind them on the H200 (NOTES.md, session 9: an sm_120 SMSP
+    issues an mma.sync about every 20 cycles against the H200's ~6, so the same round's 136
+    mma.sync an SMSP take longer than its chains). None where the shape has fewer than three
+    contexts."""
     g = TARGET_GPUS[RTX]
     tflops = rtx_tflops or g["bf16_tflops"]
+    ours = df[df["impl"] == "sm120_mla"]
+    fixed = {}
+    for key, sel in ours.groupby(["batch", "heads", "q_len"]):
+        if sel["ctx"].nunique() >= 3:
+            fixed[key] = _fixed_and_per_key(sel)[0]
     rows = []
-    for r in df[df["impl"] == "sm120_mla"].itertuples():
+    for r in ours.itertuples():
         cost = verify_cost(int(r.heads), int(r.q_len), int(r.ctx) + int(r.q_len), batch=int(r.batch))
         rtx_roof = roofline_time_us(cost, g["mem_gbps"], tflops)
         mma_roof = getattr(r, "roofline_mma_us", float("nan"))
         has_mma = mma_roof == mma_roof   # not NaN
         eff = (mma_roof if has_mma else r.roofline_us) / r.time_us
+        f = fixed.get((r.batch, r.heads, r.q_len))
         rows.append({"batch": r.batch, "heads": r.heads, "q_len": r.q_len, "ctx": r.ctx,
                      "h200_us": round(r.time_us, 1), "h200_roofline_us": round(r.roofline_us, 1),
                      "h200_mma_roofline_us": round(mma_roof, 1) if has_mma else None,
                      "efficiency": round(eff, 3), "efficiency_vs": "mma.sync" if has_mma else "cuBLAS",
-                     "rtx_roofline_us": round(rtx_roof, 1), "rtx_projected_us": round(rtx_roof / eff, 1)})
+                     "rtx_roofline_us": round(rtx_roof, 1),
+                     "rtx_bound_us": round(max(f, 0.0) + rtx_roof, 1) if f is not None else None,
+                     "rtx_projected_us": round(rtx_roof / eff, 1)})
     return pd.DataFrame(rows)
 
 
