@@ -98,6 +98,9 @@ VARIANTS = {
     "wide_qk2": Variant(("WIDE_QK_SETS=2",), cta_rows=64),
     "wide_qk2_lockstep": Variant(("WIDE_QK_SETS=2", "WIDE_PINGPONG=0"), cta_rows=64),
     "wide_qk2_no_loads": Variant(("WIDE_QK_SETS=2", "ABLATE_NO_LOADS"), cta_rows=64),
+    # the two halves of v17g apart: two sets with the registers spilled, and the lean round alone
+    "wide_qk2_spilled": Variant(("WIDE_QK_SETS=2", "WIDE_LEAN=0"), cta_rows=64),
+    "wide_lean": Variant(("WIDE_LEAN=1",), cta_rows=64),
     # v17f: each warp's QK(t) and P.V(t-1) as one instruction stream (WIDE_FUSED), so P.V's
     # independent mma.sync fill the gaps in QK's four accumulator chains
     "wide_fused": Variant(("WIDE_FUSED=1",), cta_rows=64),

@@ -72,7 +72,12 @@ constexpr bool kRefillInQk = WIDE_REFILL_IN_QK;
 #ifndef WIDE_QK_SETS
 #define WIDE_QK_SETS 1
 #endif
-constexpr bool kLean = WIDE_QK_SETS == 2;
+// WIDE_LEAN: rebuild the softmax row facts, the refill plan and the ldmatrix lane addresses
+// where they are used (frees registers for WIDE_QK_SETS=2; its default there).
+#ifndef WIDE_LEAN
+#define WIDE_LEAN (WIDE_QK_SETS == 2)
+#endif
+constexpr bool kLean = WIDE_LEAN;
 constexpr bool kPingPong = kLag == 1;
 // WIDE_STAGES: the ring. In step, only tile t is read in round t, so 4 stages keep 3 tiles in
 // flight; ping-pong also reads tile t-1, which leaves 2.
