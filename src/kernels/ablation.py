@@ -93,14 +93,6 @@ VARIANTS = {
     "wide_no_softmax": Variant(("ABLATE_NO_SOFTMAX",), cta_rows=64),
     "wide_handovers_only": Variant(("ABLATE_NO_LOADS",) + _MATH, cta_rows=64),
     "wide_stages3": Variant(("WIDE_STAGES=3",), cta_rows=64),
-    # v17g: QK's k-steps alternate between two accumulator sets (WIDE_QK_SETS=2), halving its
-    # four mma.sync chains; the registers come from a leaner round (values rebuilt where used)
-    "wide_qk2": Variant(("WIDE_QK_SETS=2",), cta_rows=64),
-    "wide_qk2_lockstep": Variant(("WIDE_QK_SETS=2", "WIDE_PINGPONG=0"), cta_rows=64),
-    "wide_qk2_no_loads": Variant(("WIDE_QK_SETS=2", "ABLATE_NO_LOADS"), cta_rows=64),
-    # the two halves of v17g apart: two sets with the registers spilled, and the lean round alone
-    "wide_qk2_spilled": Variant(("WIDE_QK_SETS=2", "WIDE_LEAN=0"), cta_rows=64),
-    "wide_lean": Variant(("WIDE_LEAN=1",), cta_rows=64),
     # v17f: each warp's QK(t) and P.V(t-1) as one instruction stream (WIDE_FUSED), so P.V's
     # independent mma.sync fill the gaps in QK's four accumulator chains
     "wide_fused": Variant(("WIDE_FUSED=1",), cta_rows=64),

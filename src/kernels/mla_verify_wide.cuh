@@ -69,15 +69,6 @@ constexpr int kLag = (WIDE_PINGPONG || WIDE_FUSED) ? 1 : 0;
 #define WIDE_REFILL_IN_QK 1
 #endif
 constexpr bool kRefillInQk = WIDE_REFILL_IN_QK;
-#ifndef WIDE_QK_SETS
-#define WIDE_QK_SETS 1
-#endif
-// WIDE_LEAN: rebuild the softmax row facts, the refill plan and the ldmatrix lane addresses
-// where they are used (frees registers for WIDE_QK_SETS=2; its default there).
-#ifndef WIDE_LEAN
-#define WIDE_LEAN (WIDE_QK_SETS == 2)
-#endif
-constexpr bool kLean = WIDE_LEAN;
 constexpr bool kPingPong = kLag == 1;
 // WIDE_STAGES: the ring. In step, only tile t is read in round t, so 4 stages keep 3 tiles in
 // flight; ping-pong also reads tile t-1, which leaves 2.
@@ -214,17 +205,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     return Refill{staged_key_row(prm, sm.index[tile % kWideIndexRing][ld_key], key, prefix_len, q_start, live) + ld_part * 8,
                   &sm.kv[tile % kStages][ld_key * kKvRowStride + ld_part * 8], live};
   };
-  // The same plan rebuilt at each copy from a fresh thread index and a volatile read of the
-  // staged index (lean builds): nothing of it stays live between QK's k-steps.
-  auto plan_refill_fresh = [&](int tile) {
-    const int t = fresh_thread_index();
-    const int lk = t / kLoadThreadsPerKey, lp = t % kLoadThreadsPerKey;
-    const int key = key_begin + tile * kKeys + lk;
-    const bool live = tile < num_tiles && key < key_end;
-    const int64_t staged = *reinterpret_cast<volatile const int64_t*>(&sm.index[tile % kWideIndexRing][lk]);
-    return Refill{staged_key_row(prm, staged, key, prefix_len, q_start, live) + lp * 8,
-                  &sm.kv[tile % kStages][lk * kKvRowStride + lp * 8], live};
-  };
   auto copy_step = [&](const Refill& r, int j) {   // step j of kLoadSteps
 #ifndef ABLATE_NO_LOADS
     const int step = kLoadThreadsPerKey * 8 * j;
@@ -259,55 +239,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   // my_rows + dq*8 .. +8), its running max (log2 domain) and this lane's share of its sum.
   const int sm_row = softmax_row_of(tid);
   const int sm_gr = row0 + sm_row;
-  // The softmax row's validity, token and mask offset. The lean builds (two QK accumulator
-  // sets) derive them where they are used from a fresh read of the thread index, instead of
-  // keeping 5 registers live through the round.
-  struct SoftmaxRow { int row; bool valid; int tok; int64_t mask_row; };
-  auto softmax_row = [&](bool need_mask) {
-    const int r = kLean ? softmax_row_of(fresh_thread_index()) : sm_row;
-    const int gr = row0 + r;
-    const bool valid = gr < rows;
-    SoftmaxRow out{r, valid, 0, 0};
-    if (need_mask || !kLean) {
-      out.tok = valid ? gr / H : 0;
-      out.mask_row = prm.custom_mask && valid
-                         ? load_index(prm.mask_indptr, b, prm.mask_indptr_64) + int64_t(out.tok) * num_keys : 0;
-    }
-    return out;
-  };
-  const SoftmaxRow eager_row = softmax_row(true);   // unused in lean builds (dead code there)
+  const bool sm_row_valid = sm_gr < rows;
+  const int sm_tok = sm_row_valid ? sm_gr / H : 0;
+  const int64_t mask_row = prm.custom_mask && sm_row_valid
+                               ? load_index(prm.mask_indptr, b, prm.mask_indptr_64) + int64_t(sm_tok) * num_keys
+                               : 0;
   float m_run = -INFINITY, l_run = 0.f;
 
-  // This lane's ldmatrix addresses (K fragments, V fragments, P). Lean builds recompute them
-  // from a fresh thread index at each use rather than keep three registers live.
-  auto k_lane = [&](int t) {
-    const int l = t & 31, q = (t >> 5) % kQuarters;
-    return &sm.kv[0][0] + (l & 7) * kKvRowStride + ((l >> 4) & 1) * 8 * kKvRowStride + q * (kQkSteps * 16) +
-           ((l >> 3) & 1) * 8;
-  };
-  auto v_lane = [&](int t) {
-    const int l = t & 31, q = (t >> 5) % kQuarters;
-    return &sm.kv[0][0] + ((l & 7) + ((l >> 3) & 1) * 8) * kKvRowStride + q * kVCols + ((l >> 4) & 1) * 8;
-  };
-  auto p_lane = [&](int t) {
-    const int l = t & 31, rows0 = ((t >> 5) / kQuarters) * 32;
-    return &sm.p[rows0 + (l & 7) + ((l >> 3) & 1) * 8][((l >> 4) & 1) * 8];
-  };
-  const __nv_bfloat16* const klane_eager = k_lane(tid);
-  const __nv_bfloat16* const vlane_eager = v_lane(tid);
-  const __nv_bfloat16* const plane_eager = p_lane(tid);
-#define klane (kLean ? k_lane(fresh_thread_index()) : klane_eager)
-#define vlane (kLean ? v_lane(fresh_thread_index()) : vlane_eager)
-#define plane (kLean ? p_lane(fresh_thread_index()) : plane_eager)
+  const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + ((lane >> 4) & 1) * 8 * kKvRowStride +
+                               dq * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+  const __nv_bfloat16* vlane = &sm.kv[0][0] + ((lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + dq * kVCols +
+                               ((lane >> 4) & 1) * 8;
+  const __nv_bfloat16* plane = &sm.p[my_rows + (lane & 7) + ((lane >> 3) & 1) * 8][((lane >> 4) & 1) * 8];
 
   // QK(t): partial S = Q[my 32 rows, my 144 dims] . K[16 keys, my 144 dims]^T -> s_part
   auto qk = [&](int tile, const Refill& rf) {
     const int stage = tile % kStages;
     {   // (scope of the accumulators)
       float sacc[2][2][4] = {};
-#if WIDE_QK_SETS == 2
-      float sacc2[2][2][4] = {};
-#endif
 #ifndef ABLATE_NO_QK
       const __nv_bfloat16* kbase = klane + stage * kStageElems;
 #pragma unroll
@@ -316,30 +265,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         ldmatrix_x4(kb, kbase + ks * 16);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-#if WIDE_QK_SETS == 2
-          float (&acc)[2][4] = (ks % 2) ? sacc2[mt] : sacc[mt];
-#else
-          float (&acc)[2][4] = sacc[mt];
-#endif
-          mma_16816(acc[0], qf[mt][ks], kb[0], kb[1]);
-          mma_16816(acc[1], qf[mt][ks], kb[2], kb[3]);
+          mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
+          mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
         }
         // copies at k-steps 1, 3, 5, 7, 8: the first waits for the address arithmetic, which
         // the first k-step's ldmatrix and mma.sync can run beside
-        if (kRefillInQk && (ks % 2 == 1 || ks == kQkSteps - 1))
-          copy_step(kLean ? plan_refill_fresh(tile + kAhead) : rf, (ks + 1) / 2 - 1 + (ks == kQkSteps - 1));
+        if (kRefillInQk && (ks % 2 == 1 || ks == kQkSteps - 1)) copy_step(rf, (ks + 1) / 2 - 1 + (ks == kQkSteps - 1));
       }
 #else
       if (kRefillInQk)
         for (int j = 0; j < kLoadSteps; ++j) copy_step(rf, j);
-#endif
-#if WIDE_QK_SETS == 2
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) sacc[mt][nt][i] += sacc2[mt][nt][i];
 #endif
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -354,26 +289,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   auto softmax_rows = [&](int tile) {
 #ifndef ABLATE_NO_SOFTMAX
     {
-      const SoftmaxRow sr0 = kLean ? softmax_row(false) : eager_row;
-      float4 acc = sm.s_part[0][sr0.row][t4];
+      float4 acc = sm.s_part[0][sm_row][t4];
 #pragma unroll
       for (int d = 1; d < kQuarters; ++d) {
-        const float4 v = sm.s_part[d][sr0.row][t4];
+        const float4 v = sm.s_part[d][sm_row][t4];
         acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
       }
       float sc[4] = {acc.x, acc.y, acc.z, acc.w};
       const int tile_key0 = key_begin + tile * kKeys;
       if (tile_key0 + kKeys <= min(key_end, draft0)) {   // a full tile of prefix keys: no mask
 #pragma unroll
-        for (int j = 0; j < 4; ++j) sc[j] = sr0.valid ? sc[j] * prm.scale_log2 : -INFINITY;
+        for (int j = 0; j < 4; ++j) sc[j] = sm_row_valid ? sc[j] * prm.scale_log2 : -INFINITY;
       } else {
-        const SoftmaxRow sr = kLean ? softmax_row(true) : eager_row;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int key = tile_key0 + (j >> 1) * 8 + 2 * t4 + (j & 1);
-          bool visible = sr.valid && key < key_end;
+          bool visible = sm_row_valid && key < key_end;
           if (visible && key >= draft0)
-            visible = prm.custom_mask ? prm.custom_mask[sr.mask_row + key] != 0 : key - draft0 <= sr.tok;
+            visible = prm.custom_mask ? prm.custom_mask[mask_row + key] != 0 : key - draft0 <= sm_tok;
           sc[j] = visible ? sc[j] * prm.scale_log2 : -INFINITY;
         }
       }
@@ -392,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       m_run = m_new;
       // The fused round (WIDE_FUSED) takes the row's P and rescale addresses from a fresh read
       // of the thread index: kept live over the round, they are the one value it spills.
-      const int prow = kFused ? softmax_row_of(fresh_thread_index()) : sr0.row;
+      const int prow = kFused ? softmax_row_of(fresh_thread_index()) : sm_row;
       *reinterpret_cast<uint32_t*>(&sm.p[prow][2 * t4]) = pack_bf16(pr[0], pr[1]);
       *reinterpret_cast<uint32_t*>(&sm.p[prow][8 + 2 * t4]) = pack_bf16(pr[2], pr[3]);
       if (t4 == 0) sm.row_scale[prow] = alpha;
@@ -569,8 +502,5 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   }
 }
 
-#undef klane
-#undef vlane
-#undef plane
 }  // namespace wide
 }  // namespace sm120_mla
