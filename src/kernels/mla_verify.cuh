@@ -335,18 +335,21 @@ __device__ __forceinline__ void rescale_o(float (&o)[2][kVColsPerWarp / 8][4], i
 // O += P . V over 16 keys and one warp's 128 columns: pa holds P of both m16 tiles (A operand),
 // vbase is this lane's ldmatrix.trans address of the 16 key rows at the warp's first column.
 // Each V fragment serves both m16 tiles.
+// One column pair `np` of that (16 columns): one V fragment, four mma.sync.
+__device__ __forceinline__ void pv_column_pair(float (&o)[2][kVColsPerWarp / 8][4], const uint32_t (&pa)[2][4],
+                                               const __nv_bfloat16* vbase, int np) {
+  uint32_t vb[4];
+  ldmatrix_x4_trans(vb, vbase + np * 16);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
+    mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+  }
+}
 __device__ __forceinline__ void pv_16_keys(float (&o)[2][kVColsPerWarp / 8][4], const uint32_t (&pa)[2][4],
                                            const __nv_bfloat16* vbase) {
 #pragma unroll
-  for (int np = 0; np < kVColsPerWarp / 16; ++np) {
-    uint32_t vb[4];
-    ldmatrix_x4_trans(vb, vbase + np * 16);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
-      mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
-    }
-  }
+  for (int np = 0; np < kVColsPerWarp / 16; ++np) pv_column_pair(o, pa, vbase, np);
 }
 
 // Q fragments (the mma A operand) of 32 rows from `first_row`, over the 144 dims of quarter

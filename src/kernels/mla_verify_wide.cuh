@@ -252,6 +252,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
                                ((lane >> 4) & 1) * 8;
   const __nv_bfloat16* plane = &sm.p[my_rows + (lane & 7) + ((lane >> 3) & 1) * 8][((lane >> 4) & 1) * 8];
 
+  // One QK k-step (16 of my dims): one K fragment, four mma.sync.
+  auto qk_step = [&](float (&sacc)[2][2][4], const __nv_bfloat16* kbase, int ks) {
+    uint32_t kb[4];   // keys 0-7 in kb[0..1], keys 8-15 in kb[2..3]
+    ldmatrix_x4(kb, kbase + ks * 16);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
+      mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
+    }
+  };
+  // My quarter's partial S of my 32 rows -> s_part, in the mma accumulator order.
+  auto write_partials = [&](const float (&sacc)[2][2][4]) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int r = my_rows + mt * 16 + g;
+      sm.s_part[dq][r][t4] = make_float4(sacc[mt][0][0], sacc[mt][0][1], sacc[mt][1][0], sacc[mt][1][1]);
+      sm.s_part[dq][r + 8][t4] = make_float4(sacc[mt][0][2], sacc[mt][0][3], sacc[mt][1][2], sacc[mt][1][3]);
+    }
+  };
+
   // QK(t): partial S = Q[my 32 rows, my 144 dims] . K[16 keys, my 144 dims]^T -> s_part
   auto qk = [&](int tile, const Refill& rf) {
     const int stage = tile % kStages;
@@ -261,13 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       const __nv_bfloat16* kbase = klane + stage * kStageElems;
 #pragma unroll
       for (int ks = 0; ks < kQkSteps; ++ks) {
-        uint32_t kb[4];   // keys 0-7 in kb[0..1], keys 8-15 in kb[2..3]
-        ldmatrix_x4(kb, kbase + ks * 16);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
-          mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
-        }
+        qk_step(sacc, kbase, ks);
         // copies at k-steps 1, 3, 5, 7, 8: the first waits for the address arithmetic, which
         // the first k-step's ldmatrix and mma.sync can run beside
         if (kRefillInQk && (ks % 2 == 1 || ks == kQkSteps - 1)) copy_step(rf, (ks + 1) / 2 - 1 + (ks == kQkSteps - 1));
@@ -276,12 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       if (kRefillInQk)
         for (int j = 0; j < kLoadSteps; ++j) copy_step(rf, j);
 #endif
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const int r = my_rows + mt * 16 + g;
-        sm.s_part[dq][r][t4] = make_float4(sacc[mt][0][0], sacc[mt][0][1], sacc[mt][1][0], sacc[mt][1][1]);
-        sm.s_part[dq][r + 8][t4] = make_float4(sacc[mt][0][2], sacc[mt][0][3], sacc[mt][1][2], sacc[mt][1][3]);
-      }
+      write_partials(sacc);
     }
   };
 
@@ -364,33 +373,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
 #pragma unroll
     for (int ks = 0; ks < kQkSteps; ++ks) {
 #ifndef ABLATE_NO_QK
-      uint32_t kb[4];
-      ldmatrix_x4(kb, kbase + ks * 16);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        mma_16816(sacc[mt][0], qf[mt][ks], kb[0], kb[1]);
-        mma_16816(sacc[mt][1], qf[mt][ks], kb[2], kb[3]);
-      }
+      qk_step(sacc, kbase, ks);
 #endif
       if (ks % 2 == 1 || ks == kQkSteps - 1) copy_step(rf, (ks + 1) / 2 - 1 + (ks == kQkSteps - 1));
 #ifndef ABLATE_NO_PV
-      if (ks < kVCols / 16) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, vbase + ks * 16);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_16816(o[mt][2 * ks], pa[mt], vb[0], vb[1]);
-          mma_16816(o[mt][2 * ks + 1], pa[mt], vb[2], vb[3]);
-        }
-      }
+      if (ks < kVCols / 16) pv_column_pair(o, pa, vbase, ks);
 #endif
     }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const int r = my_rows + mt * 16 + g;
-      sm.s_part[dq][r][t4] = make_float4(sacc[mt][0][0], sacc[mt][0][1], sacc[mt][1][0], sacc[mt][1][1]);
-      sm.s_part[dq][r + 8][t4] = make_float4(sacc[mt][0][2], sacc[mt][0][3], sacc[mt][1][2], sacc[mt][1][3]);
-    }
+    write_partials(sacc);
   };
   // The MMA phase of round `tile`: QK(tile) and PV(tile - 1), each where it exists.
   auto mma_phase = [&](int tile, const Refill& rf) {
