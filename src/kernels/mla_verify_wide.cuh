@@ -58,6 +58,8 @@ constexpr int kPRowStride = kKeys + 8;   // bf16: 48-byte rows, conflict-free ld
 // ~8.2 cycles), so QK waits on its own chains (~600 cycles for 36 mma.sync, phase trace);
 // P.V's 32 independent accumulators fill those gaps without registers of their own beyond P
 // and one V fragment. Both tiles t-1 and t are read in round t, as under ping-pong.
+// Measured 7% slower (v17f, NOTES.md session 9): with S and P both live, one fragment buffer
+// is left, so every ldmatrix waits in line before its mma.sync. Off; kept as the record.
 #ifndef WIDE_FUSED
 #define WIDE_FUSED 0
 #endif
