@@ -58,8 +58,6 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
   TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
               "workspace too small");
-  TORCH_CHECK(ws_o.scalar_type() == at::kBFloat16 && ws_lse.scalar_type() == at::kFloat,
-              "workspace: partial outputs must be bf16 and partial LSEs float32");
   TORCH_CHECK(B <= 65535, "batch must be <= 65535 (grid z)");
   if (T == 0 || B == 0) return;
 
@@ -77,7 +75,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.custom_mask = custom_mask.has_value() ? reinterpret_cast<const uint8_t*>(custom_mask->data_ptr()) : nullptr;
   prm.mask_indptr = mask_indptr.has_value() ? mask_indptr->data_ptr() : nullptr;
   prm.mask_indptr_64 = mask_indptr.has_value() && mask_indptr->scalar_type() == at::kLong;
-  prm.ws_o = reinterpret_cast<__nv_bfloat16*>(ws_o.data_ptr());
+  prm.ws_o = ws_o.data_ptr<float>();
   prm.ws_lse = ws_lse.data_ptr<float>();
   prm.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   prm.lse = lse.data_ptr<float>();

@@ -172,8 +172,7 @@ struct Params {
   const void* kv_indices;          // int32 or int64
   const uint8_t* custom_mask;      // flat bool, or nullptr for a causal chain
   const void* mask_indptr;         // int32 or int64, [B+1]
-  __nv_bfloat16* ws_o;             // [T*H*num_splits, 512]: each split's normalised output, in the
-                                   // output dtype as FlashInfer keeps its split partials (tmp_v)
+  float* ws_o;                     // [T*H*num_splits, 512]: each split's normalised output
   float* ws_lse;                   // [T*H*num_splits]: each split's LSE (log2 domain)
   __nv_bfloat16* out;              // [T, H, 512]
   float* lse;                      // [T, H] natural-log LSE of sm_scale * q.k
@@ -781,11 +780,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       if (pi < 0) continue;
       const float l = sm.row_sum[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      __nv_bfloat16* dst = prm.ws_o + pi * kDimV + pv_col0 + 2 * t4;
+      float* dst = prm.ws_o + pi * kDimV + pv_col0 + 2 * t4;
 #pragma unroll
       for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(dst + nt * 8) =
-            __floats2bfloat162_rn(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+        *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
     }
   }
 }
@@ -794,7 +792,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 // groups of threads each sum every kGroups-th split, then the groups' sums are added in shared
 // memory. With kGroups == 1 a CTA holds a whole row (4 columns a thread) and walks its splits in
 // order, which is all a row with few splits needs. With many splits that one walk is the
-// bottleneck: at q16 h8 64k (128 rows x 66 splits, then 17 MB of fp32 partials) it took 18 us under
+// bottleneck: at q16 h8 64k (128 rows x 66 splits, 17 MB of fp32 partials) it took 18 us under
 // ncu, 4 warps an SM with one 16-byte load in flight per thread. kGroups == 16 spreads a row over
 // 16 CTAs with every split's load in flight at once. The launcher picks kGroups from num_splits
 // (combine_groups), a static shape, so a captured graph keeps its grid.
@@ -856,15 +854,12 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   }
   __syncthreads();
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const uint2* src = reinterpret_cast<const uint2*>(prm.ws_o + row * S * kDimV + col0) + vec;   // 4 bf16
+  const float4* src = reinterpret_cast<const float4*>(prm.ws_o + row * S * kDimV + col0) + vec;
 #pragma unroll 4
   for (int s = group; s < S; s += kGroups) {
     // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
     // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied.
-    const uint2 raw = src[static_cast<int64_t>(s) * (kDimV / 4)];
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    const float4 v = make_float4(lo.x, lo.y, hi.x, hi.y);
+    const float4 v = src[static_cast<int64_t>(s) * (kDimV / 4)];
     const float w = weight[s];
     if (w != 0.f) {
       acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);

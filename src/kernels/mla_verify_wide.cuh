@@ -486,11 +486,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       if (pi < 0) continue;
       const float l = sm.row_sum[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      __nv_bfloat16* dst = prm.ws_o + pi * kDimV + dq * kVCols + 2 * t4;
+      float* dst = prm.ws_o + pi * kDimV + dq * kVCols + 2 * t4;
 #pragma unroll
       for (int nt = 0; nt < kVCols / 8; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(dst + nt * 8) =
-            __floats2bfloat162_rn(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+        *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
     }
   }
 }

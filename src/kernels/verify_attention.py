@@ -84,8 +84,7 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
 
 
 class MlaVerifyWorkspace:
-    """Per-split partial outputs (bf16, as FlashInfer keeps its split partials) and LSEs
-    (fp32), allocated once and reused by every call.
+    """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
 
     With num_splits=None the split count follows `choose_num_splits` for each call's
     batch; the buffer is sized so that any batch up to max_tokens fits. With cta_rows=None
@@ -122,9 +121,7 @@ class MlaVerifyWorkspace:
         else:
             rows = max_tokens * heads * num_splits
         self.capacity_rows = rows
-        # bf16: the combine step reads every split's partial, and half the bytes is ~2.5 us of
-        # its ~6 at q16 h8 (NOTES.md, session 9); one more bf16 rounding before the fp32 merge
-        self.partial_o = torch.empty(rows * DIM_V, dtype=torch.bfloat16, device=self.device)
+        self.partial_o = torch.empty(rows * DIM_V, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
 
     def cta_rows_for(self, batch: int, max_q_len: int) -> int:
@@ -139,7 +136,7 @@ class MlaVerifyWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return self.partial_o.numel() * self.partial_o.element_size() + self.partial_lse.numel() * 4
+        return self.partial_o.numel() * 4 + self.partial_lse.numel() * 4
 
 
 def _as_rows(arg: str, t, device):
