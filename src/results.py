@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -13,6 +14,12 @@ PROVENANCE_KEYS = ("gpu", "driver", "torch", "sglang", "triton", "commit", "date
 
 def results_dir() -> Path:
     return project_root() / "data" / "results"
+
+
+def cli_command(module: str, argv=None) -> str:
+    """The command line a `python -m module` run was given (argv, or this process's own), as
+    its records' `command`."""
+    return f"python -m {module} " + " ".join(argv or sys.argv[1:])
 
 
 def append_records(name: str, records: Iterable[dict], command: str | None = None,

@@ -90,3 +90,10 @@ def test_build_schedule_reads_the_source_defaults_and_the_defines():
     assert set(default) == {"pingpong", "fused"}
     assert build_schedule(["WIDE_PINGPONG=0", "WIDE_FUSED=1"]) == {"pingpong": False, "fused": True}
     assert build_schedule(["WIDE_FUSED=0"])["pingpong"] == default["pingpong"]
+
+
+def test_cli_command_names_the_module_and_its_arguments():
+    from sm120_workbook.results import cli_command
+
+    assert cli_command("sm120_workbook.kernels.phase_trace", ["--ctx", "4096"]) == \
+        "python -m sm120_workbook.kernels.phase_trace --ctx 4096"

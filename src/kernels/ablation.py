@@ -191,10 +191,10 @@ def main(argv=None):
     variants = {n: VARIANTS[n] for n in (args.variants or VARIANTS)}
     build_all(variants)
     records = [dict(r, kernel_version=args.tag) for r in run(variants=variants, reps=args.reps)]
-    from ..results import append_records
+    from ..results import append_records, cli_command
 
     path = append_records("kernel_ablation", records,
-                          command="python -m sm120_workbook.kernels.ablation " + " ".join(argv or sys.argv[1:]),
+                          command=cli_command("sm120_workbook.kernels.ablation", argv),
                           path=Path(args.out) if args.out else None)
     print(f"appended to {path}")
 

@@ -336,11 +336,11 @@ def main(argv=None):
     if not args.no_record:
         from pathlib import Path
 
-        from ..results import append_records
+        from ..results import append_records, cli_command
 
         ok = [dict(r, kernel_version=args.tag) for r in records if r["status"] == "ok"]
         path = append_records("kernel_bench", ok,
-                              command="python -m sm120_workbook.kernels.bench " + " ".join(argv or sys.argv[1:]),
+                              command=cli_command("sm120_workbook.kernels.bench", argv),
                               path=Path(args.out) if args.out else None)
         append_records("ceilings", [{"copy_gbps": ceil["copy_gbps"], "bf16_tflops": ceil["matmul_tflops"],
                                      "mma_sync_tflops": ceil["mma_sync_tflops"],

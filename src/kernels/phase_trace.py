@@ -133,14 +133,14 @@ def main(argv=None) -> None:
     print(table.to_string(index=False, float_format=lambda v: f"{v:.0f}"))
     if a.no_record:
         return
-    from ..results import append_records
+    from ..results import append_records, cli_command
 
     records = [{k: v for k, v in r.items() if not (isinstance(v, float) and np.isnan(v))}
                | {"impl": "sm120_mla", **shape.__dict__, "cta_rows": 64, "defines": list(a.define), **times,
                   "kernel_version": a.tag}
                for r in table.to_dict("records")]
     path = append_records("kernel_phase_trace", records,
-                          command="python -m sm120_workbook.kernels.phase_trace " + " ".join(argv or sys.argv[1:]),
+                          command=cli_command("sm120_workbook.kernels.phase_trace", argv),
                           path=Path(a.out) if a.out else None)
     print(f"appended to {path}")
 

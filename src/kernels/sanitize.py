@@ -122,10 +122,10 @@ def main(argv=None) -> int:
             for ln in r["first_lines"][:4]:
                 print(f"    {ln}")
     if not args.no_record:
-        from ..results import append_records
+        from ..results import append_records, cli_command
 
         path = append_records("kernel_sanitizer", [{k: v for k, v in r.items() if k != "report_tail"} for r in records],
-                              command="python -m sm120_workbook.kernels.sanitize " + " ".join(argv or sys.argv[1:]),
+                              command=cli_command("sm120_workbook.kernels.sanitize", argv),
                               path=Path(args.out) if args.out else None)
         print(f"appended to {path}")
     return exit_status(records)
