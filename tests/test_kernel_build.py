@@ -144,19 +144,30 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90"])
-def test_phase_trace_build_compiles_without_spills(tmp_path, arch):
-    """The WIDE_TRACE diagnostic build (phase_trace.py) must keep the wide kernel's registers."""
+@pytest.mark.parametrize("defines", [("WIDE_TRACE",), ("CTA_TIMELINE",), ("COMBINE_PDL=1",)],
+                         ids=["phase_trace", "cta_timeline", "pdl"])
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90", "sm_86"])
+def test_diagnostic_builds_compile_without_spills(tmp_path, arch, defines):
+    """The diagnostic builds (phase_trace.py's stamps, cta_timeline.py's stamps) and the
+    programmatic-dependent combine step keep every kernel's registers on sm_120a and sm_90; on
+    sm_86 they build (griddepcontrol compiles to nothing there)."""
     import subprocess
 
     from sm120_workbook.kernels.build import KERNEL_DIR
 
     src = tmp_path / "t.cu"
-    src.write_text('#include "mla_verify_wide.cuh"\n')
-    proc = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v", "-DWIDE_TRACE",
-                           f"-I{KERNEL_DIR}", "-o", str(tmp_path / "t.cubin"), str(src)], capture_output=True, text=True)
+    src.write_text('#include "mla_verify_wide.cuh"\n'
+                   "template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n"
+                   "template __global__ void sm120_mla::mla_verify_combine_kernel<16>(const sm120_mla::Params);\n")
+    proc = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
+                           *[f"-D{d}" for d in defines], f"-I{KERNEL_DIR}", "-o", str(tmp_path / "t.cubin"),
+                           str(src)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "mla_verify_wide_kernel" in proc.stderr and " 0 bytes spill stores" in proc.stderr
+    for kernel in ("mla_verify_wide_kernel", "mla_verify_split_kernel", "mla_verify_combine_kernel"):
+        assert kernel in proc.stderr
+    if arch != "sm_86":   # the targets; sm_86 checks that the sm_90+ instructions compile away
+        assert proc.stderr.count("bytes spill stores") == 3 and "spill stores" not in proc.stderr.replace(
+            " 0 bytes spill stores", "")
 
 
 @pytest.mark.nvcc

@@ -66,9 +66,11 @@ def test_max_q_len_above_actual(seed):
     assert_matches_reference(case, out, lse, "mixed q_len")
 
 
+@pytest.mark.parametrize("defines", [(), ("COMBINE_PDL=1",)], ids=["default", "pdl"])
 @pytest.mark.parametrize("cta_rows", [32, 64])
-def test_cuda_graph_replay_with_changed_lengths(cta_rows, seed):
-    """One graph captured at the largest lengths replays correctly for shorter ones."""
+def test_cuda_graph_replay_with_changed_lengths(cta_rows, defines, seed):
+    """One graph captured at the largest lengths replays correctly for shorter ones (also with
+    the combine step as a programmatic dependent, which capture records as its own edge)."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
 
     B, H, Q, MAX_CTX = 3, 16, 16, 6000
@@ -82,7 +84,7 @@ def test_cuda_graph_replay_with_changed_lengths(cta_rows, seed):
     idx_buf[:st["kv_indices"].numel()] = st["kv_indices"]
     out = torch.empty(B * Q, H, 512, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(B * Q, H, device=dev, dtype=torch.float32)
-    ws = MlaVerifyWorkspace(B * Q, H, dev, cta_rows=cta_rows)
+    ws = MlaVerifyWorkspace(B * Q, H, dev, cta_rows=cta_rows, kernel_defines=defines)
 
     def step():
         mla_verify_attention(st["q"], st["kv_pool"], st["qo_indptr"], st["kv_indptr"], idx_buf, out=out,
@@ -121,7 +123,7 @@ def test_cuda_graph_replay_with_changed_lengths(cta_rows, seed):
         graph_out, graph_lse = out.clone(), lse.clone()
         ref_case = dict(case, kv_pool=st["kv_pool"])
         assert_matches_reference(ref_case, graph_out, graph_lse, f"replay {trial} ctx={ctx}")
-        eager_out, eager_lse = run_kernel(ref_case, max_q_len=Q, cta_rows=cta_rows)
+        eager_out, eager_lse = run_kernel(ref_case, max_q_len=Q, cta_rows=cta_rows, kernel_defines=defines)
         assert torch.equal(graph_out, eager_out), "graph replay differs from eager"
 
 
@@ -214,13 +216,14 @@ def test_compute_sanitizer_clean(tool):
     (("TILE_STAGGER=3",), 32), (("SPLIT_LOADS=1",), 32), (("SPLIT_LOADS=1", "STAGES_16=3"), 32),
     (("WIDE_STAGES=3",), 64), (("WIDE_REFILL_IN_QK=0",), 64), (("WIDE_PINGPONG=0",), 64),
     (("WIDE_PINGPONG=0", "WIDE_STAGES=2"), 64), (("WIDE_PINGPONG=0", "WIDE_REFILL_IN_QK=0"), 64),
-    (("WIDE_FUSED=1",), 64), (("WIDE_FUSED=1", "WIDE_PINGPONG=0"), 64), (("WIDE_FUSED=1", "WIDE_STAGES=3"), 64)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
+    (("WIDE_FUSED=1",), 64), (("WIDE_FUSED=1", "WIDE_PINGPONG=0"), 64), (("WIDE_FUSED=1", "WIDE_STAGES=3"), 64),
+    (("COMBINE_PDL=1",), 32), (("COMBINE_PDL=1",), 64), (("CTA_TIMELINE",), 64)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part
     of each refill; the wide kernel with a 2- or 3-stage ring, its refill before QK, its row pairs in step, or each warp's QK and
-    P.V fused into one stream) compute the
-    same attention."""
+    P.V fused into one stream; the combine step as a programmatic dependent; the timeline
+    stamps) compute the same attention."""
 
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7]:
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,

@@ -99,8 +99,17 @@ VARIANTS = {
     "wide_fused_lockstep": Variant(("WIDE_FUSED=1", "WIDE_PINGPONG=0"), cta_rows=64),
     "wide_fused_no_loads": Variant(("WIDE_FUSED=1", "ABLATE_NO_LOADS"), cta_rows=64),
     "wide_fused_stages3": Variant(("WIDE_FUSED=1", "WIDE_STAGES=3"), cta_rows=64),
+    # the combine step launched as a programmatic dependent of the attention kernel (COMBINE_PDL,
+    # sm_90+): its launch and prologue overlap the attention kernel's last CTAs
+    "pdl": Variant(("COMBINE_PDL=1",)),
+    "wide_pdl": Variant(("COMBINE_PDL=1",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
+
+
+def shapes_at(contexts) -> tuple[Shape, ...]:
+    """The ablation's shapes (SHAPES) at each of these contexts; short ones show the fixed part."""
+    return tuple(Shape(s.batch, s.heads, s.q_len, c) for c in contexts for s in SHAPES)
 
 
 SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16")
@@ -185,12 +194,17 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                     help="run only these (default: all)")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[65536],
+                    help="contexts to time each shape at (default 65536)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the ablation needs a CUDA GPU; none is visible to torch")
     variants = {n: VARIANTS[n] for n in (args.variants or VARIANTS)}
     build_all(variants)
-    records = [dict(r, kernel_version=args.tag) for r in run(variants=variants, reps=args.reps)]
+    if min(args.ctx) < 1:
+        ap.error("--ctx: contexts must be positive")
+    records = [dict(r, kernel_version=args.tag)
+               for r in run(shapes=shapes_at(args.ctx), variants=variants, reps=args.reps)]
     from ..results import append_records, cli_command
 
     path = append_records("kernel_ablation", records,

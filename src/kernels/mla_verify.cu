@@ -37,6 +37,22 @@ void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, i
   wide::mla_verify_wide_kernel<<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
 }
 
+// The combine step, as a programmatic dependent of the attention kernel where COMBINE_PDL and
+// the device (sm_90 and newer) allow it; stream capture records that as a programmatic edge.
+template <int kGroups>
+void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(sm120_mla::kCombineThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = COMBINE_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups>, prm));
+}
+
 }  // namespace
 
 void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at::Tensor& qo_indptr,
@@ -99,12 +115,11 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int groups = combine_groups(prm.num_splits);
   const dim3 combine_grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));   // groups column slices
   if (groups == 16)
-    mla_verify_combine_kernel<16><<<combine_grid, kCombineThreads, 0, stream>>>(prm);
+    launch_combine<16>(prm, combine_grid, stream);
   else if (groups == 4)
-    mla_verify_combine_kernel<4><<<combine_grid, kCombineThreads, 0, stream>>>(prm);
+    launch_combine<4>(prm, combine_grid, stream);
   else
-    mla_verify_combine_kernel<1><<<combine_grid, kCombineThreads, 0, stream>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_combine<1>(prm, combine_grid, stream);
 }
 
 // The wide kernel's phase stamps from the last call of a WIDE_TRACE build (mla_verify_wide.cuh):
@@ -117,6 +132,24 @@ at::Tensor wide_phase_trace() {
   return out;
 #else
   TORCH_CHECK(false, "wide_phase_trace: this build records no trace; build it with defines=(\"WIDE_TRACE\",)");
+#endif
+}
+
+// The CTA milestones of the last call of a CTA_TIMELINE build (mla_verify.cuh): int64
+// [kernel (0 the wide kernel, 1 the combine step), CTA, event] of %globaltimer ns, on the CPU;
+// the stamps are cleared for the next call.
+at::Tensor cta_timeline() {
+#ifdef CTA_TIMELINE
+  using namespace sm120_mla;
+  at::Tensor out = torch::empty({2, kTimelineCtas, kTimelineEvents}, torch::kLong);
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(out.data_ptr(), cta_timeline_ns, out.numel() * sizeof(long long)));
+  void* stamps = nullptr;
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&stamps, cta_timeline_ns));
+  C10_CUDA_CHECK(cudaMemset(stamps, 0, out.numel() * sizeof(long long)));
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  return out;
+#else
+  TORCH_CHECK(false, "cta_timeline: this build records no timeline; build it with defines=(\"CTA_TIMELINE\",)");
 #endif
 }
 

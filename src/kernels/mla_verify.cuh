@@ -163,6 +163,29 @@ static_assert(GROUP_BARRIERS || !LATE_REFILL, "LATE_REFILL replaces kBarValue: n
 static_assert(kRowsPerCta == 2 * 16 && kGroupThreads == kScoreWarps * 32 && kGroupThreads == kValueWarps * 32,
               "warp layout");
 
+// CTA_TIMELINE (a diagnostic build, off by default): thread 0 of every CTA of the wide kernel
+// (kernel 0) and of the combine step (kernel 1) stamps %globaltimer, in ns on one clock for all
+// SMs, at the CTA's milestones (kEv*), so that a call's fixed part (launch ramp, prologue, first
+// tiles, epilogue, the combine's own chain) can be told apart CTA by CTA. cta_timeline() (the
+// launcher) copies the stamps out and clears them; phase_trace.py --timeline tabulates them.
+// A CTA past kTimelineCtas is not stamped; a milestone a CTA never reached stays 0.
+constexpr int kTimelineCtas = 4096;
+constexpr int kTimelineEvents = 6;
+enum TimelineEvent { kEvEntry = 0, kEvStaged = 1, kEvTile0 = 2, kEvTile1 = 3, kEvLoopEnd = 4, kEvExit = 5 };
+#ifdef CTA_TIMELINE
+__device__ unsigned long long cta_timeline_ns[2][kTimelineCtas][kTimelineEvents];
+#endif
+__device__ __forceinline__ void timeline_stamp(int kernel, int event) {
+#ifdef CTA_TIMELINE
+  if (threadIdx.x == 0) {
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (cta < kTimelineCtas) cta_timeline_ns[kernel][cta][event] = t;
+  }
+#endif
+}
+
 struct Params {
   const __nv_bfloat16* q;          // [T, H, 576]
   const __nv_bfloat16* kv_pool;    // [P, 576]
@@ -274,6 +297,27 @@ __device__ __forceinline__ void barrier_sync(int id, int count) {
 }
 __device__ __forceinline__ void cta_sync() {
   asm volatile("barrier.sync 0;\n" ::: "memory");
+}
+
+// COMBINE_PDL: the combine step is launched as a programmatic dependent of the attention
+// kernel (sm_90 and newer, sm_120 included; the launcher leaves the attribute off below sm_90,
+// where these two compile to nothing). The attention kernel lets it launch at once; the
+// combine step's CTAs then take each SM that an attention CTA leaves, run their prologue
+// (the padding-row test), and wait in griddepcontrol.wait until the attention grid has
+// finished and its writes are visible. What that can save is the launch gap between the two
+// kernels and the combine step's ramp, not its work.
+#ifndef COMBINE_PDL
+#define COMBINE_PDL 0
+#endif
+__device__ __forceinline__ void launch_dependents() {
+#if COMBINE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if COMBINE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
@@ -390,6 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   typename Cfg::Shared& sm = *reinterpret_cast<typename Cfg::Shared*>(smem_raw);
+  launch_dependents();
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
@@ -806,6 +851,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   __shared__ float weight[kMaxSplits];
   __shared__ float4 group_sum[kGroups > 1 ? kGroups : 1][kVecs];
   __shared__ float total[2];
+  timeline_stamp(1, kEvEntry);
   const int64_t row = blockIdx.x;
   const int col0 = blockIdx.y * kCols;
   const int S = prm.num_splits, tid = threadIdx.x, lane = tid & 31;
@@ -833,9 +879,11 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
       const float fill = unwritten == 1 ? 0.f : NAN;
       if (group == 0) store(make_float4(fill, fill, fill, fill));
       if (tid == 0 && blockIdx.y == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
+      timeline_stamp(1, kEvExit);
       return;
     }
   }
+  wait_for_prerequisite_grid();   // the partials below are the attention kernel's
   if (tid < 32) {
     const float* lse = prm.ws_lse + row * S;
     float m = -INFINITY;
@@ -853,6 +901,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     if (lane == 0) { total[0] = m; total[1] = sum; }
   }
   __syncthreads();
+  timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   const float4* src = reinterpret_cast<const float4*>(prm.ws_o + row * S * kDimV + col0) + vec;
 #pragma unroll 4
@@ -880,6 +929,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   store(make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   if (tid == 0 && blockIdx.y == 0) prm.lse[row] = wsum > 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+  timeline_stamp(1, kEvExit);
 }
 
 // Split groups of the combine step for num_splits splits: enough that each thread has a few

@@ -138,6 +138,8 @@ __device__ __forceinline__ int fresh_thread_index() {
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Shared& sm = *reinterpret_cast<Shared*>(smem_raw);
+  timeline_stamp(0, kEvEntry);
+  launch_dependents();
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
@@ -149,7 +151,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
   const int rows = q_len * H;
-  if (row0 >= rows) return;                        // request shorter than max_q_len
+  if (row0 >= rows) {                              // request shorter than max_q_len
+    timeline_stamp(0, kEvExit);
+    return;
+  }
   const int pair = warp / kQuarters;                  // row pair: warps 0-3 and 4-7
   const int my_rows = pair * 32;                      // my warp's first row within the CTA's 64
   const int wrow0 = row0 + my_rows;
@@ -177,6 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       const int64_t pi = partial_index(row0 + tid);
       if (pi >= 0) prm.ws_lse[pi] = -INFINITY;
     }
+    timeline_stamp(0, kEvExit);
     return;
   }
 
@@ -227,6 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   if (tid < kRows) sm.row_scale[tid] = 1.f;
 #endif
   __syncthreads();
+  timeline_stamp(0, kEvStaged);   // the first tiles' indices are in shared memory
   for (int s = 0; s < kAhead; ++s) {
     if (s < num_tiles) load_tile(s);
     cp_async_commit();
@@ -401,6 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       stamp(tile, 0);
       __syncthreads();
       stamp(tile, 1);
+      if (tile < 2) timeline_stamp(0, kEvTile0 + tile);
       const Refill rf = plan_refill(tile + kAhead);
       if (lagging) {
         if (tile > 0) {
@@ -432,6 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     stamp(tile, 0);
     __syncthreads();                // A(tile): everyone's have; the stage refilled below is free
     stamp(tile, 1);
+    if (tile < 2) timeline_stamp(0, kEvTile0 + tile);
     // Refill the stage of tile `tile - 1 - kLag` with tile `tile + kAhead` (past the split's end
     // it zero-fills a stage no round reads), during QK or before it.
     const Refill rf = plan_refill(tile + kAhead);
@@ -464,6 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     cp_async_commit();              // group `tile + kAhead`: this round's copies
   }
   cp_async_wait<0>();
+  timeline_stamp(0, kEvLoopEnd);
 
   // Each row's sum, from the warp that ran its softmax, to every warp that holds its O; the
   // LSE comes from that warp alone.
@@ -492,6 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
     }
   }
+  timeline_stamp(0, kEvExit);
 }
 
 }  // namespace wide

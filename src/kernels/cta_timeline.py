@@ -1,0 +1,165 @@
+"""Where a call's fixed part goes, CTA by CTA, from %globaltimer stamps.
+
+    python -m sm120_workbook.kernels.cta_timeline --heads 8 --q-len 16 --ctx 4096
+
+builds the kernels with CTA_TIMELINE (thread 0 of every CTA of the 64-row kernel and of the
+combine step stamps its milestones; mla_verify.cuh), replays one call's CUDA graph after an L2
+flush several times, and prints when the milestones fall (the first, median and last CTA, in
+us after the first attention CTA started) and how long each CTA spends between them (median
+and slowest CTA), each the median over the replays. The phase trace (phase_trace.py) says
+what a round of the loop costs; this says what the call costs around the loop: the launch
+ramp, the prologue's dependent loads, the first tiles after a flush, the epilogue, the gap
+to the combine step and the combine step's own chain.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+TIMELINE_DEFINE = "CTA_TIMELINE"
+# Event slots (TimelineEvent in mla_verify.cuh) and what each kernel stamps in them.
+MILESTONES = {
+    "attention": {0: "entry", 1: "indices staged", 2: "tile 0 landed", 3: "tile 1 landed", 4: "loop end", 5: "exit"},
+    "combine": {0: "entry", 1: "weights ready", 5: "exit"},
+}
+# Spans of one CTA: (kernel, name, from slot, to slot).
+SPANS = (
+    ("attention", "prologue (indptr, indices)", 0, 1),
+    ("attention", "first tile (copies, Q)", 1, 2),
+    ("attention", "round 0", 2, 3),
+    ("attention", "loop", 2, 4),
+    ("attention", "epilogue", 4, 5),
+    ("combine", "LSE pass", 0, 1),
+    ("combine", "merge", 1, 5),
+)
+KERNELS = ("attention", "combine")
+
+
+def _check(stamps: np.ndarray) -> np.ndarray:
+    stamps = np.asarray(stamps, dtype=np.int64)
+    if stamps.ndim != 3 or stamps.shape[0] != 2 or stamps.shape[2] < 6:
+        raise ValueError(f"stamps: expected [2 kernels, CTAs, 6 events], got shape {stamps.shape}")
+    if not (stamps[0, :, 0] > 0).any():
+        raise ValueError("stamps: no attention CTA stamped its entry (was the build made with CTA_TIMELINE?)")
+    return stamps
+
+
+def milestone_table(stamps) -> pd.DataFrame:
+    """When each milestone falls, in us after the first attention CTA's entry: the first, median
+    and last CTA to reach it, and how many CTAs did. A CTA that exits early (an empty split, a
+    request shorter than max_q_len) reaches only its entry and exit."""
+    stamps = _check(stamps)
+    t0 = stamps[0, :, 0][stamps[0, :, 0] > 0].min()
+    rows = []
+    for k, kernel in enumerate(KERNELS):
+        for slot, name in MILESTONES[kernel].items():
+            t = stamps[k, :, slot]
+            t = (t[t > 0] - t0) / 1e3
+            if len(t):
+                rows.append({"kernel": kernel, "milestone": name, "ctas": len(t), "first_us": float(t.min()),
+                             "median_us": float(np.median(t)), "last_us": float(t.max())})
+    return pd.DataFrame(rows)
+
+
+def span_table(stamps) -> pd.DataFrame:
+    """How long each CTA spends between two milestones (us): the median and the slowest CTA,
+    over the CTAs that reached both."""
+    stamps = _check(stamps)
+    rows = []
+    for kernel, name, a, b in SPANS:
+        s = stamps[KERNELS.index(kernel)]
+        ok = (s[:, a] > 0) & (s[:, b] > 0)
+        if ok.any():
+            d = (s[ok, b] - s[ok, a]) / 1e3
+            rows.append({"kernel": kernel, "span": name, "ctas": int(ok.sum()), "median_us": float(np.median(d)),
+                         "max_us": float(d.max())})
+    return pd.DataFrame(rows)
+
+
+def resolution_ns(stamps) -> int:
+    """The timer's step: the smallest nonzero gap between any two stamps (%globaltimer ticks
+    in 32 ns on recent GPUs, 1 us on some older drivers; a table finer than that means nothing)."""
+    t = np.unique(np.asarray(stamps, dtype=np.int64).ravel())
+    t = t[t > 0]
+    return int(np.diff(t).min()) if len(t) > 1 else 0
+
+
+def median_over(tables: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
+    """The median of each numeric column over tables of the same rows (one per replay)."""
+    if not tables:
+        raise ValueError("tables: none to take a median of")
+    cat = pd.concat(tables)
+    return cat.groupby(keys, sort=False).median(numeric_only=True).reset_index()
+
+
+def main(argv=None) -> None:
+    from .bench import add_shape_args
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_args(ap)
+    ap.add_argument("--define", action="append", default=[], help="another build define, e.g. COMBINE_PDL=1")
+    ap.add_argument("--replays", type=int, default=20, help="graph replays, each after an L2 flush (default 20)")
+    ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
+    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_timeline.jsonl)")
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args(argv)
+    if a.replays < 1:
+        ap.error("--replays must be at least 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("the CTA timeline needs a CUDA GPU; none is visible to torch")
+    from .bench import L2_FLUSH_BYTES, Inputs, build_sm120_mla, shape_from_args, time_graph_us
+    from .build import load_kernel_module
+
+    defines = tuple(a.define) + (TIMELINE_DEFINE,)
+    shape = shape_from_args(a)
+    x = Inputs(shape)
+    stamped = build_sm120_mla(x, kernel_defines=defines, cta_rows=64)
+    shipped = build_sm120_mla(x, kernel_defines=tuple(a.define), cta_rows=64)
+    times = {"stamped_us": time_graph_us(stamped)["time_us"], "untraced_us": time_graph_us(shipped)["time_us"]}
+    module = load_kernel_module(defines=defines)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    stamped()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stamped()
+    module.cta_timeline()   # clear what the eager call and the capture left
+    milestones, spans, steps = [], [], []
+    for _ in range(a.replays):
+        flush.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        stamps = module.cta_timeline().numpy()
+        milestones.append(milestone_table(stamps))
+        spans.append(span_table(stamps))
+        steps.append(resolution_ns(stamps))
+    m = median_over(milestones, ["kernel", "milestone"])
+    s = median_over(spans, ["kernel", "span"])
+    res = int(np.median(steps))
+    print(f"b{a.batch} h{a.heads} q{a.q_len} ctx {a.ctx}, 64-row kernel, defines {list(a.define) or 'none'}: "
+          f"{times['stamped_us']:.1f} us stamped, {times['untraced_us']:.1f} us without the stamps; "
+          f"timer step {res} ns; medians over {a.replays} replays")
+    print(m.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(s.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    if a.no_record:
+        return
+    from ..results import append_records, cli_command
+
+    common = {"impl": "sm120_mla", **shape.__dict__, "cta_rows": 64, "defines": list(a.define), **times,
+              "timer_step_ns": res, "replays": a.replays, "kernel_version": a.tag}
+    records = ([dict(common, kind="milestone", **r) for r in m.to_dict("records")]
+               + [dict(common, kind="span", **r) for r in s.to_dict("records")])
+    path = append_records("kernel_timeline", records,
+                          command=cli_command("sm120_workbook.kernels.cta_timeline", argv),
+                          path=Path(a.out) if a.out else None)
+    print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

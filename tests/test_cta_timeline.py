@@ -1,0 +1,67 @@
+"""cta_timeline: the %globaltimer stamps of every CTA turned into milestones and spans."""
+import numpy as np
+import pytest
+
+from sm120_workbook.kernels.cta_timeline import median_over, milestone_table, resolution_ns, span_table
+
+T0 = 1_000_000_000
+
+
+def synthetic(ctas=4, empty=1, combine=3):
+    """Attention CTAs that start 32 ns apart and take 1 / 2 / 1 / 5 / 3 us between milestones
+    (the last `empty` of them exit at once, like empty splits), and combine CTAs that start
+    after the last attention CTA exits."""
+    s = np.zeros((2, 4096, 6), dtype=np.int64)
+    for c in range(ctas):
+        t = T0 + 32 * c
+        s[0, c, 0] = t
+        if c >= ctas - empty:
+            s[0, c, 5] = t + 320
+            continue
+        for slot, d in zip((1, 2, 3, 4, 5), (1000, 2000, 1000, 5000, 3000)):
+            t += d
+            s[0, c, slot] = t
+    end = s[0, :ctas, 5].max()
+    for c in range(combine):
+        s[1, c, 0] = end + 640 + 32 * c
+        s[1, c, 1] = s[1, c, 0] + 1024
+        s[1, c, 5] = s[1, c, 1] + 2048
+    return s
+
+
+def test_milestones_are_timed_from_the_first_attention_entry():
+    m = milestone_table(synthetic()).set_index(["kernel", "milestone"])
+    assert m.loc[("attention", "entry"), "first_us"] == 0 and m.loc[("attention", "entry"), "ctas"] == 4
+    # only the three CTAs with tiles stage indices; the empty one reaches its exit at once
+    assert m.loc[("attention", "indices staged"), "ctas"] == 3
+    assert m.loc[("attention", "indices staged"), "first_us"] == pytest.approx(1.0)
+    assert m.loc[("attention", "exit"), "first_us"] == pytest.approx(0.096 + 0.32)
+    assert m.loc[("attention", "exit"), "last_us"] == pytest.approx(0.064 + 12.0)
+    assert m.loc[("combine", "exit"), "ctas"] == 3
+    assert ("combine", "tile 0 landed") not in m.index   # the combine step stamps no tiles
+
+
+def test_spans_per_cta():
+    s = span_table(synthetic()).set_index(["kernel", "span"])
+    assert s.loc[("attention", "prologue (indptr, indices)"), "median_us"] == pytest.approx(1.0)
+    assert s.loc[("attention", "loop"), "median_us"] == pytest.approx(6.0)   # tile 0 landed -> loop end
+    assert s.loc[("attention", "epilogue"), "ctas"] == 3                      # not the empty split
+    assert s.loc[("combine", "merge"), "max_us"] == pytest.approx(2.048)
+
+
+def test_resolution_and_median_over_replays():
+    assert resolution_ns(synthetic()) == 32
+    a, b = milestone_table(synthetic()), milestone_table(synthetic())
+    b["last_us"] += 2.0
+    m = median_over([a, b, b], ["kernel", "milestone"])
+    assert list(m["milestone"][:2]) == ["entry", "indices staged"]       # row order kept
+    assert m["last_us"].tolist() == pytest.approx((a["last_us"] + 2.0).tolist())
+
+
+def test_bad_stamps_raise():
+    with pytest.raises(ValueError, match="stamps: expected"):
+        milestone_table(np.zeros((3, 10, 6)))
+    with pytest.raises(ValueError, match="CTA_TIMELINE"):
+        span_table(np.zeros((2, 10, 6)))
+    with pytest.raises(ValueError, match="tables"):
+        median_over([], ["kernel"])
