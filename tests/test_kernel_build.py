@@ -144,13 +144,13 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("defines", [("WIDE_TRACE",), ("CTA_TIMELINE",), ("COMBINE_PDL=1",)],
-                         ids=["phase_trace", "cta_timeline", "pdl"])
+@pytest.mark.parametrize("defines", [(), ("WIDE_TRACE",), ("CTA_TIMELINE",)],
+                         ids=["default", "phase_trace", "cta_timeline"])
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90", "sm_86"])
 def test_diagnostic_builds_compile_without_spills(tmp_path, arch, defines):
-    """The diagnostic builds (phase_trace.py's stamps, cta_timeline.py's stamps) and the
-    programmatic-dependent combine step keep every kernel's registers on sm_120a and sm_90; on
-    sm_86 they build (griddepcontrol compiles to nothing there)."""
+    """The default build (its combine step a programmatic dependent) and the diagnostic builds
+    (phase_trace.py's stamps, cta_timeline.py's stamps) keep every kernel's registers on sm_120a
+    and sm_90; on sm_86 they build (griddepcontrol compiles to nothing there)."""
     import subprocess
 
     from sm120_workbook.kernels.build import KERNEL_DIR

@@ -99,10 +99,16 @@ VARIANTS = {
     "wide_fused_lockstep": Variant(("WIDE_FUSED=1", "WIDE_PINGPONG=0"), cta_rows=64),
     "wide_fused_no_loads": Variant(("WIDE_FUSED=1", "ABLATE_NO_LOADS"), cta_rows=64),
     "wide_fused_stages3": Variant(("WIDE_FUSED=1", "WIDE_STAGES=3"), cta_rows=64),
-    # the combine step launched as a programmatic dependent of the attention kernel (COMBINE_PDL,
-    # sm_90+): its launch and prologue overlap the attention kernel's last CTAs
-    "pdl": Variant(("COMBINE_PDL=1",)),
-    "wide_pdl": Variant(("COMBINE_PDL=1",), cta_rows=64),
+    # the combine step launched in order after the attention kernel instead of as its
+    # programmatic dependent (COMBINE_PDL=0, as before session 10; `pdl` / `wide_pdl` in older
+    # records are the dependent launch when it was off by default)
+    "no_pdl": Variant(("COMBINE_PDL=0",)),
+    "wide_no_pdl": Variant(("COMBINE_PDL=0",), cta_rows=64),
+    # how the 64-row kernel's Q reaches the registers and its partial outputs the workspace
+    # (v18): through shared memory by default; straight from / to global memory as in v17e
+    "wide_q_regs": Variant(("WIDE_Q_SMEM=0",), cta_rows=64),
+    "wide_epilogue_direct": Variant(("WIDE_EPILOGUE_SMEM=0",), cta_rows=64),
+    "wide_v17e_io": Variant(("WIDE_Q_SMEM=0", "WIDE_EPILOGUE_SMEM=0", "COMBINE_PDL=0"), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -101,7 +101,7 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(ap)
-    ap.add_argument("--define", action="append", default=[], help="another build define, e.g. COMBINE_PDL=1")
+    ap.add_argument("--define", action="append", default=[], help="another build define, e.g. COMBINE_PDL=0")
     ap.add_argument("--replays", type=int, default=20, help="graph replays, each after an L2 flush (default 20)")
     ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
     ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_timeline.jsonl)")

@@ -304,10 +304,11 @@ __device__ __forceinline__ void cta_sync() {
 // where these two compile to nothing). The attention kernel lets it launch at once; the
 // combine step's CTAs then take each SM that an attention CTA leaves, run their prologue
 // (the padding-row test), and wait in griddepcontrol.wait until the attention grid has
-// finished and its writes are visible. What that can save is the launch gap between the two
-// kernels and the combine step's ramp, not its work.
+// finished and its writes are visible. What that saves is the launch gap between the two
+// kernels and the combine step's ramp, not its work: 0.3-1.3 us a call on the H200 (q16 h8 4k
+// 26.7 -> 25.6, decode h8 4k 16.5 -> 15.9; NOTES.md, session 10), so it is on by default.
 #ifndef COMBINE_PDL
-#define COMBINE_PDL 0
+#define COMBINE_PDL 1
 #endif
 __device__ __forceinline__ void launch_dependents() {
 #if COMBINE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -349,8 +350,8 @@ __device__ __forceinline__ void stage_key_index(const Params& prm, int64_t* dst,
 // a padding row past `rows`.
 __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, int rows, int gr, int split) {
   if (gr >= rows) return -1;
-  const int tok = q_start + gr / prm.heads, head = gr % prm.heads;
-  return (static_cast<int64_t>(tok) * prm.heads + head) * prm.num_splits + split;
+  // row (q_start + gr / H) * H + gr % H of the [T * H] rows, i.e. q_start * H + gr: no division
+  return (static_cast<int64_t>(q_start) * prm.heads + gr) * prm.num_splits + split;
 }
 
 // The split's slice of kv_indices (a few KB) to L2 up front: each index load of the gather then

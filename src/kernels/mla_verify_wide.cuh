@@ -78,8 +78,31 @@ constexpr bool kPingPong = kLag == 1;
 #define WIDE_STAGES 4
 #endif
 constexpr int kStages = WIDE_STAGES;
+// WIDE_Q_SMEM: how Q reaches the registers. 1: the CTA's 64 Q rows, one contiguous 72 KB block
+// of q, are copied into the (still empty) ring with 16-byte cp.async beside the index loads of
+// the prologue, then taken into registers with ldmatrix; the ring is free again before the
+// first tile's copies. 0 (v17e): each thread loads its fragments from global memory, 72
+// 4-byte loads, each warp instruction touching 8 rows: ~4,600 L1 line-requests a CTA, which
+// the CTA timeline (cta_timeline.py) showed holding the first tile back by ~2 us and round 0
+// by ~1 us more. The 64 rows fill a 4-stage ring exactly, so smaller rings keep 0.
+#ifndef WIDE_Q_SMEM
+#define WIDE_Q_SMEM (WIDE_STAGES == 4)
+#endif
+// WIDE_EPILOGUE_SMEM: how the normalised partial outputs reach the workspace. 1: through the
+// (now idle) ring, one m16 tile of every warp at a time, then 16-byte stores of whole row
+// quarters (512 contiguous bytes a warp instruction, 4 lines). 0 (v17e): 8-byte stores straight
+// from the accumulators, each warp instruction touching 8 rows (8 lines): ~4,100 line-requests
+// a CTA, ~4 us of epilogue in the CTA timeline at every context. The line count, not the bytes,
+// is what v17h's bf16 partials left unchanged. A pass needs a 4-stage ring; smaller ones keep 0.
+#ifndef WIDE_EPILOGUE_SMEM
+#define WIDE_EPILOGUE_SMEM (WIDE_STAGES == 4)
+#endif
+constexpr int kOutRowStride = kDimV + 8;   // fp32: 8-byte stores of 4 rows (a half-warp) hit 32 banks once
 static_assert(kStages >= 2 + kLag && kStages <= 4, "WIDE_STAGES: 2..4, 3..4 with ping-pong (5 x 18.7 KB exceeds 99 KB)");
 constexpr int kStageElems = kKeys * kKvRowStride;
+static_assert(!WIDE_Q_SMEM || kRows * kKvRowStride <= kStages * kStageElems, "WIDE_Q_SMEM: Q fills a 4-stage ring");
+static_assert(!WIDE_EPILOGUE_SMEM || 32 * kOutRowStride * 4 <= kStages * kStageElems * 2,
+              "WIDE_EPILOGUE_SMEM: a pass of 32 rows needs a 4-stage ring");
 constexpr int kLoadThreadsPerKey = kThreads / kKeys;                                     // 16
 constexpr int kLoadSteps = (kChunksPerKey + kLoadThreadsPerKey - 1) / kLoadThreadsPerKey;  // 5
 // Round r refills the stage of tile r-1-kLag with tile r + kAhead, from an index staged in the
@@ -157,7 +180,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   }
   const int pair = warp / kQuarters;                  // row pair: warps 0-3 and 4-7
   const int my_rows = pair * 32;                      // my warp's first row within the CTA's 64
+#if !WIDE_Q_SMEM
   const int wrow0 = row0 + my_rows;
+#endif
   auto stamp = [&](int tile, int event) {
 #ifdef WIDE_TRACE
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && lane == 0 && tile >= 0 && tile < kTraceRounds)
@@ -186,6 +211,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     return;
   }
 
+#if WIDE_Q_SMEM
+  {   // Q of the CTA's rows (contiguous in q, 72 copies of 16 B a row; zeros past `rows`) -> the ring
+    const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
+    for (int c = tid; c < kRows * kChunksPerKey; c += kThreads) {
+      const int r = c / kChunksPerKey, ch = c % kChunksPerKey;
+      const bool live = row0 + r < rows;
+      cp_async_16(&sm.kv[0][0] + r * kKvRowStride + ch * 8, qsrc + (live ? r : 0) * kDimQK + ch * 8, live);
+    }
+    cp_async_commit();
+  }
+#endif
   prefetch_index_slice(prm, kv_start, key_begin, max(0, min(key_end, prefix_len) - key_begin), tid, kThreads);
 
   // Gather: 16 threads per key row, 16 B each per step; the row's index comes from sm.index.
@@ -232,15 +268,30 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   // No softmax writes row_scale: 1 keeps the O rescale skipped, as in most rounds of the full kernel.
   if (tid < kRows) sm.row_scale[tid] = 1.f;
 #endif
+  uint32_t qf[2][kQkSteps][4];   // my 32 rows x 144 dims, for the whole split
+#if WIDE_Q_SMEM
+  cp_async_wait<0>();
+  __syncthreads();                // Q and the indices are in shared memory
+  {
+    const __nv_bfloat16* qlane = &sm.kv[0][0] + (my_rows + (lane & 15)) * kKvRowStride + dq * (kQkSteps * 16) +
+                                 (lane >> 4) * 8;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < kQkSteps; ++ks) ldmatrix_x4(qf[mt][ks], qlane + mt * 16 * kKvRowStride + ks * 16);
+  }
+  __syncthreads();                // every warp holds its Q: the ring is free for the tiles
+#else
   __syncthreads();
-  timeline_stamp(0, kEvStaged);   // the first tiles' indices are in shared memory
+#endif
+  timeline_stamp(0, kEvStaged);   // the first tiles' indices are in shared memory (and Q in registers)
   for (int s = 0; s < kAhead; ++s) {
     if (s < num_tiles) load_tile(s);
     cp_async_commit();
   }
-
-  uint32_t qf[2][kQkSteps][4];   // my 32 rows x 144 dims, for the whole split
+#if !WIDE_Q_SMEM
   load_q_fragments(qf, prm, q_start, rows, wrow0, dq, g, t4);
+#endif
 
   float o[2][kVCols / 8][4] = {};
 
@@ -484,6 +535,37 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     const int64_t pi = partial_index(sm_gr);
     if (pi >= 0) prm.ws_lse[pi] = l_run > 0.f ? m_run + log2f(l_run) : -INFINITY;
   }
+#if WIDE_EPILOGUE_SMEM
+  // Normalised partial outputs through the ring, one m16 tile of every warp at a time: pass mt
+  // stages rows pair * 32 + mt * 16 + 0..15 of both pairs (32 rows x 512 columns, 66.5 KB), then
+  // every warp stores whole 512-byte row quarters.
+  float* stage_out = reinterpret_cast<float*>(&sm.kv[0][0]);
+  __syncthreads();                // row sums written; every warp is done with the ring
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    if (mt == 1) __syncthreads(); // pass 0's rows are stored
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int r = mt * 16 + g + hi * 8;   // within my pair's 32 rows
+      const float l = sm.row_sum[my_rows + r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float* dst = stage_out + (pair * 16 + g + hi * 8) * kOutRowStride + dq * kVCols + 2 * t4;
+#pragma unroll
+      for (int nt = 0; nt < kVCols / 8; ++nt)
+        *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+    }
+    __syncthreads();
+    constexpr int kVec4PerRow = kDimV / 4, kRowsPerStep = kThreads / kVec4PerRow;
+    const int v = tid % kVec4PerRow;
+#pragma unroll 4
+    for (int lr = tid / kVec4PerRow; lr < 32; lr += kRowsPerStep) {   // staged row lr: pair lr / 16
+      const int64_t pi = partial_index(row0 + (lr / 16) * 32 + mt * 16 + lr % 16);
+      if (pi >= 0)
+        reinterpret_cast<float4*>(prm.ws_o + pi * kDimV)[v] =
+            *reinterpret_cast<const float4*>(stage_out + lr * kOutRowStride + v * 4);
+    }
+  }
+#else
   barrier_sync(1 + pair, 128);
 
   // Normalised partial output of my rows and my 128 columns.
@@ -502,6 +584,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
     }
   }
+#endif
   timeline_stamp(0, kEvExit);
 }
 
