@@ -104,11 +104,12 @@ VARIANTS = {
     # records are the dependent launch when it was off by default)
     "no_pdl": Variant(("COMBINE_PDL=0",)),
     "wide_no_pdl": Variant(("COMBINE_PDL=0",), cta_rows=64),
-    # how the 64-row kernel's Q reaches the registers and its partial outputs the workspace
-    # (v18): through shared memory by default; straight from / to global memory as in v17e
+    # how the 64-row kernel's Q reaches the registers (through shared memory by default, v18),
+    # and its partial outputs (bf16 staged through shared memory by default, v18b); v17e's
+    # way of both (fp32 partials from the accumulators), and all three changes undone
     "wide_q_regs": Variant(("WIDE_Q_SMEM=0",), cta_rows=64),
-    "wide_epilogue_direct": Variant(("WIDE_EPILOGUE_SMEM=0",), cta_rows=64),
-    "wide_v17e_io": Variant(("WIDE_Q_SMEM=0", "WIDE_EPILOGUE_SMEM=0", "COMBINE_PDL=0"), cta_rows=64),
+    "wide_fp32_partials": Variant(("WIDE_BF16_PARTIALS=0",), cta_rows=64),
+    "wide_v17e_io": Variant(("WIDE_Q_SMEM=0", "WIDE_BF16_PARTIALS=0", "COMBINE_PDL=0"), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -39,7 +39,7 @@ void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, i
 
 // The combine step, as a programmatic dependent of the attention kernel where COMBINE_PDL and
 // the device (sm_90 and newer) allow it; stream capture records that as a programmatic edge.
-template <int kGroups>
+template <int kGroups, bool kBf16Partials>
 void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -50,7 +50,17 @@ void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = COMBINE_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups>, prm));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials>, prm));
+}
+
+template <bool kBf16Partials>
+void launch_combine_for(const sm120_mla::Params& prm, int groups, dim3 grid, cudaStream_t stream) {
+  if (groups == 16)
+    launch_combine<16, kBf16Partials>(prm, grid, stream);
+  else if (groups == 4)
+    launch_combine<4, kBf16Partials>(prm, grid, stream);
+  else
+    launch_combine<1, kBf16Partials>(prm, grid, stream);
 }
 
 }  // namespace
@@ -114,12 +124,10 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int64_t rows = T * H;
   const int groups = combine_groups(prm.num_splits);
   const dim3 combine_grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));   // groups column slices
-  if (groups == 16)
-    launch_combine<16>(prm, combine_grid, stream);
-  else if (groups == 4)
-    launch_combine<4>(prm, combine_grid, stream);
+  if (cta_rows == wide::kRows && wide::kBf16Partials)   // the wide kernel's partials are bf16
+    launch_combine_for<true>(prm, groups, combine_grid, stream);
   else
-    launch_combine<1>(prm, combine_grid, stream);
+    launch_combine_for<false>(prm, groups, combine_grid, stream);
 }
 
 // The wide kernel's phase stamps from the last call of a WIDE_TRACE build (mla_verify_wide.cuh):

@@ -195,7 +195,9 @@ struct Params {
   const void* kv_indices;          // int32 or int64
   const uint8_t* custom_mask;      // flat bool, or nullptr for a causal chain
   const void* mask_indptr;         // int32 or int64, [B+1]
-  float* ws_o;                     // [T*H*num_splits, 512]: each split's normalised output
+  float* ws_o;                     // [T*H*num_splits, 512]: each split's normalised output, fp32, or
+                                   // bf16 in the first half of the same buffer (the wide kernel's
+                                   // WIDE_BF16_PARTIALS; the combine step's kBf16Partials)
   float* ws_lse;                   // [T*H*num_splits]: each split's LSE (log2 domain)
   __nv_bfloat16* out;              // [T, H, 512]
   float* lse;                      // [T, H] natural-log LSE of sm_scale * q.k
@@ -844,7 +846,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 // (combine_groups), a static shape, so a captured graph keeps its grid.
 constexpr int kCombineThreads = 128;
 
-template <int kGroups>
+template <int kGroups, bool kBf16Partials = false>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
   constexpr int kVecs = kCombineThreads / kGroups;   // float4 columns per CTA: 128, 32 or 8
   constexpr int kCols = kVecs * 4;                   // 512, 128 or 32 (grid.y = kDimV / kCols)
@@ -904,12 +906,21 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   __syncthreads();
   timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4* src = reinterpret_cast<const float4*>(prm.ws_o + row * S * kDimV + col0) + vec;
+  const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
 #pragma unroll 4
   for (int s = group; s < S; s += kGroups) {
     // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
     // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied.
-    const float4 v = src[static_cast<int64_t>(s) * (kDimV / 4)];
+    const int64_t at = first + static_cast<int64_t>(s) * (kDimV / 4);
+    float4 v;
+    if constexpr (kBf16Partials) {
+      const uint2 raw = reinterpret_cast<const uint2*>(prm.ws_o)[at];   // 4 bf16
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      v = make_float4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      v = reinterpret_cast<const float4*>(prm.ws_o)[at];
+    }
     const float w = weight[s];
     if (w != 0.f) {
       acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);

@@ -88,21 +88,24 @@ constexpr int kStages = WIDE_STAGES;
 #ifndef WIDE_Q_SMEM
 #define WIDE_Q_SMEM (WIDE_STAGES == 4)
 #endif
-// WIDE_EPILOGUE_SMEM: how the normalised partial outputs reach the workspace. 1: through the
-// (now idle) ring, one m16 tile of every warp at a time, then 16-byte stores of whole row
-// quarters (512 contiguous bytes a warp instruction, 4 lines). 0 (v17e): 8-byte stores straight
-// from the accumulators, each warp instruction touching 8 rows (8 lines): ~4,100 line-requests
-// a CTA, ~4 us of epilogue in the CTA timeline at every context. The line count, not the bytes,
-// is what v17h's bf16 partials left unchanged. A pass needs a 4-stage ring; smaller ones keep 0.
-#ifndef WIDE_EPILOGUE_SMEM
-#define WIDE_EPILOGUE_SMEM (WIDE_STAGES == 4)
+// WIDE_BF16_PARTIALS: the normalised partial outputs. 0 (v17e): fp32, 8-byte stores straight
+// from the accumulators, 128 KB a CTA; the epilogue took ~4 us at every context in the CTA
+// timeline, 17 MB from 132 CTAs at once, bound by what L2 takes in, not by any one SM. 1: bf16,
+// as FlashInfer keeps its split partials (one more rounding, <= 2^-9 relative, before the fp32
+// merge), staged through the idle ring so that each warp stores whole rows in 16-byte pieces:
+// full 32-byte sectors, half the bytes. (v17h's bf16 partials, 4-byte stores from the
+// accumulators, wrote half-sectors, as many as fp32 wrote whole, and were no faster.) The
+// combine step reads them as kBf16Partials. The staging needs a 4-stage ring; smaller keep 0.
+#ifndef WIDE_BF16_PARTIALS
+#define WIDE_BF16_PARTIALS (WIDE_STAGES == 4)
 #endif
-constexpr int kOutRowStride = kDimV + 8;   // fp32: 8-byte stores of 4 rows (a half-warp) hit 32 banks once
+constexpr bool kBf16Partials = WIDE_BF16_PARTIALS;
+constexpr int kOutRowStride = kDimV + 8;   // bf16: 4-byte stores of 8 rows x 4 lanes hit 32 banks once
 static_assert(kStages >= 2 + kLag && kStages <= 4, "WIDE_STAGES: 2..4, 3..4 with ping-pong (5 x 18.7 KB exceeds 99 KB)");
 constexpr int kStageElems = kKeys * kKvRowStride;
 static_assert(!WIDE_Q_SMEM || kRows * kKvRowStride <= kStages * kStageElems, "WIDE_Q_SMEM: Q fills a 4-stage ring");
-static_assert(!WIDE_EPILOGUE_SMEM || 32 * kOutRowStride * 4 <= kStages * kStageElems * 2,
-              "WIDE_EPILOGUE_SMEM: a pass of 32 rows needs a 4-stage ring");
+static_assert(!WIDE_BF16_PARTIALS || kRows * kOutRowStride <= kStages * kStageElems,
+              "WIDE_BF16_PARTIALS: 64 staged rows need a 4-stage ring");
 constexpr int kLoadThreadsPerKey = kThreads / kKeys;                                     // 16
 constexpr int kLoadSteps = (kChunksPerKey + kLoadThreadsPerKey - 1) / kLoadThreadsPerKey;  // 5
 // Round r refills the stage of tile r-1-kLag with tile r + kAhead, from an index staged in the
@@ -535,34 +538,35 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     const int64_t pi = partial_index(sm_gr);
     if (pi >= 0) prm.ws_lse[pi] = l_run > 0.f ? m_run + log2f(l_run) : -INFINITY;
   }
-#if WIDE_EPILOGUE_SMEM
-  // Normalised partial outputs through the ring, one m16 tile of every warp at a time: pass mt
-  // stages rows pair * 32 + mt * 16 + 0..15 of both pairs (32 rows x 512 columns, 66.5 KB), then
-  // every warp stores whole 512-byte row quarters.
-  float* stage_out = reinterpret_cast<float*>(&sm.kv[0][0]);
-  __syncthreads();                // row sums written; every warp is done with the ring
+#if WIDE_BF16_PARTIALS
+  // Normalised partial outputs (bf16) through the ring: my pair's 32 rows, then whole rows of
+  // them (1 KB each, 64 16-byte pieces) stored by the pair's 128 threads.
+  __syncthreads();                // every warp is done with the ring (row pair 1 multiplies last)
+  __nv_bfloat16* stage_out = &sm.kv[0][0];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
-    if (mt == 1) __syncthreads(); // pass 0's rows are stored
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
-      const int r = mt * 16 + g + hi * 8;   // within my pair's 32 rows
-      const float l = sm.row_sum[my_rows + r];
+      const int r = my_rows + mt * 16 + g + hi * 8;
+      const float l = sm.row_sum[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      float* dst = stage_out + (pair * 16 + g + hi * 8) * kOutRowStride + dq * kVCols + 2 * t4;
+      __nv_bfloat16* dst = stage_out + r * kOutRowStride + dq * kVCols + 2 * t4;
 #pragma unroll
       for (int nt = 0; nt < kVCols / 8; ++nt)
-        *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+        *reinterpret_cast<uint32_t*>(dst + nt * 8) = pack_bf16(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
     }
-    __syncthreads();
-    constexpr int kVec4PerRow = kDimV / 4, kRowsPerStep = kThreads / kVec4PerRow;
-    const int v = tid % kVec4PerRow;
+  }
+  barrier_sync(1 + pair, 128);    // my pair's rows are staged
+  {
+    constexpr int kPiecesPerRow = kDimV * 2 / 16;             // 64
+    constexpr int kRowsPerStep = 128 / kPiecesPerRow;         // 2
+    const int ptid = tid % 128, piece = ptid % kPiecesPerRow;
 #pragma unroll 4
-    for (int lr = tid / kVec4PerRow; lr < 32; lr += kRowsPerStep) {   // staged row lr: pair lr / 16
-      const int64_t pi = partial_index(row0 + (lr / 16) * 32 + mt * 16 + lr % 16);
+    for (int r = my_rows + ptid / kPiecesPerRow; r < my_rows + 32; r += kRowsPerStep) {
+      const int64_t pi = partial_index(row0 + r);
       if (pi >= 0)
-        reinterpret_cast<float4*>(prm.ws_o + pi * kDimV)[v] =
-            *reinterpret_cast<const float4*>(stage_out + lr * kOutRowStride + v * 4);
+        reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(prm.ws_o) + pi * kDimV)[piece] =
+            *reinterpret_cast<const uint4*>(stage_out + r * kOutRowStride + piece * 8);
     }
   }
 #else
