@@ -65,3 +65,28 @@ def test_bad_stamps_raise():
         span_table(np.zeros((2, 10, 6)))
     with pytest.raises(ValueError, match="tables"):
         median_over([], ["kernel"])
+
+
+def test_recorded_table_puts_versions_side_by_side():
+    import pandas as pd
+
+    from sm120_workbook.kernels.cta_timeline import recorded_table
+
+    def rec(version, kernel, milestone, us, date, defines=()):
+        return dict(heads=8, q_len=16, ctx=4096, kind="milestone", kernel=kernel, milestone=milestone,
+                    median_us=us, kernel_version=version, date=date, defines=list(defines))
+
+    df = pd.DataFrame([rec("v1", "attention", "entry", 0.1, "1"), rec("v1", "attention", "exit", 14.6, "1"),
+                       rec("v1", "combine", "exit", 21.9, "1"), rec("v2", "attention", "entry", 0.1, "2"),
+                       rec("v2", "attention", "exit", 12.7, "2"), rec("v2", "attention", "exit", 12.5, "3"),
+                       rec("v2", "combine", "exit", 16.9, "2"),
+                       rec("v3", "attention", "exit", 9.0, "4", defines=("COMBINE_PDL=0",))])
+    t = recorded_table(df)
+    assert list(t.columns) == ["kernel", "milestone", "v1", "v2"]          # v3 has extra defines
+    assert t["milestone"].tolist() == ["entry", "exit", "exit"]
+    assert t.loc[1, "v2"] == 12.5                                          # the newest record
+    assert recorded_table(df, versions=["v2"]).columns.tolist() == ["kernel", "milestone", "v2"]
+    with pytest.raises(ValueError, match="versions"):
+        recorded_table(df, versions=["v9"])
+    with pytest.raises(ValueError, match="kind"):
+        recorded_table(df, kind="phase")

@@ -96,6 +96,36 @@ def median_over(tables: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
     return cat.groupby(keys, sort=False).median(numeric_only=True).reset_index()
 
 
+def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, versions=None,
+                   kind: str = "milestone") -> pd.DataFrame:
+    """Recorded timelines of one shape side by side (data/results/kernel_timeline.jsonl): one row
+    per milestone (kind="milestone": when the median CTA reaches it, us after the first attention
+    CTA's entry) or per span (kind="span": the median CTA's us between two milestones), one
+    column per kernel version (default: every version recorded for the shape, oldest first),
+    from the newest record of each. Only builds without extra defines are compared."""
+    from ..results import load_records
+
+    df = load_records("kernel_timeline") if df is None else df
+    if len(df) == 0:
+        return pd.DataFrame()
+    if kind not in ("milestone", "span"):
+        raise ValueError(f"kind: 'milestone' or 'span', got {kind!r}")
+    df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx) & (df["kind"] == kind)
+            & (df["defines"].map(len) == 0)].sort_values("date")
+    if versions is None:
+        versions = list(dict.fromkeys(df["kernel_version"]))
+    missing = [v for v in versions if v not in set(df["kernel_version"])]
+    if missing:
+        raise ValueError(f"versions: no {kind} timeline recorded as {missing[0]!r} for h{heads} q{q_len} ctx {ctx}")
+    name = kind
+    newest = df[df["kernel_version"].isin(versions)].groupby(["kernel_version", "kernel", name]).tail(1)
+    order = list(dict.fromkeys(zip(df["kernel"], df[name])))
+    t = newest.pivot_table(index=["kernel", name], columns="kernel_version", values="median_us", sort=False)
+    t = t.reindex(index=[o for o in order if o in t.index], columns=versions)
+    t.columns.name = None
+    return t.reset_index()
+
+
 def main(argv=None) -> None:
     from .bench import add_shape_args
 
