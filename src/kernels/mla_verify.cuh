@@ -845,15 +845,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 // 16 CTAs with every split's load in flight at once. The launcher picks kGroups from num_splits
 // (combine_groups), a static shape, so a captured graph keeps its grid.
 constexpr int kCombineThreads = 128;
-// Split groups of the combine step for num_splits splits: enough that each thread has a few
-// splits' loads in flight, no more (with few splits, a row in one CTA wastes fewer threads).
-// A group then holds at most kMaxSplitsPerGroup splits (7 below 8 splits, 8 from 8 to 31, 8 at 128).
-__host__ __device__ constexpr int combine_groups(int num_splits) {
-  return num_splits >= 32 ? 16 : num_splits >= 8 ? 4 : 1;
-}
-constexpr int kMaxSplitsPerGroup = 8;
-static_assert(kMaxSplits <= 16 * kMaxSplitsPerGroup && 31 <= 4 * kMaxSplitsPerGroup && 7 <= kMaxSplitsPerGroup,
-              "combine_groups leaves at most kMaxSplitsPerGroup splits to a group");
 
 template <int kGroups, bool kBf16Partials = false>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
@@ -896,26 +887,6 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
   }
   wait_for_prerequisite_grid();   // the partials below are the attention kernel's
-  // This thread's slice of each of its splits' partials, loaded before the LSE pass so that
-  // both round trips to L2 overlap (the merge waited on the weights before, NOTES.md session 10).
-  // Loaded whatever the weight; a split with no keys never wrote its partial (it may hold NaN),
-  // so it is never multiplied.
-  float4 part[kMaxSplitsPerGroup];
-  const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
-#pragma unroll
-  for (int k = 0; k < kMaxSplitsPerGroup; ++k) {
-    const int s = group + k * kGroups;
-    if (s >= S) break;
-    const int64_t at = first + static_cast<int64_t>(s) * (kDimV / 4);
-    if constexpr (kBf16Partials) {
-      const uint2 raw = reinterpret_cast<const uint2*>(prm.ws_o)[at];   // 4 bf16
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      part[k] = make_float4(lo.x, lo.y, hi.x, hi.y);
-    } else {
-      part[k] = reinterpret_cast<const float4*>(prm.ws_o)[at];
-    }
-  }
   if (tid < 32) {
     const float* lse = prm.ws_lse + row * S;
     float m = -INFINITY;
@@ -935,14 +906,25 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   __syncthreads();
   timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int k = 0; k < kMaxSplitsPerGroup; ++k) {
-    const int s = group + k * kGroups;
-    if (s >= S) break;
+  const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
+#pragma unroll 4
+  for (int s = group; s < S; s += kGroups) {
+    // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
+    // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied.
+    const int64_t at = first + static_cast<int64_t>(s) * (kDimV / 4);
+    float4 v;
+    if constexpr (kBf16Partials) {
+      const uint2 raw = reinterpret_cast<const uint2*>(prm.ws_o)[at];   // 4 bf16
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      v = make_float4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      v = reinterpret_cast<const float4*>(prm.ws_o)[at];
+    }
     const float w = weight[s];
     if (w != 0.f) {
-      acc.x = fmaf(w, part[k].x, acc.x); acc.y = fmaf(w, part[k].y, acc.y);
-      acc.z = fmaf(w, part[k].z, acc.z); acc.w = fmaf(w, part[k].w, acc.w);
+      acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
+      acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
     }
   }
   if constexpr (kGroups > 1) {
@@ -962,6 +944,10 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   timeline_stamp(1, kEvExit);
 }
 
-
+// Split groups of the combine step for num_splits splits: enough that each thread has a few
+// splits' loads in flight, no more (with few splits, a row in one CTA wastes fewer threads).
+__host__ __device__ constexpr int combine_groups(int num_splits) {
+  return num_splits >= 32 ? 16 : num_splits >= 8 ? 4 : 1;
+}
 
 }  // namespace sm120_mla
