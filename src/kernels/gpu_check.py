@@ -48,6 +48,9 @@ def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, 
         # the 64-row kernel's round phase by phase (clock64() stamps of a WIDE_TRACE build)
         ("phase_trace", [py, "-m", "sm120_workbook.kernels.phase_trace", "--out", str(out / "kernel_phase_trace.jsonl")]
          + tag_args, True),
+        # the call around the loop at 4k, CTA by CTA (%globaltimer stamps of a CTA_TIMELINE build)
+        ("cta_timeline", [py, "-m", "sm120_workbook.kernels.cta_timeline", "--ctx", "4096",
+                          "--out", str(out / "kernel_timeline.jsonl")] + tag_args, True),
     ]
     if importlib.util.find_spec("sglang") is not None:
         out_jobs.insert(2, ("backend", pytest + ["tests/test_backend_gpu.py"], False))

@@ -26,12 +26,13 @@ ROWS_PER_CTA = 32           # the split kernel's, the default of choose_num_spli
 
 
 def choose_cta_rows(batch: int, heads: int, max_q_len: int) -> int:
-    """The kernel for a call's static shape (NOTES.md, sessions 7-8, H200): the 64-row kernel once
-    a request fills its 64 rows, else the 32-row split kernel. Since v17e the 64-row kernel takes
-    0.84x the split kernel's time at q16 h8 64k, 0.80x at q16 h16 and 0.93x at q8 h8 (0.81x,
-    0.77x and 0.86x at 128k), and 1.15-1.17x at 4k, where both take under 35 us: a few us lost at
-    short contexts for tens gained at long ones, which is where the Triton path this kernel
-    replaces hurts. Decode (8 rows a request at h8) stays on the split kernel."""
+    """The kernel for a call's static shape (NOTES.md, sessions 7-10, H200): the 64-row kernel once
+    a request fills its 64 rows, else the 32-row split kernel. Since v18b the 64-row kernel is
+    faster at q16 h8 at every context (0.97x the split kernel's time at 4k, 0.80x at 64k, 0.79x
+    at 128k), and at q8 h8 from 16k (0.87x at 64k; 1.11x at 4k, 2 us). At q16 h16 it ties at 4k
+    and is 0.78x at 64k. A couple of us lost at one short shape for tens gained at long contexts,
+    which is where the Triton path this kernel replaces hurts. Decode (8 rows a request at h8)
+    stays on the split kernel."""
     return 64 if heads * max_q_len >= 64 else 32
 
 
