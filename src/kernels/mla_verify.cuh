@@ -327,9 +327,6 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
-}
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
@@ -890,14 +887,6 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
   }
   wait_for_prerequisite_grid();   // the partials below are the attention kernel's
-  const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
-  const int part_bytes = kBf16Partials ? 8 : 16;
-  // Ask for this thread's partials now, into L1, so that their round trip to L2 overlaps the
-  // LSE pass's; the merge's loads then hit L1. In registers (v18c, 48 of them) or in shared
-  // memory (8-10 KB a CTA, too much for sm_120's 100 KB an SM) they would cost the occupancy
-  // that keeps q16 h8's 2,048 CTAs in one wave (NOTES.md, session 10).
-  for (int s = group; s < S; s += kGroups)
-    prefetch_l1(reinterpret_cast<const char*>(prm.ws_o) + (first + static_cast<int64_t>(s) * (kDimV / 4)) * part_bytes);
   if (tid < 32) {
     const float* lse = prm.ws_lse + row * S;
     float m = -INFINITY;
@@ -917,6 +906,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   __syncthreads();
   timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
 #pragma unroll 4
   for (int s = group; s < S; s += kGroups) {
     // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
