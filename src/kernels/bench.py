@@ -210,6 +210,15 @@ def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
             "reps": reps}
 
 
+def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_rows: int = 64):
+    """The call of a diagnostic build (`defines` plus the `diagnostic` define, e.g. WIDE_TRACE)
+    and the time of both it and the same build without it, since the stamps cost a little:
+    (diagnostic call, its median µs, the undiagnosed build's median µs)."""
+    stamped = build_sm120_mla(x, kernel_defines=tuple(defines) + (diagnostic,), cta_rows=cta_rows)
+    shipped = build_sm120_mla(x, kernel_defines=tuple(defines), cta_rows=cta_rows)
+    return stamped, time_graph_us(stamped)["time_us"], time_graph_us(shipped)["time_us"]
+
+
 def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
     """(impl, shape, builder kwargs) for one run. Contexts span decode sizes to 128k."""
     ctxs = [4096, 16384, 65536] if quick else [4096, 16384, 32768, 65536, 131072]

@@ -143,15 +143,13 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("the CTA timeline needs a CUDA GPU; none is visible to torch")
-    from .bench import L2_FLUSH_BYTES, Inputs, build_sm120_mla, shape_from_args, time_graph_us
+    from .bench import L2_FLUSH_BYTES, Inputs, diagnostic_and_shipped, shape_from_args
     from .build import load_kernel_module
 
     defines = tuple(a.define) + (TIMELINE_DEFINE,)
     shape = shape_from_args(a)
-    x = Inputs(shape)
-    stamped = build_sm120_mla(x, kernel_defines=defines, cta_rows=64)
-    shipped = build_sm120_mla(x, kernel_defines=tuple(a.define), cta_rows=64)
-    times = {"stamped_us": time_graph_us(stamped)["time_us"], "untraced_us": time_graph_us(shipped)["time_us"]}
+    stamped, stamped_us, untraced_us = diagnostic_and_shipped(Inputs(shape), a.define, TIMELINE_DEFINE)
+    times = {"stamped_us": stamped_us, "untraced_us": untraced_us}
     module = load_kernel_module(defines=defines)
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     stamped()

@@ -114,15 +114,13 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("the phase trace needs a CUDA GPU; none is visible to torch")
-    from .bench import Inputs, build_sm120_mla, shape_from_args, time_graph_us
+    from .bench import Inputs, diagnostic_and_shipped, shape_from_args
     from .build import load_kernel_module
 
     defines = tuple(a.define) + (TRACE_DEFINE,)
     shape = shape_from_args(a)
-    x = Inputs(shape)
-    traced = build_sm120_mla(x, kernel_defines=defines, cta_rows=64)
-    shipped = build_sm120_mla(x, kernel_defines=tuple(a.define), cta_rows=64)
-    times = {"traced_us": time_graph_us(traced)["time_us"], "untraced_us": time_graph_us(shipped)["time_us"]}
+    traced, traced_us, untraced_us = diagnostic_and_shipped(Inputs(shape), a.define, TRACE_DEFINE)
+    times = {"traced_us": traced_us, "untraced_us": untraced_us}
     traced()
     torch.cuda.synchronize()
     clocks = load_kernel_module(defines=defines).wide_phase_trace().numpy()
