@@ -90,3 +90,18 @@ def test_recorded_table_puts_versions_side_by_side():
         recorded_table(df, versions=["v9"])
     with pytest.raises(ValueError, match="kind"):
         recorded_table(df, kind="phase")
+
+
+def test_timeline_chart_has_a_bar_per_segment_and_version():
+    import pandas as pd
+
+    from sm120_workbook.kernels.cta_timeline import SEGMENTS, timeline_chart
+
+    names = [("attention", m) for m in ("entry", "indices staged", "tile 0 landed", "tile 1 landed", "loop end", "exit")]
+    names += [("combine", m) for m in ("entry", "weights ready", "exit")]
+    t = pd.DataFrame([{"kernel": k, "milestone": m, "v1": float(i), "v2": i / 2} for i, (k, m) in enumerate(names)])
+    data = timeline_chart(t).data
+    assert len(data) == 2 * len(SEGMENTS)
+    merge = data[(data["version"] == "v2") & (data["segment"] == "combine: merge")].iloc[0]
+    assert (merge["start_us"], merge["end_us"]) == (3.5, 4.0)   # combine weights ready -> exit
+    assert (data["end_us"] >= data["start_us"]).all()

@@ -126,6 +126,41 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
     return t.reset_index()
 
 
+# Consecutive milestones of the median CTA, as the segments of a call (timeline_chart).
+SEGMENTS = (
+    ("attention", "entry", "attention", "indices staged", "prologue (indices; Q from v18)"),
+    ("attention", "indices staged", "attention", "tile 0 landed", "first tile"),
+    ("attention", "tile 0 landed", "attention", "tile 1 landed", "round 0"),
+    ("attention", "tile 1 landed", "attention", "loop end", "rest of the loop"),
+    ("attention", "loop end", "attention", "exit", "epilogue"),
+    ("attention", "exit", "combine", "weights ready", "combine: wait, LSE pass"),
+    ("combine", "weights ready", "combine", "exit", "combine: merge"),
+)
+
+
+def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k"):
+    """The median CTA's call as bars, one row per version, from a `recorded_table` of milestones
+    (columns kernel, milestone, then one per version)."""
+    import altair as alt
+
+    versions = [c for c in milestones.columns if c not in ("kernel", "milestone")]
+    at = milestones.set_index(["kernel", "milestone"])
+    rows = []
+    for v in versions:
+        for ka, ma, kb, mb, name in SEGMENTS:
+            if (ka, ma) in at.index and (kb, mb) in at.index:
+                rows.append({"version": v, "segment": name, "start_us": float(at.loc[(ka, ma), v]),
+                             "end_us": float(at.loc[(kb, mb), v])})
+    data = pd.DataFrame(rows)
+    order = [seg[-1] for seg in SEGMENTS]
+    return alt.Chart(data).mark_bar().encode(
+        x=alt.X("start_us:Q", title="µs after the first attention CTA starts (median CTA)"), x2="end_us:Q",
+        y=alt.Y("version:N", sort=versions, title=None),
+        color=alt.Color("segment:N", sort=order, scale=alt.Scale(domain=order), title=None),
+        tooltip=["version", "segment", alt.Tooltip("start_us:Q", format=".2f"), alt.Tooltip("end_us:Q", format=".2f")],
+    ).properties(title=f"Where a call goes, CTA timeline, {title} (recorded, H200)", width=460, height=28 * len(versions))
+
+
 def main(argv=None) -> None:
     from .bench import add_shape_args
 
