@@ -110,6 +110,8 @@ VARIANTS = {
     "wide_q_regs": Variant(("WIDE_Q_SMEM=0",), cta_rows=64),
     "wide_fp32_partials": Variant(("WIDE_BF16_PARTIALS=0",), cta_rows=64),
     "wide_v17e_io": Variant(("WIDE_Q_SMEM=0", "WIDE_BF16_PARTIALS=0", "COMBINE_PDL=0"), cta_rows=64),
+    # without the L2 prefetch of the first tiles' key rows while Q arrives (v18e)
+    "wide_no_tile_prefetch": Variant(("WIDE_PREFETCH_FIRST_TILES=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

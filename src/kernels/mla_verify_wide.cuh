@@ -100,6 +100,12 @@ constexpr int kStages = WIDE_STAGES;
 #define WIDE_BF16_PARTIALS (WIDE_STAGES == 4)
 #endif
 constexpr bool kBf16Partials = WIDE_BF16_PARTIALS;
+// WIDE_PREFETCH_FIRST_TILES: 1 pulls the first tiles' key rows into L2 while Q is on its way
+// (see the prologue). A test of whether the first tile, 1.2-1.3 us after Q in the CTA timeline,
+// waits on HBM latency (then this hides it) or on the L2 -> SM stream (then it does not).
+#ifndef WIDE_PREFETCH_FIRST_TILES
+#define WIDE_PREFETCH_FIRST_TILES 1
+#endif
 constexpr int kOutRowStride = kDimV + 8;   // bf16: 4-byte stores of 8 rows x 4 lanes hit 32 banks once
 static_assert(kStages >= 2 + kLag && kStages <= 4, "WIDE_STAGES: 2..4, 3..4 with ping-pong (5 x 18.7 KB exceeds 99 KB)");
 constexpr int kStageElems = kKeys * kKvRowStride;
@@ -267,6 +273,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   // Prologue: the indices of the first kIndexAhead tiles (plain loads), then tiles
   // 0 .. kAhead-1, one cp.async group each. Round r commits group r + kAhead (tile r + kAhead).
   for (int i = 0; i < kIndexAhead; ++i) stage_index(i, false);
+#if WIDE_PREFETCH_FIRST_TILES
+  // The first kAhead tiles' key rows towards L2 as soon as their indices are known: their copies
+  // wait for Q to be in registers (the ring holds Q until then), and then find them in L2.
+  if (ld_part == 0) {
+    for (int i = 0; i < kAhead; ++i) {
+      const int key = key_begin + i * kKeys + ld_key;
+      if (i < num_tiles && key < key_end) {
+        const int64_t idx = key < prefix_end ? sm.index[i % kWideIndexRing][ld_key] : 0;   // this thread staged it
+        const char* row = reinterpret_cast<const char*>(staged_key_row(prm, idx, key, prefix_len, q_start, true));
+#pragma unroll
+        for (int l = 0; l < kDimQK * 2 / 128; ++l) prefetch_l2(row + l * 128);
+      }
+    }
+  }
+#endif
 #ifdef ABLATE_NO_SOFTMAX
   // No softmax writes row_scale: 1 keeps the O rescale skipped, as in most rounds of the full kernel.
   if (tid < kRows) sm.row_scale[tid] = 1.f;
