@@ -30,7 +30,12 @@
 // cp.async 18). v17b, where every warp summed all four partials of its 32 rows and ran their
 // softmax itself (P stayed in registers), moved ~200 KB and was 1.26-1.36x slower than the
 // split kernel on the H200 (NOTES.md, session 7).
-// The split, workspace and combine step are the split kernel's (mla_verify.cuh).
+// Around the loop (v18, v18e): Q comes through the still-empty ring (WIDE_Q_SMEM) while the
+// first tiles' key rows are pulled into L2 (WIDE_PREFETCH_FIRST_TILES), and the partial outputs
+// leave in bf16 through the idle ring as whole rows (WIDE_BF16_PARTIALS); cta_timeline.py shows
+// where those microseconds went.
+// The split, workspace and combine step are the split kernel's (mla_verify.cuh); the combine
+// step reads this kernel's partials as bf16.
 #pragma once
 
 #include "mla_verify.cuh"
