@@ -167,7 +167,7 @@ static_assert(kRowsPerCta == 2 * 16 && kGroupThreads == kScoreWarps * 32 && kGro
 // (kernel 0) and of the combine step (kernel 1) stamps %globaltimer, in ns on one clock for all
 // SMs, at the CTA's milestones (kEv*), so that a call's fixed part (launch ramp, prologue, first
 // tiles, epilogue, the combine's own chain) can be told apart CTA by CTA. cta_timeline() (the
-// launcher) copies the stamps out and clears them; phase_trace.py --timeline tabulates them.
+// launcher) copies the stamps out and clears them; cta_timeline.py tabulates them.
 // A CTA past kTimelineCtas is not stamped; a milestone a CTA never reached stays 0.
 constexpr int kTimelineCtas = 4096;
 constexpr int kTimelineEvents = 6;
@@ -882,6 +882,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
       const float fill = unwritten == 1 ? 0.f : NAN;
       if (group == 0) store(make_float4(fill, fill, fill, fill));
       if (tid == 0 && blockIdx.y == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
+      // No griddepcontrol.wait needed: these rows read nothing the attention kernel writes, and
+      // the grid still ends after it, since any row it does write has a CTA below that waits.
       timeline_stamp(1, kEvExit);
       return;
     }
