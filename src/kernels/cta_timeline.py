@@ -26,7 +26,9 @@ MILESTONES = {
     "attention": {0: "entry", 1: "indices staged", 2: "tile 0 landed", 3: "tile 1 landed", 4: "loop end", 5: "exit"},
     "combine": {0: "entry", 1: "weights ready", 5: "exit"},
 }
-# Spans of one CTA: (kernel, name, from slot, to slot).
+# Spans of one CTA: (kernel, name, from slot, to slot). The names are v17e's, as recorded: since
+# v18 (WIDE_Q_SMEM) Q arrives with the indices, so "indices staged" and the prologue include
+# Q, and the first tile no longer waits for it.
 SPANS = (
     ("attention", "prologue (indptr, indices)", 0, 1),
     ("attention", "first tile (copies, Q)", 1, 2),
