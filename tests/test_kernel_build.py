@@ -274,3 +274,12 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     assert both.loc[both["variant"] == "full", "q16 h8"].item() == 109.0
     with pytest.raises(ValueError, match="version: no ablation recorded as 'v9'"):
         recorded_table(df, version="v9")
+
+
+def test_ablation_rejects_a_bad_context_before_any_build(capsys, monkeypatch):
+    from sm120_workbook.kernels import ablation
+
+    monkeypatch.setattr(ablation, "build_all", lambda v: pytest.fail("built before checking --ctx"))
+    with pytest.raises(SystemExit) as e:
+        ablation.main(["--variants", "wide", "--ctx", "4096", "0"])
+    assert e.value.code == 2 and "--ctx: contexts must be positive" in capsys.readouterr().err

@@ -206,12 +206,12 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, nargs="+", default=[65536],
                     help="contexts to time each shape at (default 65536)")
     args = ap.parse_args(argv)
+    if min(args.ctx) < 1:
+        ap.error("--ctx: contexts must be positive")
     if not torch.cuda.is_available():
         sys.exit("the ablation needs a CUDA GPU; none is visible to torch")
     variants = {n: VARIANTS[n] for n in (args.variants or VARIANTS)}
     build_all(variants)
-    if min(args.ctx) < 1:
-        ap.error("--ctx: contexts must be positive")
     records = [dict(r, kernel_version=args.tag)
                for r in run(shapes=shapes_at(args.ctx), variants=variants, reps=args.reps)]
     from ..results import append_records, cli_command
