@@ -38,6 +38,12 @@ def append_records(name: str, records: Iterable[dict], command: str | None = Non
     return path
 
 
+def append_cli_records(name: str, records: Iterable[dict], module: str, argv=None, out: str | None = None) -> Path:
+    """`append_records` for a `python -m module` tool: the records' command is the tool's own
+    command line, and `out` (its --out, if given) replaces data/results/<name>.jsonl."""
+    return append_records(name, records, command=cli_command(module, argv), path=Path(out) if out else None)
+
+
 def load_records(name: str, path: Path | None = None):
     """The records of data/results/<name>.jsonl as a pandas DataFrame (empty if none)."""
     import pandas as pd

@@ -97,3 +97,16 @@ def test_cli_command_names_the_module_and_its_arguments():
 
     assert cli_command("sm120_workbook.kernels.phase_trace", ["--ctx", "4096"]) == \
         "python -m sm120_workbook.kernels.phase_trace --ctx 4096"
+
+
+def test_cli_records_take_the_tools_command_and_its_out(tmp_path):
+    import json
+
+    from sm120_workbook.results import append_cli_records
+
+    out = tmp_path / "x.jsonl"
+    path = append_cli_records("kernel_phase_trace", [{"a": 1}], "sm120_workbook.kernels.phase_trace",
+                              ["--ctx", "4096"], str(out))
+    rec = json.loads(out.read_text())
+    assert path == out and rec["a"] == 1
+    assert rec["command"] == "python -m sm120_workbook.kernels.phase_trace --ctx 4096"

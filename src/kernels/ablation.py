@@ -14,7 +14,6 @@ import argparse
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -214,11 +213,9 @@ def main(argv=None):
     build_all(variants)
     records = [dict(r, kernel_version=args.tag)
                for r in run(shapes=shapes_at(args.ctx), variants=variants, reps=args.reps)]
-    from ..results import append_records, cli_command
+    from ..results import append_cli_records
 
-    path = append_records("kernel_ablation", records,
-                          command=cli_command("sm120_workbook.kernels.ablation", argv),
-                          path=Path(args.out) if args.out else None)
+    path = append_cli_records("kernel_ablation", records, "sm120_workbook.kernels.ablation", argv, args.out)
     print(f"appended to {path}")
 
 

@@ -345,12 +345,10 @@ def main(argv=None):
     if not args.no_record:
         from pathlib import Path
 
-        from ..results import append_records, cli_command
+        from ..results import append_cli_records, append_records
 
         ok = [dict(r, kernel_version=args.tag) for r in records if r["status"] == "ok"]
-        path = append_records("kernel_bench", ok,
-                              command=cli_command("sm120_workbook.kernels.bench", argv),
-                              path=Path(args.out) if args.out else None)
+        path = append_cli_records("kernel_bench", ok, "sm120_workbook.kernels.bench", argv, args.out)
         append_records("ceilings", [{"copy_gbps": ceil["copy_gbps"], "bf16_tflops": ceil["matmul_tflops"],
                                      "mma_sync_tflops": ceil["mma_sync_tflops"],
                                      "mma_sync_tflops_8warps": ceil["mma_sync_tflops_8warps"],

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -214,15 +213,13 @@ def main(argv=None) -> None:
     print(s.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     if a.no_record:
         return
-    from ..results import append_records, cli_command
+    from ..results import append_cli_records
 
     common = {"impl": "sm120_mla", **shape.__dict__, "cta_rows": 64, "defines": list(a.define), **times,
               "timer_step_ns": res, "replays": a.replays, "kernel_version": a.tag}
     records = ([dict(common, kind="milestone", **r) for r in m.to_dict("records")]
                + [dict(common, kind="span", **r) for r in s.to_dict("records")])
-    path = append_records("kernel_timeline", records,
-                          command=cli_command("sm120_workbook.kernels.cta_timeline", argv),
-                          path=Path(a.out) if a.out else None)
+    path = append_cli_records("kernel_timeline", records, "sm120_workbook.kernels.cta_timeline", argv, a.out)
     print(f"appended to {path}")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -131,15 +130,13 @@ def main(argv=None) -> None:
     print(table.to_string(index=False, float_format=lambda v: f"{v:.0f}"))
     if a.no_record:
         return
-    from ..results import append_records, cli_command
+    from ..results import append_cli_records
 
     records = [{k: v for k, v in r.items() if not (isinstance(v, float) and np.isnan(v))}
                | {"impl": "sm120_mla", **shape.__dict__, "cta_rows": 64, "defines": list(a.define), **times,
                   "kernel_version": a.tag}
                for r in table.to_dict("records")]
-    path = append_records("kernel_phase_trace", records,
-                          command=cli_command("sm120_workbook.kernels.phase_trace", argv),
-                          path=Path(a.out) if a.out else None)
+    path = append_cli_records("kernel_phase_trace", records, "sm120_workbook.kernels.phase_trace", argv, a.out)
     print(f"appended to {path}")
 
 

@@ -22,7 +22,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from .build import build_command
 
@@ -122,11 +121,10 @@ def main(argv=None) -> int:
             for ln in r["first_lines"][:4]:
                 print(f"    {ln}")
     if not args.no_record:
-        from ..results import append_records, cli_command
+        from ..results import append_cli_records
 
-        path = append_records("kernel_sanitizer", [{k: v for k, v in r.items() if k != "report_tail"} for r in records],
-                              command=cli_command("sm120_workbook.kernels.sanitize", argv),
-                              path=Path(args.out) if args.out else None)
+        path = append_cli_records("kernel_sanitizer", [{k: v for k, v in r.items() if k != "report_tail"} for r in records],
+                                  "sm120_workbook.kernels.sanitize", argv, args.out)
         print(f"appended to {path}")
     return exit_status(records)
 
