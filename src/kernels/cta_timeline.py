@@ -118,10 +118,9 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
     missing = [v for v in versions if v not in set(df["kernel_version"])]
     if missing:
         raise ValueError(f"versions: no {kind} timeline recorded as {missing[0]!r} for h{heads} q{q_len} ctx {ctx}")
-    name = kind
-    newest = df[df["kernel_version"].isin(versions)].groupby(["kernel_version", "kernel", name]).tail(1)
-    order = list(dict.fromkeys(zip(df["kernel"], df[name])))
-    t = newest.pivot_table(index=["kernel", name], columns="kernel_version", values="median_us", sort=False)
+    newest = df[df["kernel_version"].isin(versions)].groupby(["kernel_version", "kernel", kind]).tail(1)
+    order = list(dict.fromkeys(zip(df["kernel"], df[kind])))   # the kind column holds the milestone or span name
+    t = newest.pivot_table(index=["kernel", kind], columns="kernel_version", values="median_us", sort=False)
     t = t.reindex(index=[o for o in order if o in t.index], columns=versions)
     t.columns.name = None
     return t.reset_index()
