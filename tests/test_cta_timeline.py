@@ -99,16 +99,9 @@ def test_timeline_chart_has_a_bar_per_segment_and_version():
 
     names = [("attention", m) for m in ("entry", "indices staged", "tile 0 landed", "tile 1 landed", "loop end", "exit")]
     names += [("combine", m) for m in ("entry", "weights ready", "exit")]
-    names += [("attention", m) for m in ("released", "merged")]
-    nan = float("nan")
-    # v1 and v2 ran the combine step, v3 merged in the kernel (no combine milestones)
-    t = pd.DataFrame([{"kernel": k, "milestone": m, "v1": float(i) if i < 9 else nan, "v2": i / 2 if i < 9 else nan,
-                       "v3": float(i) if k == "attention" else nan} for i, (k, m) in enumerate(names)])
+    t = pd.DataFrame([{"kernel": k, "milestone": m, "v1": float(i), "v2": i / 2} for i, (k, m) in enumerate(names)])
     data = timeline_chart(t).data
-    assert len(SEGMENTS) == 9 and len(data) == 7 + 7 + 7   # v3: the 5 attention segments and the 2 of its merge
+    assert len(data) == 2 * len(SEGMENTS)
     merge = data[(data["version"] == "v2") & (data["segment"] == "combine: merge")].iloc[0]
     assert (merge["start_us"], merge["end_us"]) == (3.5, 4.0)   # combine weights ready -> exit
-    wait = data[(data["version"] == "v3") & (data["segment"] == "in-kernel merge: wait")].iloc[0]
-    assert (wait["start_us"], wait["end_us"]) == (5.0, 9.0)     # partials stored -> released
-    assert set(data[data["version"] == "v3"]["segment"]) & {"combine: wait, LSE pass", "combine: merge"} == set()
     assert (data["end_us"] >= data["start_us"]).all()

@@ -22,8 +22,7 @@ import pandas as pd
 TIMELINE_DEFINE = "CTA_TIMELINE"
 # Event slots (TimelineEvent in mla_verify.cuh) and what each kernel stamps in them.
 MILESTONES = {
-    "attention": {0: "entry", 1: "indices staged", 2: "tile 0 landed", 3: "tile 1 landed", 4: "loop end", 5: "exit",
-                  6: "released", 7: "merged"},
+    "attention": {0: "entry", 1: "indices staged", 2: "tile 0 landed", 3: "tile 1 landed", 4: "loop end", 5: "exit"},
     "combine": {0: "entry", 1: "weights ready", 5: "exit"},
 }
 # Spans of one CTA: (kernel, name, from slot, to slot). The names are v17e's, as recorded: since
@@ -35,9 +34,6 @@ SPANS = (
     ("attention", "round 0", 2, 3),
     ("attention", "loop", 2, 4),
     ("attention", "epilogue", 4, 5),
-    ("attention", "merge wait", 5, 6),     # the in-kernel merge (WIDE_MERGE): "exit" is then the
-    ("attention", "in-kernel merge", 6, 7),  # partials stored, and the CTA ends at "merged"
-
     ("combine", "LSE pass", 0, 1),
     ("combine", "merge", 1, 5),
 )
@@ -62,8 +58,6 @@ def milestone_table(stamps) -> pd.DataFrame:
     rows = []
     for k, kernel in enumerate(KERNELS):
         for slot, name in MILESTONES[kernel].items():
-            if slot >= stamps.shape[2]:   # stamps from a build before the in-kernel merge's events
-                continue
             t = stamps[k, :, slot]
             t = (t[t > 0] - t0) / 1e3
             if len(t):
@@ -78,8 +72,6 @@ def span_table(stamps) -> pd.DataFrame:
     stamps = _check(stamps)
     rows = []
     for kernel, name, a, b in SPANS:
-        if b >= stamps.shape[2]:
-            continue
         s = stamps[KERNELS.index(kernel)]
         ok = (s[:, a] > 0) & (s[:, b] > 0)
         if ok.any():
@@ -143,8 +135,6 @@ SEGMENTS = (
     ("attention", "loop end", "attention", "exit", "epilogue"),
     ("attention", "exit", "combine", "weights ready", "combine: wait, LSE pass"),
     ("combine", "weights ready", "combine", "exit", "combine: merge"),
-    ("attention", "exit", "attention", "released", "in-kernel merge: wait"),     # WIDE_MERGE, where
-    ("attention", "released", "attention", "merged", "in-kernel merge: merge"),  # no combine step runs
 )
 
 
@@ -159,9 +149,8 @@ def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k"):
     for v in versions:
         for ka, ma, kb, mb, name in SEGMENTS:
             if (ka, ma) in at.index and (kb, mb) in at.index:
-                start, end = float(at.loc[(ka, ma), v]), float(at.loc[(kb, mb), v])
-                if np.isfinite(start) and np.isfinite(end):   # a version has a combine step or an in-kernel merge
-                    rows.append({"version": v, "segment": name, "start_us": start, "end_us": end})
+                rows.append({"version": v, "segment": name, "start_us": float(at.loc[(ka, ma), v]),
+                             "end_us": float(at.loc[(kb, mb), v])})
     data = pd.DataFrame(rows)
     order = [seg[-1] for seg in SEGMENTS]
     return alt.Chart(data).mark_bar().encode(

@@ -27,39 +27,14 @@ void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, 
   sm120_mla::mla_verify_split_kernel<KEYS><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
 }
 
-// The wide kernel's opt-in to its shared memory, once per device, and how many of its CTAs the
-// device holds at once (the in-kernel merge, WIDE_MERGE, needs the whole grid resident).
-int wide_setup(int device) {
+void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
   namespace wide = sm120_mla::wide;
   static std::once_flag flags[64];
-  static int coresident_ctas[64];
-  std::call_once(flags[device % 64], [device] {
+  std::call_once(flags[device % 64], [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(wide::mla_verify_wide_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         wide::kSmemBytes));
-    int per_sm = 0, sms = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, wide::mla_verify_wide_kernel,
-                                                                 wide::kThreads, wide::kSmemBytes));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    coresident_ctas[device % 64] = per_sm * sms;
   });
-  return coresident_ctas[device % 64];
-}
-
-// With the in-kernel merge the launch is cooperative: the driver then guarantees that every CTA
-// is resident at once (the merge's CTAs wait for each other) or refuses the launch.
-void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, bool cooperative) {
-  namespace wide = sm120_mla::wide;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(wide::kThreads);
-  cfg.dynamicSmemBytes = wide::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = cooperative ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, wide::mla_verify_wide_kernel, prm));
+  wide::mla_verify_wide_kernel<<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
 }
 
 // The combine step, as a programmatic dependent of the attention kernel where COMBINE_PDL and
@@ -94,8 +69,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                         const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
-                        at::Tensor& ws_o, at::Tensor& ws_lse, at::Tensor& ws_sync, double sm_scale,
-                        int64_t max_q_len, int64_t num_splits, int64_t tile_keys, int64_t cta_rows) {
+                        at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
+                        int64_t num_splits, int64_t tile_keys, int64_t cta_rows) {
   using namespace sm120_mla;
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == kDimQK &&
                   q.is_contiguous(), "q must be a contiguous CUDA bf16 tensor [T, H, 576]");
@@ -109,8 +84,6 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
   TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
               "workspace too small");
-  TORCH_CHECK(ws_sync.is_cuda() && ws_sync.scalar_type() == at::kInt && ws_sync.is_contiguous(),
-              "ws_sync must be a contiguous CUDA int32 tensor");
   TORCH_CHECK(B <= 65535, "batch must be <= 65535 (grid z)");
   if (T == 0 || B == 0) return;
 
@@ -137,27 +110,16 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.max_q_len = static_cast<int>(max_q_len);
   prm.num_splits = static_cast<int>(num_splits);
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
-  prm.total_rows = T * H;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((max_q_len * H + cta_rows - 1) / cta_rows),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
-  if (cta_rows == wide::kRows) {
-    // The in-kernel merge where the whole grid fits on the device at once (one wave: the
-    // split count's own rule, choose_num_splits) and the workspace has a word per row group.
-    const int coresident_ctas = wide_setup(device);
-    const int64_t ctas = int64_t(grid.x) * grid.y * grid.z;
-    const bool merge = WIDE_MERGE && num_splits >= wide::kMergeMinSplits && ctas <= coresident_ctas &&
-                       int64_t(grid.x) * grid.z <= ws_sync.numel();
-    prm.group_sync = merge ? reinterpret_cast<unsigned*>(ws_sync.data_ptr<int32_t>()) : nullptr;
-    launch_wide(prm, grid, stream, merge);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (merge) return;   // no combine step
-  } else if (tile_keys == 32) {
+  if (cta_rows == wide::kRows)
+    launch_wide(prm, grid, stream, device);
+  else if (tile_keys == 32)
     launch_split<32>(prm, grid, stream, device);
-  } else {
+  else
     launch_split<16>(prm, grid, stream, device);
-  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
   const int groups = combine_groups(prm.num_splits);

@@ -170,11 +170,8 @@ static_assert(kRowsPerCta == 2 * 16 && kGroupThreads == kScoreWarps * 32 && kGro
 // launcher) copies the stamps out and clears them; cta_timeline.py tabulates them.
 // A CTA past kTimelineCtas is not stamped; a milestone a CTA never reached stays 0.
 constexpr int kTimelineCtas = 4096;
-constexpr int kTimelineEvents = 8;
-// kEvReleased and kEvMerged: the wide kernel's in-kernel merge (WIDE_MERGE), after kEvExit,
-// which then marks the partials written rather than the CTA's end.
-enum TimelineEvent { kEvEntry = 0, kEvStaged = 1, kEvTile0 = 2, kEvTile1 = 3, kEvLoopEnd = 4, kEvExit = 5,
-                     kEvReleased = 6, kEvMerged = 7 };
+constexpr int kTimelineEvents = 6;
+enum TimelineEvent { kEvEntry = 0, kEvStaged = 1, kEvTile0 = 2, kEvTile1 = 3, kEvLoopEnd = 4, kEvExit = 5 };
 #ifdef CTA_TIMELINE
 __device__ unsigned long long cta_timeline_ns[2][kTimelineCtas][kTimelineEvents];
 #endif
@@ -211,9 +208,6 @@ struct Params {
   int kv_indices_64;
   int mask_indptr_64;
   float scale_log2;                // sm_scale * log2(e)
-  int64_t total_rows;              // T * H
-  unsigned* group_sync;            // the wide kernel's in-kernel merge (WIDE_MERGE): one arrival
-                                   // word per row group; nullptr: the combine step merges
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -842,20 +836,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   }
 }
 
-// Whether the attention kernels leave a row of out unwritten: 1 for a token past the last
-// request (CUDA-graph padding: it gets 0 and lse -inf), 2 for a token past max_q_len within its
-// request (a broken contract: NaN, so it shows), else 0.
-__device__ __forceinline__ int row_outside_requests(const Params& prm, int64_t row) {
-  const int64_t token = row / prm.heads;
-  if (token >= prm.qo_indptr[prm.batch]) return 1;
-  int lo = 0, hi = prm.batch - 1;  // the request holding token: last b with qo_indptr[b] <= token
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (prm.qo_indptr[mid] <= token) lo = mid; else hi = mid - 1;
-  }
-  return token - prm.qo_indptr[lo] >= prm.max_q_len ? 2 : 0;
-}
-
 // The combine step. A CTA merges one row's splits for a slice of its 512 columns: kGroups
 // groups of threads each sum every kGroups-th split, then the groups' sums are added in shared
 // memory. With kGroups == 1 a CTA holds a whole row (4 columns a thread) and walks its splits in
@@ -888,7 +868,16 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // get 0 and lse -inf; tokens past max_q_len within their request broke the caller's
   // contract and get NaN, so it shows. The test is uniform across the CTA.
   {
-    const int unwritten = row_outside_requests(prm, row);
+    const int64_t token = row / prm.heads;
+    int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
+    if (!unwritten) {
+      int lo = 0, hi = prm.batch - 1;  // the request holding token: last b with qo_indptr[b] <= token
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (prm.qo_indptr[mid] <= token) lo = mid; else hi = mid - 1;
+      }
+      unwritten = token - prm.qo_indptr[lo] >= prm.max_q_len ? 2 : 0;
+    }
     if (unwritten) {
       const float fill = unwritten == 1 ? 0.f : NAN;
       if (group == 0) store(make_float4(fill, fill, fill, fill));

@@ -111,20 +111,6 @@ constexpr bool kBf16Partials = WIDE_BF16_PARTIALS;
 #ifndef WIDE_PREFETCH_FIRST_TILES
 #define WIDE_PREFETCH_FIRST_TILES 1
 #endif
-// WIDE_MERGE: the split partials merged inside this kernel instead of by the combine step (a
-// second kernel). The CTA timeline (NOTES.md, session 10) put ~4.2 us between the attention
-// CTAs' median exit and the combine step's: the grid's completion and the PDL hand-over, an LSE
-// round trip to L2, then the partials' round trip, in 2,048 CTAs. Here each row group's CTAs
-// (the num_splits CTAs of one 64-row tile) meet at an arrival counter once their partials are
-// stored, then each merges a share of the group's rows with the LSE and partial loads in flight
-// together (merge_row_group). The CTAs wait for each other, so the launcher uses it only where
-// the whole grid is resident at once, as a cooperative launch (the driver refuses one that is
-// not, rather than letting it hang); elsewhere the combine step runs as before. Needs the bf16
-// partials.
-#ifndef WIDE_MERGE
-#define WIDE_MERGE WIDE_BF16_PARTIALS
-#endif
-static_assert(!WIDE_MERGE || WIDE_BF16_PARTIALS, "WIDE_MERGE reads bf16 partials (WIDE_BF16_PARTIALS=1)");
 constexpr int kOutRowStride = kDimV + 8;   // bf16: 4-byte stores of 8 rows x 4 lanes hit 32 banks once
 static_assert(kStages >= 2 + kLag && kStages <= 4, "WIDE_STAGES: 2..4, 3..4 with ping-pong (5 x 18.7 KB exceeds 99 KB)");
 constexpr int kStageElems = kKeys * kKvRowStride;
@@ -185,126 +171,6 @@ __device__ __forceinline__ int fresh_thread_index() {
   return t;
 }
 
-// Rows that no row group merges (row_outside_requests), written as the combine step writes
-// them, when this kernel merges (WIDE_MERGE): every CTA of the grid a strided share, a row a thread.
-__device__ __forceinline__ void fill_rows_outside_requests(const Params& prm) {
-  const int64_t ctas = int64_t(gridDim.x) * gridDim.y * gridDim.z;
-  const int64_t cta = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
-  for (int64_t row = cta * kThreads + threadIdx.x; row < prm.total_rows; row += ctas * kThreads) {
-    const int unwritten = row_outside_requests(prm, row);
-    if (!unwritten) continue;
-    const float fill = unwritten == 1 ? 0.f : NAN;
-    const uint32_t two = pack_bf16(fill, fill);
-    uint4* dst = reinterpret_cast<uint4*>(prm.out + row * kDimV);
-    for (int i = 0; i < kDimV / 8; ++i) dst[i] = make_uint4(two, two, two, two);
-    prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
-  }
-}
-
-constexpr int kMergeChunkCols = 32;                     // a merge unit: 32 columns of one row
-constexpr int kMergeChunks = kDimV / kMergeChunkCols;   // 16 units a row
-constexpr int kMergeSplitLanes = 8;                     // lanes 4 apart share a unit's splits
-constexpr int kMergeSteps = kMaxSplits / kMergeSplitLanes;   // 16: a lane's splits of a unit, at most
-constexpr int kMergeMinSplits = 32;   // below, a warp would walk more than 4 units: the combine step merges
-static_assert(kMergeChunks == 16 && kMergeChunkCols == 4 * 8, "a unit: 4 lanes x 8 bf16 columns, u >> 4 its row");
-
-// One unit's share of a lane in the in-kernel merge: the LSEs and 8-column partial slices of
-// splits sl, sl + 8, ..., loaded before any is used.
-struct MergeLoads {
-  float x[kMergeSteps];
-  uint4 v[kMergeSteps];
-};
-
-// The in-kernel merge (WIDE_MERGE) of one row group, by its CTA `split` of S (>= kMergeMinSplits):
-// arrive, wait for the group's other CTAs, then merge the units split, split + S, ... (row u / 16,
-// columns (u % 16) * 32 .. +32) of the group's `valid_rows` rows. Warp w takes the CTA's units w,
-// w + 8, ... two at a time (at most 4 when S >= 32), every load of both in flight before the
-// first is used: one round trip to L2 a pair. In a unit, lane (sl, cl) sums 8 columns over splits
-// sl, sl + 8, ... with a running max; shuffles then merge the 8 split lanes.
-// Arrival: one word per group, as cooperative groups' grid barrier keeps one per grid: CTA 0
-// adds 2^31 - (S - 1), the others 1, so the group's arrivals flip bit 31 exactly once a call and
-// leave the rest of the word as it was (graph replays need no reset).
-__device__ __noinline__ void merge_row_group(const __nv_bfloat16* __restrict__ parts, const float* __restrict__ part_lse,
-                                             __nv_bfloat16* __restrict__ out, float* __restrict__ lse,
-                                             unsigned* arrivals, int S, int split, int64_t row_base, int valid_rows) {
-  __syncthreads();                // every thread's partial and LSE stores are issued
-  if (threadIdx.x == 0) {
-    __threadfence();              // ... and visible on the GPU before this CTA counts as arrived
-    const unsigned old = atomicAdd(arrivals, split == 0 ? 0x80000000u - static_cast<unsigned>(S - 1) : 1u);
-    while (((old ^ *reinterpret_cast<volatile unsigned*>(arrivals)) & 0x80000000u) == 0) __nanosleep(32);
-    __threadfence();
-  }
-  __syncthreads();
-  timeline_stamp(0, kEvReleased);
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int cl = lane & 3, sl = lane >> 2;
-  const int units = valid_rows * kMergeChunks;
-  auto load = [&](MergeLoads& ld, int u) {   // u < 0: none
-#pragma unroll
-    for (int k = 0; k < kMergeSteps; ++k) {
-      const int s = sl + kMergeSplitLanes * k;
-      const bool live = u >= 0 && s < S;
-      const int64_t slot = (row_base + (u >> 4)) * S + s;
-      ld.x[k] = live ? __ldcg(part_lse + slot) : -INFINITY;
-      ld.v[k] = live ? __ldcg(reinterpret_cast<const uint4*>(parts + slot * kDimV + (u & 15) * kMergeChunkCols + cl * 8))
-                     : make_uint4(0, 0, 0, 0);
-    }
-  };
-  auto merge_unit = [&](const MergeLoads& ld, int u) {
-    float m = -INFINITY, l = 0.f, acc[8] = {};
-#pragma unroll
-    for (int k = 0; k < kMergeSteps; ++k) {
-      const float x = ld.x[k];
-      if (x == -INFINITY) continue;   // no split, or a split with no keys (its partial is never read)
-      if (x > m) {
-        const float c = exp2f(m - x);
-        l *= c;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] *= c;
-        m = x;
-      }
-      const float w = exp2f(x - m);
-      l += w;
-      const uint32_t raw[4] = {ld.v[k].x, ld.v[k].y, ld.v[k].z, ld.v[k].w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[e]));
-        acc[2 * e] = fmaf(w, f.x, acc[2 * e]);
-        acc[2 * e + 1] = fmaf(w, f.y, acc[2 * e + 1]);
-      }
-    }
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {   // the 8 split lanes
-      const float mo = __shfl_xor_sync(0xffffffffu, m, off), lo = __shfl_xor_sync(0xffffffffu, l, off);
-      const float mn = fmaxf(m, mo);
-      const float sa = m == -INFINITY ? 0.f : exp2f(m - mn), sb = mo == -INFINITY ? 0.f : exp2f(mo - mn);
-      l = l * sa + lo * sb;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = acc[e] * sa + __shfl_xor_sync(0xffffffffu, acc[e], off) * sb;
-      m = mn;
-    }
-    if (sl == 0) {
-      const int64_t row = row_base + (u >> 4);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      *reinterpret_cast<uint4*>(out + row * kDimV + (u & 15) * kMergeChunkCols + cl * 8) =
-          make_uint4(pack_bf16(acc[0] * inv, acc[1] * inv), pack_bf16(acc[2] * inv, acc[3] * inv),
-                     pack_bf16(acc[4] * inv, acc[5] * inv), pack_bf16(acc[6] * inv, acc[7] * inv));
-      if (cl == 0 && (u & 15) == 0) lse[row] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
-    }
-  };
-  // The CTA's units: split + S * i; this warp's: i = warp, warp + kWarps, ...
-  for (int i = warp; split + S * i < units; i += 2 * kWarps) {
-    const int u0 = split + S * i, u1 = split + S * (i + kWarps) < units ? split + S * (i + kWarps) : -1;
-    MergeLoads a, b;
-    load(a, u0);
-    load(b, u1);
-    merge_unit(a, u0);
-    if (u1 >= 0) merge_unit(b, u1);
-  }
-  timeline_stamp(0, kEvMerged);
-}
-
 // grid: (64-row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -323,7 +189,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int row0 = blockIdx.x * kRows;
   const int rows = q_len * H;
   if (row0 >= rows) {                              // request shorter than max_q_len
-    if (WIDE_MERGE && prm.group_sync) fill_rows_outside_requests(prm);
     timeline_stamp(0, kEvExit);
     return;
   }
@@ -351,24 +216,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int num_tiles = key_begin < key_end ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
 
   auto partial_index = [&](int gr) { return partial_slot(prm, q_start, rows, gr, split); };
-  // The in-kernel merge (WIDE_MERGE) of this row group: rows past max_q_len are left to
-  // fill_rows_outside_requests, as the combine step leaves them NaN.
-  auto merge = [&] {
-    const int valid_rows = min(kRows, min(rows, prm.max_q_len * H) - row0);
-    merge_row_group(reinterpret_cast<const __nv_bfloat16*>(prm.ws_o), prm.ws_lse, prm.out, prm.lse,
-                    prm.group_sync + (blockIdx.z * gridDim.x + blockIdx.x), prm.num_splits, split,
-                    static_cast<int64_t>(q_start) * H + row0, valid_rows);
-  };
-  if (num_tiles == 0) {  // empty split: the merge gives it zero weight
+  if (num_tiles == 0) {  // empty split: the combine step gives it zero weight
     if (tid < kRows) {
       const int64_t pi = partial_index(row0 + tid);
       if (pi >= 0) prm.ws_lse[pi] = -INFINITY;
     }
     timeline_stamp(0, kEvExit);
-    if (WIDE_MERGE && prm.group_sync) {
-      fill_rows_outside_requests(prm);
-      merge();
-    }
     return;
   }
 
@@ -440,9 +293,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     }
   }
 #endif
-  // Rows outside the requests, while Q and the indices are on their way (their tests are
-  // dependent loads; the prologue's long pole is Q's copy).
-  if (WIDE_MERGE && prm.group_sync) fill_rows_outside_requests(prm);
 #ifdef ABLATE_NO_SOFTMAX
   // No softmax writes row_scale: 1 keeps the O rescale skipped, as in most rounds of the full kernel.
   if (tid < kRows) sm.row_scale[tid] = 1.f;
@@ -765,8 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     }
   }
 #endif
-  timeline_stamp(0, kEvExit);     // with WIDE_MERGE: the partials are stored
-  if (WIDE_MERGE && prm.group_sync) merge();
+  timeline_stamp(0, kEvExit);
 }
 
 }  // namespace wide

@@ -124,9 +124,6 @@ class MlaVerifyWorkspace:
         self.capacity_rows = rows
         self.partial_o = torch.empty(rows * DIM_V, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
-        # One arrival word per 64-row group of the wide kernel's in-kernel merge (WIDE_MERGE), which
-        # runs only when the whole grid, at most one CTA an SM, is resident: num_sms groups at most.
-        self.group_sync = torch.zeros(self.num_sms, dtype=torch.int32, device=self.device)
 
     def cta_rows_for(self, batch: int, max_q_len: int) -> int:
         if self.fixed_cta_rows is not None:
@@ -140,7 +137,7 @@ class MlaVerifyWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return self.partial_o.numel() * 4 + self.partial_lse.numel() * 4 + self.group_sync.numel() * 4
+        return self.partial_o.numel() * 4 + self.partial_lse.numel() * 4
 
 
 def _as_rows(arg: str, t, device):
@@ -245,6 +242,6 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     mod = load_kernel_module(torch.cuda.get_device_capability(dev), defines=workspace.kernel_defines)
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
                            mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
-                           workspace.group_sync, float(sm_scale), max_q_len, splits, workspace.tile_keys,
+                           float(sm_scale), max_q_len, splits, workspace.tile_keys,
                            workspace.cta_rows_for(batch, max_q_len))
     return out
