@@ -58,6 +58,18 @@ def test_any_split_count(num_splits, cta_rows, tile_keys, seed):
     assert_matches_reference(case, out, lse, f"splits={num_splits}")
 
 
+@pytest.mark.parametrize("heads,q_len", [(8, 16), (16, 16), (8, 8), (8, 1), (1, 1), (128, 1)])
+def test_combine_layouts(heads, q_len, seed):
+    """The combine step's layouts at batch 1, where it loads the partials beside its LSE pass
+    (COMBINE_PRELOAD), on the H200 in 8 split groups (q16 h8: 1,024 CTAs), 4 (q16 h16, decode
+    h128), or 16 (q8 h8, decode h8 and h1, fp32 partials). Grids that fit no such wave (a fixed 128
+    splits at b2, test_any_split_count) run without the preload."""
+    case = make_verify_case(batch=1, heads=heads, q_len=q_len, ctx_lens=20000, mask="tree" if q_len > 1 else None,
+                            with_k_extend=q_len > 1, seed=seed, device="cuda")
+    out, lse = run_kernel(case, max_q_len=q_len)
+    assert_matches_reference(case, out, lse, f"h{heads} q{q_len}")
+
+
 def test_max_q_len_above_actual(seed):
     """A grid sized for 16 draft tokens serves requests with fewer (padding CTAs exit)."""
     case = make_verify_case(batch=3, heads=8, q_len=[16, 3, 9], ctx_lens=[100, 2000, 5], mask="tree",
@@ -218,7 +230,8 @@ def test_compute_sanitizer_clean(tool):
     (("WIDE_PINGPONG=0", "WIDE_STAGES=2"), 64), (("WIDE_PINGPONG=0", "WIDE_REFILL_IN_QK=0"), 64),
     (("WIDE_FUSED=1",), 64), (("WIDE_FUSED=1", "WIDE_PINGPONG=0"), 64), (("WIDE_FUSED=1", "WIDE_STAGES=3"), 64),
     (("COMBINE_PDL=0",), 32), (("COMBINE_PDL=0",), 64), (("CTA_TIMELINE",), 64),
-    (("WIDE_Q_SMEM=0",), 64), (("WIDE_BF16_PARTIALS=0",), 64), (("WIDE_PREFETCH_FIRST_TILES=0",), 64)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
+    (("WIDE_Q_SMEM=0",), 64), (("WIDE_BF16_PARTIALS=0",), 64), (("WIDE_PREFETCH_FIRST_TILES=0",), 64),
+    (("COMBINE_PRELOAD=0",), 32), (("COMBINE_PRELOAD=0",), 64)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part

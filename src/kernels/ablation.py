@@ -111,6 +111,9 @@ VARIANTS = {
     "wide_v17e_io": Variant(("WIDE_Q_SMEM=0", "WIDE_BF16_PARTIALS=0", "COMBINE_PDL=0"), cta_rows=64),
     # without the L2 prefetch of the first tiles' key rows while Q arrives (v18e)
     "wide_no_tile_prefetch": Variant(("WIDE_PREFETCH_FIRST_TILES=0",), cta_rows=64),
+    # the combine step without its partials loaded beside the LSE pass (COMBINE_PRELOAD, v18f)
+    "no_preload": Variant(("COMBINE_PRELOAD=0",)),
+    "wide_no_preload": Variant(("COMBINE_PRELOAD=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

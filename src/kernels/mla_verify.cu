@@ -39,7 +39,7 @@ void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, i
 
 // The combine step, as a programmatic dependent of the attention kernel where COMBINE_PDL and
 // the device (sm_90 and newer) allow it; stream capture records that as a programmatic edge.
-template <int kGroups, bool kBf16Partials>
+template <int kGroups, bool kBf16Partials, bool kPreload = false>
 void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -50,17 +50,48 @@ void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = COMBINE_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials>, prm));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, kPreload>, prm));
 }
 
+// How many CTAs of the preloading combine step (kGroups split groups) the device holds at once.
+template <int kGroups, bool kBf16Partials>
+int64_t preload_combine_ctas(int device) {
+  static std::once_flag flags[64];
+  static int64_t ctas[64];
+  std::call_once(flags[device % 64], [device] {
+    int per_sm = 0, sms = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, true>, sm120_mla::kCombineThreads, 0));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    ctas[device % 64] = int64_t(per_sm) * sms;
+  });
+  return ctas[device % 64];
+}
+
+// The combine step for `rows` rows of num_splits splits: with COMBINE_PRELOAD, the widest split
+// groups (16, 8, 4) whose grid of rows x groups CTAs fits one wave of the preloading kernel;
+// where none does, combine_groups' layout without the preload (one wave of 32-register CTAs
+// beats two of 48). Both depend on static shapes only, so a captured graph keeps its grid.
 template <bool kBf16Partials>
-void launch_combine_for(const sm120_mla::Params& prm, int groups, dim3 grid, cudaStream_t stream) {
+void launch_combine_for(const sm120_mla::Params& prm, int64_t rows, int device, cudaStream_t stream) {
+  using sm120_mla::preload_groups_fit;
+  const int S = prm.num_splits;
+  auto grid = [rows](int groups) { return dim3(static_cast<unsigned>(rows), static_cast<unsigned>(groups)); };
+  if (COMBINE_PRELOAD) {
+    if (preload_groups_fit(16, S) && rows * 16 <= preload_combine_ctas<16, kBf16Partials>(device))
+      return launch_combine<16, kBf16Partials, true>(prm, grid(16), stream);
+    if (preload_groups_fit(8, S) && rows * 8 <= preload_combine_ctas<8, kBf16Partials>(device))
+      return launch_combine<8, kBf16Partials, true>(prm, grid(8), stream);
+    if (preload_groups_fit(4, S) && rows * 4 <= preload_combine_ctas<4, kBf16Partials>(device))
+      return launch_combine<4, kBf16Partials, true>(prm, grid(4), stream);
+  }
+  const int groups = sm120_mla::combine_groups(S);   // groups column slices
   if (groups == 16)
-    launch_combine<16, kBf16Partials>(prm, grid, stream);
+    launch_combine<16, kBf16Partials>(prm, grid(16), stream);
   else if (groups == 4)
-    launch_combine<4, kBf16Partials>(prm, grid, stream);
+    launch_combine<4, kBf16Partials>(prm, grid(4), stream);
   else
-    launch_combine<1, kBf16Partials>(prm, grid, stream);
+    launch_combine<1, kBf16Partials>(prm, grid(1), stream);
 }
 
 }  // namespace
@@ -122,12 +153,10 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
     launch_split<16>(prm, grid, stream, device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
-  const int groups = combine_groups(prm.num_splits);
-  const dim3 combine_grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));   // groups column slices
   if (cta_rows == wide::kRows && wide::kBf16Partials)   // the wide kernel's partials are bf16
-    launch_combine_for<true>(prm, groups, combine_grid, stream);
+    launch_combine_for<true>(prm, rows, device, stream);
   else
-    launch_combine_for<false>(prm, groups, combine_grid, stream);
+    launch_combine_for<false>(prm, rows, device, stream);
 }
 
 // The wide kernel's phase stamps from the last call of a WIDE_TRACE build (mla_verify_wide.cuh):

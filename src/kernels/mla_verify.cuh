@@ -22,6 +22,8 @@
 // them to show where a tile's time goes. The default build defines none.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -844,13 +846,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 // ncu, 4 warps an SM with one 16-byte load in flight per thread. kGroups == 16 spreads a row over
 // 16 CTAs with every split's load in flight at once. The launcher picks kGroups from num_splits
 // (combine_groups), a static shape, so a captured graph keeps its grid.
+// kPreload (COMBINE_PRELOAD, v18f): each thread's partials (at most kMaxSplitsPerGroup) are loaded
+// right after griddepcontrol.wait, beside the LSE pass, and held raw until the weights are in, so
+// that the two round trips to L2 overlap (v18b: ~1.9 us for the LSE pass, then ~1.6 for the
+// merge, in series). That needs ~48 registers instead of 32; at 16 CTAs an SM, q16 h8's 2,048
+// CTAs then ran in two waves (v18c, NOTES.md session 10). So the launcher uses it only where the
+// grid stays within one wave, with fewer, wider CTAs where needed (kGroups == 8: 64 columns a CTA).
 constexpr int kCombineThreads = 128;
+#ifndef COMBINE_PRELOAD
+#define COMBINE_PRELOAD 1
+#endif
+constexpr int kMaxSplitsPerGroup = 16;   // kPreload: a group's splits held in registers, at most
 
-template <int kGroups, bool kBf16Partials = false>
+template <int kGroups, bool kBf16Partials = false, bool kPreload = false>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
-  constexpr int kVecs = kCombineThreads / kGroups;   // float4 columns per CTA: 128, 32 or 8
-  constexpr int kCols = kVecs * 4;                   // 512, 128 or 32 (grid.y = kDimV / kCols)
+  constexpr int kVecs = kCombineThreads / kGroups;   // float4 columns per CTA: 128, 32, 16 or 8
+  constexpr int kCols = kVecs * 4;                   // 512, 128, 64 or 32 (grid.y = kDimV / kCols)
   static_assert(kCols * kGroups == kDimV, "a row's columns are covered by kGroups slices");
+  static_assert(!kPreload || kMaxSplits <= 32 * 4, "kPreload: the LSE pass holds 4 LSEs a lane");
   __shared__ float weight[kMaxSplits];
   __shared__ float4 group_sum[kGroups > 1 ? kGroups : 1][kVecs];
   __shared__ float total[2];
@@ -889,44 +902,99 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
   }
   wait_for_prerequisite_grid();   // the partials below are the attention kernel's
-  if (tid < 32) {
-    const float* lse = prm.ws_lse + row * S;
-    float m = -INFINITY;
-    for (int s = lane; s < S; s += 32) m = fmaxf(m, lse[s]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float sum = 0.f;
-    for (int s = lane; s < S; s += 32) {
-      const float w = m == -INFINITY ? 0.f : exp2f(lse[s] - m);  // 0 for splits with no keys
-      weight[s] = w;
-      sum += w;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) { total[0] = m; total[1] = sum; }
-  }
-  __syncthreads();
-  timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
-#pragma unroll 4
-  for (int s = group; s < S; s += kGroups) {
-    // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
-    // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied.
-    const int64_t at = first + static_cast<int64_t>(s) * (kDimV / 4);
-    float4 v;
-    if constexpr (kBf16Partials) {
-      const uint2 raw = reinterpret_cast<const uint2*>(prm.ws_o)[at];   // 4 bf16
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      v = make_float4(lo.x, lo.y, hi.x, hi.y);
-    } else {
-      v = reinterpret_cast<const float4*>(prm.ws_o)[at];
+  if constexpr (kPreload) {
+    const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
+    using Raw = typename std::conditional<kBf16Partials, uint2, float4>::type;   // 4 bf16 or 4 fp32
+    const Raw* parts = reinterpret_cast<const Raw*>(prm.ws_o);
+    // The LSE warp's own loads go first (v18d: loads queued ahead of them delayed the LSE pass),
+    // then every thread's partials, none of them waited for until the weights are in.
+    float lv[4];
+    if (tid < 32) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) lv[j] = lane + 32 * j < S ? prm.ws_lse[row * S + lane + 32 * j] : -INFINITY;
     }
-    const float w = weight[s];
-    if (w != 0.f) {
-      acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
-      acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
+    Raw raw[kMaxSplitsPerGroup];
+#pragma unroll
+    for (int k = 0; k < kMaxSplitsPerGroup; ++k) {
+      const int s = group + k * kGroups;
+      if (s < S) raw[k] = parts[first + static_cast<int64_t>(s) * (kDimV / 4)];
+    }
+    if (tid < 32) {
+      float m = fmaxf(fmaxf(lv[0], lv[1]), fmaxf(lv[2], lv[3]));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float w = m == -INFINITY ? 0.f : exp2f(lv[j] - m);   // 0 for splits with no keys
+        if (lane + 32 * j < S) weight[lane + 32 * j] = w;
+        sum += w;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) { total[0] = m; total[1] = sum; }
+    }
+    __syncthreads();
+    timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
+#pragma unroll
+    for (int k = 0; k < kMaxSplitsPerGroup; ++k) {
+      const int s = group + k * kGroups;
+      if (s >= S) break;
+      // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied
+      const float w = weight[s];
+      if (w != 0.f) {
+        float4 v;
+        if constexpr (kBf16Partials) {
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].y));
+          v = make_float4(lo.x, lo.y, hi.x, hi.y);
+        } else {
+          v = raw[k];
+        }
+        acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
+        acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
+      }
+    }
+  } else {
+    if (tid < 32) {
+      const float* lse = prm.ws_lse + row * S;
+      float m = -INFINITY;
+      for (int s = lane; s < S; s += 32) m = fmaxf(m, lse[s]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      float sum = 0.f;
+      for (int s = lane; s < S; s += 32) {
+        const float w = m == -INFINITY ? 0.f : exp2f(lse[s] - m);  // 0 for splits with no keys
+        weight[s] = w;
+        sum += w;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) { total[0] = m; total[1] = sum; }
+    }
+    __syncthreads();
+    timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
+    const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
+#pragma unroll 4
+    for (int s = group; s < S; s += kGroups) {
+      // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
+      // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied.
+      const int64_t at = first + static_cast<int64_t>(s) * (kDimV / 4);
+      float4 v;
+      if constexpr (kBf16Partials) {
+        const uint2 raw = reinterpret_cast<const uint2*>(prm.ws_o)[at];   // 4 bf16
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+        v = make_float4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        v = reinterpret_cast<const float4*>(prm.ws_o)[at];
+      }
+      const float w = weight[s];
+      if (w != 0.f) {
+        acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
+        acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
+      }
     }
   }
   if constexpr (kGroups > 1) {
@@ -950,6 +1018,11 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
 // splits' loads in flight, no more (with few splits, a row in one CTA wastes fewer threads).
 __host__ __device__ constexpr int combine_groups(int num_splits) {
   return num_splits >= 32 ? 16 : num_splits >= 8 ? 4 : 1;
+}
+// With kPreload (COMBINE_PRELOAD): whether `groups` split groups suit num_splits splits, each
+// group at least 2 of them and at most kMaxSplitsPerGroup.
+__host__ __device__ constexpr bool preload_groups_fit(int groups, int num_splits) {
+  return num_splits >= 2 * groups && (num_splits + groups - 1) / groups <= kMaxSplitsPerGroup;
 }
 
 }  // namespace sm120_mla
