@@ -5,7 +5,9 @@
 
 The case (2 requests of 129 and 40 keys, 5 heads, 7 tree-masked drafts) runs with 16-key
 tiles on 1 and 3 splits (one split: 9 tiles wrap the 4-stage ring) and with 32-key tiles, and
-in the 64-row wide kernel on 1 and 3 splits (35 rows: it also skips its empty m16 tiles).
+in the 64-row wide kernel on 1 and 3 splits (35 rows: it also skips its empty m16 tiles); 8
+splits of the 32-row kernel run the combine step that loads its partials beside the LSE pass
+(COMBINE_PRELOAD, 4 split groups).
 Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
 `group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
@@ -40,7 +42,7 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         "c = make_verify_case(batch=2, heads=5, q_len=7, ctx_lens=[129, 40], mask='tree', device='cuda')\n"
         "o = torch.empty(14, 5, 512, device='cuda', dtype=torch.bfloat16)\n"
         "l = torch.empty(14, 5, device='cuda')\n"
-        "for rows, tk, splits in ((32, 16, 1), (32, 16, 3), (32, 32, 1), (64, 16, 1), (64, 16, 3)):"
+        "for rows, tk, splits in ((32, 16, 1), (32, 16, 3), (32, 32, 1), (64, 16, 1), (64, 16, 3), (32, 16, 8)):"
         "  # 1 split: 9 tiles wrap the cp.async ring\n"
         "    ws = MlaVerifyWorkspace(14, 5, 'cuda', num_splits=splits, tile_keys=tk, cta_rows=rows,"
         f" kernel_defines={tuple(defines)!r})\n"
