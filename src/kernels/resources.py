@@ -34,7 +34,13 @@ def _nvcc() -> str:
     return exe
 
 
-COMBINE_GROUPS = (1, 4, 16)   # the combine step's instantiations (combine_groups in mla_verify.cuh)
+# The combine step's instantiations: (split groups, bf16 partials, preload). combine_groups in
+# mla_verify.cuh picks 1, 4 or 16 groups without the preload; with it (COMBINE_PRELOAD) the launcher
+# takes 16, 8 or 4 for the 32-row kernel's fp32 partials and the 64-row kernel's bf16 ones.
+COMBINE_INSTANCES = ((1, False, False), (4, False, False), (16, False, False), (16, True, False),
+                     (16, False, True), (8, False, True), (4, False, True),
+                     (16, True, True), (8, True, True), (4, True, True))
+_COMBINE = re.compile(r"mla_verify_combine_kernelILi(\d+)ELb(\d)ELb(\d)E")
 
 
 def _kernel_label(mangled: str) -> str | None:
@@ -45,11 +51,14 @@ def _kernel_label(mangled: str) -> str | None:
                 return f"mla_verify_split_kernel<{keys}>"
     if "mla_verify_wide_kernel" in mangled:
         return "mla_verify_wide_kernel"
-    if "mla_verify_combine_kernel" in mangled:
-        for groups in COMBINE_GROUPS:
-            if f"ILi{groups}E" in mangled:
-                return f"mla_verify_combine_kernel<{groups}>"
+    if m := _COMBINE.search(mangled):
+        return combine_label(int(m[1]), m[2] == "1", m[3] == "1")
     return None   # a device function (cta_sync), not a kernel
+
+
+def combine_label(groups: int, bf16: bool, preload: bool) -> str:
+    """mla_verify_combine_kernel<16>, <8, bf16, preload>, ..."""
+    return f"mla_verify_combine_kernel<{groups}{', bf16' if bf16 else ''}{', preload' if preload else ''}>"
 
 
 def ptxas_report(arch: str) -> dict[str, dict]:
@@ -59,8 +68,8 @@ def ptxas_report(arch: str) -> dict[str, dict]:
         src.write_text('#include "mla_verify_wide.cuh"\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n'
-                       + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}>(const sm120_mla::Params);\n'
-                                 for g in COMBINE_GROUPS))
+                       + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
+                                 f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
                                f"-I{KERNEL_DIR}", "-o", str(Path(tmp) / "k.cubin"), str(src)],
                               capture_output=True, text=True)
@@ -121,7 +130,7 @@ def main(argv=None):
     rep = resource_report()
     for arch, kernels in rep["archs"].items():
         for name, k in kernels.items():
-            print(f"{arch:8s} {name:28s} regs={k['registers']:3d} smem={k['smem_bytes']:6d} B "
+            print(f"{arch:8s} {name:44s} regs={k['registers']:3d} smem={k['smem_bytes']:6d} B "
                   f"spill={k['spill_store_bytes'] + k['spill_load_bytes']} B")
     if args.write:
         from ..provenance import provenance
