@@ -93,6 +93,14 @@ constexpr int kStages = WIDE_STAGES;
 #ifndef WIDE_Q_SMEM
 #define WIDE_Q_SMEM (WIDE_STAGES == 4)
 #endif
+// WIDE_Q_STAGGER: the order in which a CTA copies its Q rows. Every split of a row group copies
+// the same 72 KB of q, all at once at the start (66 CTAs at q16 h8 on the H200), so in the same
+// order they ask L2 for the same few lines at the same moment; 1 starts split s at row s % 64 so
+// that they ask for different rows. A test of whether Q's arrival (~2.5 us of the prologue's ~4,
+// CTA timeline) is that contention or the 9.5 MB stream itself.
+#ifndef WIDE_Q_STAGGER
+#define WIDE_Q_STAGGER 1
+#endif
 // WIDE_BF16_PARTIALS: the normalised partial outputs. 0 (v17e): fp32, 8-byte stores straight
 // from the accumulators, 128 KB a CTA; the epilogue took ~4 us at every context in the CTA
 // timeline, 17 MB from 132 CTAs at once, bound by what L2 takes in, not by any one SM. 1: bf16,
@@ -229,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   {   // Q of the CTA's rows (contiguous in q, 72 copies of 16 B a row; zeros past `rows`) -> the ring
     const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
     for (int c = tid; c < kRows * kChunksPerKey; c += kThreads) {
-      const int r = c / kChunksPerKey, ch = c % kChunksPerKey;
+      const int r = WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey, ch = c % kChunksPerKey;
       const bool live = row0 + r < rows;
       cp_async_16(&sm.kv[0][0] + r * kKvRowStride + ch * 8, qsrc + (live ? r : 0) * kDimQK + ch * 8, live);
     }
