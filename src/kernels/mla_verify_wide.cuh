@@ -30,10 +30,10 @@
 // cp.async 18). v17b, where every warp summed all four partials of its 32 rows and ran their
 // softmax itself (P stayed in registers), moved ~200 KB and was 1.26-1.36x slower than the
 // split kernel on the H200 (NOTES.md, session 7).
-// Around the loop (v18, v18e): Q comes through the still-empty ring (WIDE_Q_SMEM) while the
-// first tiles' key rows are pulled into L2 (WIDE_PREFETCH_FIRST_TILES), and the partial outputs
-// leave in bf16 through the idle ring as whole rows (WIDE_BF16_PARTIALS); cta_timeline.py shows
-// where those microseconds went.
+// Around the loop (v18, v18e, v18g): Q comes through the still-empty ring (WIDE_Q_SMEM, each
+// split from its own starting row, WIDE_Q_STAGGER) while the first tiles' key rows are pulled
+// into L2 (WIDE_PREFETCH_FIRST_TILES), and the partial outputs leave in bf16 through the idle
+// ring as whole rows (WIDE_BF16_PARTIALS); cta_timeline.py shows where those microseconds went.
 // The split, workspace and combine step are the split kernel's (mla_verify.cuh); the combine
 // step reads this kernel's partials as bf16.
 #pragma once
@@ -96,8 +96,9 @@ constexpr int kStages = WIDE_STAGES;
 // WIDE_Q_STAGGER: the order in which a CTA copies its Q rows. Every split of a row group copies
 // the same 72 KB of q, all at once at the start (66 CTAs at q16 h8 on the H200), so in the same
 // order they ask L2 for the same few lines at the same moment; 1 starts split s at row s % 64 so
-// that they ask for different rows. A test of whether Q's arrival (~2.5 us of the prologue's ~4,
-// CTA timeline) is that contention or the 9.5 MB stream itself.
+// that they ask for different rows. Measured (v18g, NOTES.md session 11): the prologue ~0.1 us
+// shorter and a call 0.3-0.7 us shorter at q16 (1.3 at h16 64k): Q's arrival is mostly the
+// 9.5 MB stream itself, a little of it that contention.
 #ifndef WIDE_Q_STAGGER
 #define WIDE_Q_STAGGER 1
 #endif
