@@ -236,8 +236,9 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part
     of each refill; the wide kernel with a 2- or 3-stage ring, its refill before QK, its row pairs in step, or each warp's QK and
-    P.V fused into one stream; the combine step launched in order; the timeline stamps; Q
-    loaded from and fp32 partials stored straight to global memory) compute the same attention."""
+    P.V fused into one stream; the combine step launched in order, or without its preload; the
+    timeline stamps; Q loaded from and fp32 partials stored straight to global memory, or Q
+    copied in the same order by every split) compute the same attention."""
 
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7]:
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,

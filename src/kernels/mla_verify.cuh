@@ -849,9 +849,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 // kPreload (COMBINE_PRELOAD, v18f): each thread's partials (at most kMaxSplitsPerGroup) are loaded
 // right after griddepcontrol.wait, beside the LSE pass, and held raw until the weights are in, so
 // that the two round trips to L2 overlap (v18b: ~1.9 us for the LSE pass, then ~1.6 for the
-// merge, in series). That needs ~48 registers instead of 32; at 16 CTAs an SM, q16 h8's 2,048
-// CTAs then ran in two waves (v18c, NOTES.md session 10). So the launcher uses it only where the
-// grid stays within one wave, with fewer, wider CTAs where needed (kGroups == 8: 64 columns a CTA).
+// merge, in series). The held loads take registers: 64 (bf16) or 80 (fp32) a thread on sm_90 and
+// 96 on sm_120a, against 32-40 without. With v18c's 2,048 CTAs at q16 h8 that meant two waves
+// (NOTES.md session 10), so the launcher uses it only where the grid stays within one wave, with
+// fewer, wider CTAs where needed (kGroups == 8: 64 columns a CTA; v18f, session 11).
 constexpr int kCombineThreads = 128;
 #ifndef COMBINE_PRELOAD
 #define COMBINE_PRELOAD 1
