@@ -114,7 +114,7 @@ VARIANTS = {
     # the combine step without its partials loaded beside the LSE pass (COMBINE_PRELOAD, v18f)
     "no_preload": Variant(("COMBINE_PRELOAD=0",)),
     "wide_no_preload": Variant(("COMBINE_PRELOAD=0",), cta_rows=64),
-    # every split of a row group copying its Q rows in the same order (WIDE_Q_STAGGER=0, v18e)
+    # every split of a row group copying its Q rows in the same order (WIDE_Q_STAGGER=0, as up to v18f)
     "wide_no_q_stagger": Variant(("WIDE_Q_STAGGER=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
