@@ -849,15 +849,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 // kPreload (COMBINE_PRELOAD, v18f): each thread's partials (at most kMaxSplitsPerGroup) are loaded
 // right after griddepcontrol.wait, beside the LSE pass, and held raw until the weights are in, so
 // that the two round trips to L2 overlap (v18b: ~1.9 us for the LSE pass, then ~1.6 for the
-// merge, in series). The held loads take registers: 64 (bf16) or 80 (fp32) a thread on sm_90 and
-// 96 on sm_120a, against 32-40 without. With v18c's 2,048 CTAs at q16 h8 that meant two waves
+// merge, in series). The held loads take registers: 56 (bf16) or 64 (fp32) a thread on sm_90 and
+// 72 on sm_120a, against 32-40 without. With v18c's 2,048 CTAs at q16 h8 that meant two waves
 // (NOTES.md session 10), so the launcher uses it only where the grid stays within one wave, with
 // fewer, wider CTAs where needed (kGroups == 8: 64 columns a CTA; v18f, session 11).
+// kMaxSplitsPerGroup = 12 rather than 16 (v18h): at 16 the kernel took 96 registers on sm_120a,
+// 5 CTAs an SM, and q16 h8's 1,024 CTAs (94 splits on 188 SMs, 12 a group) missed one wave there.
 constexpr int kCombineThreads = 128;
 #ifndef COMBINE_PRELOAD
 #define COMBINE_PRELOAD 1
 #endif
-constexpr int kMaxSplitsPerGroup = 16;   // kPreload: a group's splits held in registers, at most
+constexpr int kMaxSplitsPerGroup = 12;   // kPreload: a group's splits held in registers, at most
 
 template <int kGroups, bool kBf16Partials = false, bool kPreload = false>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
