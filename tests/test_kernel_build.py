@@ -22,6 +22,8 @@ def test_resource_budget_sm120a_and_sm90():
             assert k["stack_bytes"] == 0, f"{arch} {variant}: local-memory stack frame"
             # 8 warps x 255 registers is the hardware ceiling for one CTA per SM
             assert k["registers"] <= 255
+        for variant, k in rep["archs"][arch].items():   # the combine step's instantiations too
+            assert k["spill_store_bytes"] == 0 and k["stack_bytes"] == 0, f"{arch} {variant}: spills"
 
 
 def test_split_policy_fills_the_gpu_from_static_shapes():
@@ -168,6 +170,33 @@ def test_diagnostic_builds_compile_without_spills(tmp_path, arch, defines):
     if arch != "sm_86":   # the targets; sm_86 checks that the sm_90+ instructions compile away
         assert proc.stderr.count("bytes spill stores") == 3 and "spill stores" not in proc.stderr.replace(
             " 0 bytes spill stores", "")
+
+
+@pytest.mark.nvcc
+def test_preloading_combine_fits_one_wave_on_an_rtx_pro_6000(tmp_path):
+    """v18h's premise (NOTES.md, session 11): on an RTX PRO 6000 (188 SMs; 64K registers and
+    1,536 threads an SM) q16 h8 has 94 splits, which the combine step takes in 8 groups with its
+    partials preloaded (preload_groups_fit), and those 128 rows x 8 CTAs fit one wave at the
+    registers ptxas gives that kernel on sm_120a. With 16 splits a thread it took 96 registers,
+    5 CTAs an SM, and missed."""
+    import subprocess
+
+    from sm120_workbook.kernels.build import KERNEL_DIR
+    from sm120_workbook.kernels.resources import combine_label, ptxas_report
+
+    sms, rows, groups = 188, 16 * 8, 8
+    splits = choose_num_splits(1, 8, 16, sms, 64)
+    src = tmp_path / "fit.cu"
+    src.write_text('#include <cstdio>\n#include "mla_verify.cuh"\n'
+                   f'int main() {{ std::printf("%d", (int)sm120_mla::preload_groups_fit({groups}, {splits})); }}\n')
+    exe = tmp_path / "fit"
+    subprocess.run(["nvcc", "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
+                   check=True, capture_output=True, text=True)
+    assert splits == 94 and subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout == "1"
+    regs = ptxas_report("sm_120a")[combine_label(groups, True, True)]["registers"]
+    warps_by_registers = 65536 // (-(-regs * 32 // 256) * 256)   # registers are granted 256 a warp
+    ctas_per_sm = min(warps_by_registers // 4, 1536 // 128)
+    assert rows * groups <= ctas_per_sm * sms, f"{regs} registers: {ctas_per_sm} CTAs an SM"
 
 
 @pytest.mark.nvcc
