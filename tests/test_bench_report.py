@@ -171,3 +171,44 @@ def test_rtx_projection_is_a_range_from_the_fixed_part_plus_the_rtx_roofline_to_
     assert (p["rtx_bound_us"] <= p["rtx_projected_us"]).all()
     few = br.rtx_projection(_linear_run(ctxs=(16384, 65536)).assign(roofline_us=1.0))
     assert few["rtx_bound_us"].isna().all() and few["rtx_projected_us"].notna().all()
+
+
+def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
+    """The benchmark times FlashInfer's MLA twice at every verify shape: with its own choice of
+    kernel (fa3 on the H200) and with fa2, the mma.sync kernel it runs on an RTX PRO 6000; fa2
+    at the decode shapes too."""
+    import sys
+    import types
+
+    import torch
+
+    from sm120_workbook.kernels import bench
+
+    grid = bench.default_grid(quick=True)
+    verify = {s for impl, s, _ in grid if impl == "flashinfer_mla"}
+    fa2 = {s for impl, s, _ in grid if impl == "flashinfer_mla_fa2"}
+    assert verify and fa2 == verify | {s for impl, s, _ in grid if impl == "triton_decode"}
+    assert "flashinfer_mla_fa2" in bench.BUILDERS
+
+    backends = []
+
+    class Wrapper:
+        def __init__(self, workspace, backend):
+            backends.append(backend)
+
+        def plan(self, *args):
+            pass
+
+        def run(self, *args, out):
+            return out
+
+    fake = types.ModuleType("flashinfer")
+    fake.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=Wrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(1, dtype=k.get("dtype")))
+    s = bench.Shape(1, 2, 3, 10)
+    x = types.SimpleNamespace(shape=s, q=torch.zeros(3, 2, 576), qo_indptr=None, kv_indptr_full=None,
+                              kv_indices_full=torch.zeros(13, dtype=torch.int64), pool=torch.zeros(13, 1, 576))
+    for impl in ("flashinfer_mla", "flashinfer_mla_fa2"):
+        bench.BUILDERS[impl](x)()
+    assert backends == ["auto", "fa2"]

@@ -11,13 +11,16 @@ second roofline, `roofline_mma_us`, is the floor for sm_120 code timed on this G
 
 Impls: sm120_mla (this kernel), triton_decode (SGLang's Triton decode, q_len 1),
 triton_verify (SGLang's Triton extend kernel with a custom mask: the target-verify path),
-flashmla (sgl_kernel's FlashMLA, page 64, causal) and flashinfer_mla, where they run.
+flashmla (sgl_kernel's FlashMLA, page 64, causal) and flashinfer_mla (FlashInfer's choice for
+the GPU: its Hopper kernel on the H200), where they run; flashinfer_mla_fa2 is FlashInfer's
+mma.sync MLA kernel, the one it runs on sm_120.
 An implementation that cannot run here is reported with its reason, never timed as zero.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import sys
 import traceback
@@ -154,14 +157,17 @@ def build_flashmla(x: Inputs, page: int = 64):
                                           softmax_scale=SM_SCALE, causal=True)
 
 
-def build_flashinfer_mla(x: Inputs):
+def build_flashinfer_mla(x: Inputs, backend: str = "auto"):
+    """FlashInfer's paged MLA. `auto` picks its Hopper kernel (fa3: wgmma, TMA) on the H200; on
+    sm_120 (and sm_80-sm_89) it picks fa2, the mma.sync kernel an RTX PRO 6000 user gets, which
+    `flashinfer_mla_fa2` times here (its first call JIT-compiles it)."""
     import flashinfer
 
     s = x.shape
     dev = x.q.device
     keys = s.ctx + s.q_len
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="auto")
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
     kv_lens = torch.full((s.batch,), keys, device=dev, dtype=torch.int32)
     wrapper.plan(x.qo_indptr, x.kv_indptr_full, x.kv_indices_full.to(torch.int32), kv_lens, s.heads,
                  DIM_V, DIM_QK - DIM_V, 1, True, SM_SCALE, torch.bfloat16, torch.bfloat16)
@@ -177,6 +183,7 @@ BUILDERS = {
     "triton_verify": build_triton_verify,
     "flashmla": build_flashmla,
     "flashinfer_mla": build_flashinfer_mla,
+    "flashinfer_mla_fa2": functools.partial(build_flashinfer_mla, backend="fa2"),
 }
 
 
@@ -228,17 +235,17 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
             v = Shape(1, heads, 16, ctx)
             # the default (by shape), then each kernel fixed: 32 rows (16- and 32-key tiles), 64 rows
             grid += [("sm120_mla", v, kw) for kw in ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})]
-            for impl in ("flashmla", "flashinfer_mla"):
+            for impl in ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2"):
                 grid.append((impl, v, {}))
             if ctx <= 65536:
                 grid.append(("triton_verify", v, {}))
             if heads == 8:   # NGRAM's verify in the live service: 8 draft tokens, 64 rows, 2 row CTAs a split
                 n = Shape(1, heads, 8, ctx)
                 grid += [("sm120_mla", n, {}), ("sm120_mla", n, {"cta_rows": 32}), ("sm120_mla", n, {"cta_rows": 64})]
-                grid += [(impl, n, {}) for impl in ("flashmla", "flashinfer_mla")]
+                grid += [(impl, n, {}) for impl in ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2")]
             d = Shape(1, heads, 1, ctx)
             grid += [("sm120_mla", d, {}), ("sm120_mla", d, {"tile_keys": 32})]
-            for impl in ("triton_decode", "flashmla"):
+            for impl in ("triton_decode", "flashmla", "flashinfer_mla_fa2"):
                 grid.append((impl, d, {}))
         b32 = Shape(32, heads, 16, 16384)
         grid += [("sm120_mla", b32, kw) for kw in ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})]

@@ -11,7 +11,7 @@ import pandas as pd
 from ..results import load_records
 from ..roofline import TARGET_GPUS, roofline_time_us, verify_cost
 
-IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "triton_verify", "triton_decode"]
+IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "flashinfer_mla_fa2", "triton_verify", "triton_decode"]
 RTX = "RTX PRO 6000 Blackwell"
 
 
