@@ -205,7 +205,6 @@ def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
     fake = types.ModuleType("flashinfer")
     fake.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=Wrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(1, dtype=k.get("dtype")))
     s = bench.Shape(1, 2, 3, 10)
     x = types.SimpleNamespace(shape=s, q=torch.zeros(3, 2, 576), qo_indptr=None, kv_indptr_full=None,
                               kv_indices_full=torch.zeros(13, dtype=torch.int64), pool=torch.zeros(13, 1, 576))

@@ -2,6 +2,8 @@
 the sm_120 budget, and bad arguments are refused with errors that name them."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -9,10 +11,13 @@ from sm120_workbook.kernels import MlaVerifyWorkspace, choose_num_splits, mla_ve
 from sm120_workbook.kernels.verify_attention import choose_cta_rows
 from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
 
+# nvcc's report for both archs, compiled once for the tests that read it
+resource_report_once = functools.cache(resource_report)
+
 
 @pytest.mark.nvcc
 def test_resource_budget_sm120a_and_sm90():
-    rep = resource_report()
+    rep = resource_report_once()
     for arch in ("sm_120a", "sm_90"):
         for variant in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<32>", "mla_verify_wide_kernel"):
             k = rep["archs"][arch][variant]
@@ -182,7 +187,7 @@ def test_preloading_combine_fits_one_wave_on_an_rtx_pro_6000(tmp_path):
     import subprocess
 
     from sm120_workbook.kernels.build import KERNEL_DIR
-    from sm120_workbook.kernels.resources import combine_label, ptxas_report
+    from sm120_workbook.kernels.resources import combine_label
 
     sms, rows, groups = 188, 16 * 8, 8
     splits = choose_num_splits(1, 8, 16, sms, 64)
@@ -193,7 +198,7 @@ def test_preloading_combine_fits_one_wave_on_an_rtx_pro_6000(tmp_path):
     subprocess.run(["nvcc", "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
                    check=True, capture_output=True, text=True)
     assert splits == 94 and subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout == "1"
-    regs = ptxas_report("sm_120a")[combine_label(groups, True, True)]["registers"]
+    regs = resource_report_once()["archs"]["sm_120a"][combine_label(groups, True, True)]["registers"]
     warps_by_registers = 65536 // (-(-regs * 32 // 256) * 256)   # registers are granted 256 a warp
     ctas_per_sm = min(warps_by_registers // 4, 1536 // 128)
     assert rows * groups <= ctas_per_sm * sms, f"{regs} registers: {ctas_per_sm} CTAs an SM"

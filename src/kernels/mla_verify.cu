@@ -70,8 +70,8 @@ int64_t preload_combine_ctas(int device) {
 
 // The combine step for `rows` rows of num_splits splits: with COMBINE_PRELOAD, the widest split
 // groups (16, 8, 4) whose grid of rows x groups CTAs fits one wave of the preloading kernel;
-// where none does, combine_groups' layout without the preload (one wave of 32-register CTAs
-// beats two of 48). Both depend on static shapes only, so a captured graph keeps its grid.
+// where none does, combine_groups' layout without the preload (one wave of its 32-40-register
+// CTAs beats two waves of the preloading ones, v18c). Both depend on static shapes only, so a captured graph keeps its grid.
 template <bool kBf16Partials>
 void launch_combine_for(const sm120_mla::Params& prm, int64_t rows, int device, cudaStream_t stream) {
   using sm120_mla::preload_groups_fit;
