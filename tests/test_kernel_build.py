@@ -165,8 +165,7 @@ def test_diagnostic_builds_compile_without_spills(tmp_path, arch, defines):
     src = tmp_path / "t.cu"
     src.write_text('#include "mla_verify_wide.cuh"\n'
                    "template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n"
-                   "template __global__ void sm120_mla::mla_verify_combine_kernel<16>(const sm120_mla::Params, "
-                   "const sm120_mla::GroupReady);\n")
+                   "template __global__ void sm120_mla::mla_verify_combine_kernel<16>(const sm120_mla::Params);\n")
     proc = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
                            *[f"-D{d}" for d in defines], f"-I{KERNEL_DIR}", "-o", str(tmp_path / "t.cubin"),
                            str(src)], capture_output=True, text=True)

@@ -116,9 +116,6 @@ VARIANTS = {
     "wide_no_preload": Variant(("COMBINE_PRELOAD=0",), cta_rows=64),
     # every split of a row group copying its Q rows in the same order (WIDE_Q_STAGGER=0, as up to v18f)
     "wide_no_q_stagger": Variant(("WIDE_Q_STAGGER=0",), cta_rows=64),
-    # the combine step's CTAs start when their row's 64-row group is complete, not the whole
-    # attention grid (COMBINE_GROUP_READY, a candidate: NOTES.md session 11, next item 1)
-    "wide_group_ready": Variant(("COMBINE_GROUP_READY=1",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

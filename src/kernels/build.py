@@ -24,8 +24,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                         const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
-                        at::Tensor& ws_o, at::Tensor& ws_lse, at::Tensor& ws_ready, double sm_scale,
-                        int64_t max_q_len, int64_t num_splits, int64_t tile_keys, int64_t cta_rows);
+                        at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
+                        int64_t num_splits, int64_t tile_keys, int64_t cta_rows);
 void mma_sync_peak(at::Tensor& out, int64_t iters, int64_t threads_per_block);
 at::Tensor wide_phase_trace();
 at::Tensor cta_timeline();

@@ -27,21 +27,20 @@ void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, 
   sm120_mla::mla_verify_split_kernel<KEYS><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
 }
 
-void launch_wide(const sm120_mla::Params& prm, const sm120_mla::GroupReady& ready, dim3 grid, cudaStream_t stream,
-                 int device) {
+void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
   namespace wide = sm120_mla::wide;
   static std::once_flag flags[64];
   std::call_once(flags[device % 64], [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(wide::mla_verify_wide_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         wide::kSmemBytes));
   });
-  wide::mla_verify_wide_kernel<<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm, ready);
+  wide::mla_verify_wide_kernel<<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
 }
 
 // The combine step, as a programmatic dependent of the attention kernel where COMBINE_PDL and
 // the device (sm_90 and newer) allow it; stream capture records that as a programmatic edge.
-template <int kGroups, bool kBf16Partials, bool kPreload = false, bool kGroupReady = false>
-void launch_combine(const sm120_mla::Params& prm, const sm120_mla::GroupReady& ready, dim3 grid, cudaStream_t stream) {
+template <int kGroups, bool kBf16Partials, bool kPreload = false>
+void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(sm120_mla::kCombineThreads);
@@ -51,20 +50,18 @@ void launch_combine(const sm120_mla::Params& prm, const sm120_mla::GroupReady& r
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = COMBINE_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, kPreload, kGroupReady>,
-                                    prm, ready));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, kPreload>, prm));
 }
 
 // How many CTAs of the preloading combine step (kGroups split groups) the device holds at once.
-template <int kGroups, bool kBf16Partials, bool kGroupReady>
+template <int kGroups, bool kBf16Partials>
 int64_t preload_combine_ctas(int device) {
   static std::once_flag flags[64];
   static int64_t ctas[64];
   std::call_once(flags[device % 64], [device] {
     int per_sm = 0, sms = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, true, kGroupReady>,
-        sm120_mla::kCombineThreads, 0));
+        &per_sm, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, true>, sm120_mla::kCombineThreads, 0));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     ctas[device % 64] = int64_t(per_sm) * sms;
   });
@@ -75,29 +72,26 @@ int64_t preload_combine_ctas(int device) {
 // groups (16, 8, 4) whose grid of rows x groups CTAs fits one wave of the preloading kernel;
 // where none does, combine_groups' layout without the preload (one wave of its 32-40-register
 // CTAs beats two waves of the preloading ones, v18c). Both depend on static shapes only, so a captured graph keeps its grid.
-// kGroupReady (COMBINE_GROUP_READY): each combine CTA starts when its row's group of the 64-row
-// kernel is complete rather than when the whole attention grid is.
-template <bool kBf16Partials, bool kGroupReady = false>
-void launch_combine_for(const sm120_mla::Params& prm, const sm120_mla::GroupReady& ready, int64_t rows, int device,
-                        cudaStream_t stream) {
+template <bool kBf16Partials>
+void launch_combine_for(const sm120_mla::Params& prm, int64_t rows, int device, cudaStream_t stream) {
   using sm120_mla::preload_groups_fit;
   const int S = prm.num_splits;
   auto grid = [rows](int groups) { return dim3(static_cast<unsigned>(rows), static_cast<unsigned>(groups)); };
   if (COMBINE_PRELOAD) {
-    if (preload_groups_fit(16, S) && rows * 16 <= preload_combine_ctas<16, kBf16Partials, kGroupReady>(device))
-      return launch_combine<16, kBf16Partials, true, kGroupReady>(prm, ready, grid(16), stream);
-    if (preload_groups_fit(8, S) && rows * 8 <= preload_combine_ctas<8, kBf16Partials, kGroupReady>(device))
-      return launch_combine<8, kBf16Partials, true, kGroupReady>(prm, ready, grid(8), stream);
-    if (preload_groups_fit(4, S) && rows * 4 <= preload_combine_ctas<4, kBf16Partials, kGroupReady>(device))
-      return launch_combine<4, kBf16Partials, true, kGroupReady>(prm, ready, grid(4), stream);
+    if (preload_groups_fit(16, S) && rows * 16 <= preload_combine_ctas<16, kBf16Partials>(device))
+      return launch_combine<16, kBf16Partials, true>(prm, grid(16), stream);
+    if (preload_groups_fit(8, S) && rows * 8 <= preload_combine_ctas<8, kBf16Partials>(device))
+      return launch_combine<8, kBf16Partials, true>(prm, grid(8), stream);
+    if (preload_groups_fit(4, S) && rows * 4 <= preload_combine_ctas<4, kBf16Partials>(device))
+      return launch_combine<4, kBf16Partials, true>(prm, grid(4), stream);
   }
   const int groups = sm120_mla::combine_groups(S);   // groups column slices
   if (groups == 16)
-    launch_combine<16, kBf16Partials, false, kGroupReady>(prm, ready, grid(16), stream);
+    launch_combine<16, kBf16Partials>(prm, grid(16), stream);
   else if (groups == 4)
-    launch_combine<4, kBf16Partials, false, kGroupReady>(prm, ready, grid(4), stream);
+    launch_combine<4, kBf16Partials>(prm, grid(4), stream);
   else
-    launch_combine<1, kBf16Partials, false, kGroupReady>(prm, ready, grid(1), stream);
+    launch_combine<1, kBf16Partials>(prm, grid(1), stream);
 }
 
 }  // namespace
@@ -106,8 +100,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                         const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                         const c10::optional<at::Tensor>& k_extend, const c10::optional<at::Tensor>& custom_mask,
                         const c10::optional<at::Tensor>& mask_indptr, at::Tensor& out, at::Tensor& lse,
-                        at::Tensor& ws_o, at::Tensor& ws_lse, at::Tensor& ws_ready, double sm_scale,
-                        int64_t max_q_len, int64_t num_splits, int64_t tile_keys, int64_t cta_rows) {
+                        at::Tensor& ws_o, at::Tensor& ws_lse, double sm_scale, int64_t max_q_len,
+                        int64_t num_splits, int64_t tile_keys, int64_t cta_rows) {
   using namespace sm120_mla;
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == kDimQK &&
                   q.is_contiguous(), "q must be a contiguous CUDA bf16 tensor [T, H, 576]");
@@ -121,8 +115,6 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
   TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
               "workspace too small");
-  TORCH_CHECK(ws_ready.is_cuda() && ws_ready.scalar_type() == at::kInt && ws_ready.is_contiguous(),
-              "ws_ready must be a contiguous CUDA int32 tensor");
   TORCH_CHECK(B <= 65535, "batch must be <= 65535 (grid z)");
   if (T == 0 || B == 0) return;
 
@@ -153,31 +145,18 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((max_q_len * H + cta_rows - 1) / cta_rows),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
-  // COMBINE_GROUP_READY: counters for the 64-row kernel's groups, where the workspace has room
-  GroupReady ready{};
-#if COMBINE_GROUP_READY
-  const int64_t groups = int64_t(grid.x) * grid.z;
-  if (cta_rows == wide::kRows && wide::kBf16Partials && 2 * groups <= ws_ready.numel()) {
-    unsigned* counters = reinterpret_cast<unsigned*>(ws_ready.data_ptr<int32_t>());
-    ready = GroupReady{counters, counters + groups, static_cast<int>(grid.x)};
-  }
-#endif
   if (cta_rows == wide::kRows)
-    launch_wide(prm, ready, grid, stream, device);
+    launch_wide(prm, grid, stream, device);
   else if (tile_keys == 32)
     launch_split<32>(prm, grid, stream, device);
   else
     launch_split<16>(prm, grid, stream, device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
-  if (cta_rows == wide::kRows && wide::kBf16Partials) {   // the wide kernel's partials are bf16
-#if COMBINE_GROUP_READY
-    if (ready.arrived) return launch_combine_for<true, true>(prm, ready, rows, device, stream);
-#endif
-    launch_combine_for<true>(prm, ready, rows, device, stream);
-  } else {
-    launch_combine_for<false>(prm, ready, rows, device, stream);
-  }
+  if (cta_rows == wide::kRows && wide::kBf16Partials)   // the wide kernel's partials are bf16
+    launch_combine_for<true>(prm, rows, device, stream);
+  else
+    launch_combine_for<false>(prm, rows, device, stream);
 }
 
 // The wide kernel's phase stamps from the last call of a WIDE_TRACE build (mla_verify_wide.cuh):

@@ -325,35 +325,6 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
-// COMBINE_GROUP_READY (a candidate, off until measured: NOTES.md session 11, next item 1). The
-// combine step waits in griddepcontrol.wait for the whole attention grid to finish and flush
-// (~1.3-2 us after its last CTA, CTA timeline). With this, each 64-row group of the 64-row
-// kernel counts its CTAs as they store their partials (group_arrive), and a combine CTA starts
-// once its own row's group is complete; it still waits for the whole grid before it exits, so
-// that the combine step, and what follows it in the stream, ends after the attention kernel.
-// The counters are reset by the group's last combine CTA to pass, before the next call starts.
-#ifndef COMBINE_GROUP_READY
-#define COMBINE_GROUP_READY 0
-#endif
-struct GroupReady {
-  unsigned* arrived = nullptr;   // [groups]: attention CTAs whose partials are stored
-  unsigned* passed = nullptr;    // [groups]: combine CTAs that have seen the group complete
-  int row_chunks = 0;            // 64-row groups a request: ceil(max_q_len * heads / 64)
-};
-// An attention CTA's partials (and LSEs) are stored: count it in group g, after a fence.
-__device__ __forceinline__ void group_arrive(unsigned* arrived, int g) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(arrived + g, 1u);
-  }
-}
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Pull a line into L2 without waiting for it (no register result, so nothing stalls).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
@@ -890,9 +861,8 @@ constexpr int kCombineThreads = 128;
 #endif
 constexpr int kMaxSplitsPerGroup = 12;   // kPreload: a group's splits held in registers, at most
 
-template <int kGroups, bool kBf16Partials = false, bool kPreload = false, bool kGroupReady = false>
-__global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm,
-                                                                            const GroupReady ready = {}) {
+template <int kGroups, bool kBf16Partials = false, bool kPreload = false>
+__global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
   constexpr int kVecs = kCombineThreads / kGroups;   // float4 columns per CTA: 128, 32, 16 or 8
   constexpr int kCols = kVecs * 4;                   // 512, 128, 64 or 32 (grid.y = kDimV / kCols)
   static_assert(kCols * kGroups == kDimV, "a row's columns are covered by kGroups slices");
@@ -913,7 +883,6 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // Rows the attention kernel never wrote: tokens past the last request (CUDA-graph padding)
   // get 0 and lse -inf; tokens past max_q_len within their request broke the caller's
   // contract and get NaN, so it shows. The test is uniform across the CTA.
-  int request = 0;   // the request holding the row (kGroupReady)
   {
     const int64_t token = row / prm.heads;
     int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
@@ -923,7 +892,6 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
         const int mid = (lo + hi + 1) >> 1;
         if (prm.qo_indptr[mid] <= token) lo = mid; else hi = mid - 1;
       }
-      if constexpr (kGroupReady) request = lo;
       unwritten = token - prm.qo_indptr[lo] >= prm.max_q_len ? 2 : 0;
     }
     if (unwritten) {
@@ -936,25 +904,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
       return;
     }
   }
-  if constexpr (kGroupReady) {
-    // This row's 64-row group of the attention kernel: every split's partials are stored once
-    // `arrived` reaches num_splits. Its consumers: one CTA per column slice of each of its rows.
-    const int q_start = prm.qo_indptr[request];
-    const int chunk = static_cast<int>((row - int64_t(q_start) * prm.heads) / 64);
-    const int g = request * ready.row_chunks + chunk;
-    if (tid == 0) {
-      const int rows_b = (prm.qo_indptr[request + 1] - q_start) * prm.heads;
-      const unsigned consumers = static_cast<unsigned>(min(64, min(rows_b, prm.max_q_len * prm.heads) - chunk * 64)) * gridDim.y;
-      while (load_acquire(ready.arrived + g) < static_cast<unsigned>(S)) __nanosleep(32);
-      if (atomicAdd(ready.passed + g, 1u) == consumers - 1) {   // every consumer has seen it: reset
-        ready.arrived[g] = 0;
-        ready.passed[g] = 0;
-      }
-    }
-    __syncthreads();
-  } else {
-    wait_for_prerequisite_grid();   // the partials below are the attention kernel's
-  }
+  wait_for_prerequisite_grid();   // the partials below are the attention kernel's
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if constexpr (kPreload) {
     const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
@@ -1053,10 +1003,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   if constexpr (kGroups > 1) {
     group_sum[group][vec] = acc;
     __syncthreads();
-    if (group != 0) {
-      if constexpr (kGroupReady) wait_for_prerequisite_grid();   // end after the attention grid
-      return;
-    }
+    if (group != 0) return;
 #pragma unroll
     for (int k = 1; k < kGroups; ++k) {   // in group order: the same sum on every run
       const float4 v = group_sum[k][vec];
@@ -1068,7 +1015,6 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   store(make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   if (tid == 0 && blockIdx.y == 0) prm.lse[row] = wsum > 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
   timeline_stamp(1, kEvExit);
-  if constexpr (kGroupReady) wait_for_prerequisite_grid();   // end after the attention grid
 }
 
 // Split groups of the combine step for num_splits splits: enough that each thread has a few

@@ -181,7 +181,7 @@ __device__ __forceinline__ int fresh_thread_index() {
 }
 
 // grid: (64-row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
-__global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm, const GroupReady ready) {
+__global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Shared& sm = *reinterpret_cast<Shared*>(smem_raw);
   timeline_stamp(0, kEvEntry);
@@ -230,9 +230,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       const int64_t pi = partial_index(row0 + tid);
       if (pi >= 0) prm.ws_lse[pi] = -INFINITY;
     }
-#if COMBINE_GROUP_READY
-    if (ready.arrived) group_arrive(ready.arrived, blockIdx.z * gridDim.x + blockIdx.x);
-#endif
     timeline_stamp(0, kEvExit);
     return;
   }
@@ -626,9 +623,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
         *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
     }
   }
-#endif
-#if COMBINE_GROUP_READY
-  if (ready.arrived) group_arrive(ready.arrived, blockIdx.z * gridDim.x + blockIdx.x);
 #endif
   timeline_stamp(0, kEvExit);
 }

@@ -69,8 +69,7 @@ def ptxas_report(arch: str) -> dict[str, dict]:
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n'
                        + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
-                                 f'{str(p).lower()}>(const sm120_mla::Params, const sm120_mla::GroupReady);\n'
-                                 for g, b, p in COMBINE_INSTANCES))
+                                 f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
                                f"-I{KERNEL_DIR}", "-o", str(Path(tmp) / "k.cubin"), str(src)],
                               capture_output=True, text=True)

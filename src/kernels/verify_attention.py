@@ -124,10 +124,6 @@ class MlaVerifyWorkspace:
         self.capacity_rows = rows
         self.partial_o = torch.empty(rows * DIM_V, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
-        # Two counters per 64-row group of the 64-row kernel, for the COMBINE_GROUP_READY build (a
-        # candidate, off by default): at most ceil(16 * heads / 64) groups a request, one request a token.
-        self.group_ready = torch.zeros(2 * max_tokens * -(-MAX_Q_LEN * heads // max(CTA_ROWS)), dtype=torch.int32,
-                                       device=self.device)
 
     def cta_rows_for(self, batch: int, max_q_len: int) -> int:
         if self.fixed_cta_rows is not None:
@@ -141,7 +137,7 @@ class MlaVerifyWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return self.partial_o.numel() * 4 + self.partial_lse.numel() * 4 + self.group_ready.numel() * 4
+        return self.partial_o.numel() * 4 + self.partial_lse.numel() * 4
 
 
 def _as_rows(arg: str, t, device):
@@ -246,6 +242,6 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     mod = load_kernel_module(torch.cuda.get_device_capability(dev), defines=workspace.kernel_defines)
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
                            mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
-                           workspace.group_ready, float(sm_scale), max_q_len, splits, workspace.tile_keys,
+                           float(sm_scale), max_q_len, splits, workspace.tile_keys,
                            workspace.cta_rows_for(batch, max_q_len))
     return out
