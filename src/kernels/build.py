@@ -48,7 +48,8 @@ def _arch_flags(capability: tuple[int, int]) -> list[str]:
 
 
 def _define_flags(defines: tuple[str, ...]) -> list[str]:
-    return [f"-D{d}" for d in defines]
+    # sorted: the same defines in another order are the same build (one cache entry, one compile)
+    return [f"-D{d}" for d in sorted(defines)]
 
 
 def build_key(capability: tuple[int, int], defines: tuple[str, ...] = ()) -> str:
