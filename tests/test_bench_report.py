@@ -176,7 +176,7 @@ def test_rtx_projection_is_a_range_from_the_fixed_part_plus_the_rtx_roofline_to_
 def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
     """The benchmark times FlashInfer's MLA twice at every verify shape: with its own choice of
     kernel (fa3 on the H200) and with fa2, the mma.sync kernel it runs on an RTX PRO 6000; fa2
-    at the decode shapes too."""
+    at the decode and small-batch shapes too, and both at b32."""
     import sys
     import types
 
@@ -187,7 +187,10 @@ def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
     grid = bench.default_grid(quick=True)
     verify = {s for impl, s, _ in grid if impl == "flashinfer_mla"}
     fa2 = {s for impl, s, _ in grid if impl == "flashinfer_mla_fa2"}
-    assert verify and fa2 == verify | {s for impl, s, _ in grid if impl == "triton_decode"}
+    decode = {s for impl, s, _ in grid if impl == "triton_decode"}
+    small_batches = {s for impl, s, _ in grid if impl == "flashmla" and 1 < s.batch < 32}
+    assert any(s.batch == 32 for s in verify) and small_batches
+    assert verify and fa2 == verify | decode | small_batches
     assert "flashinfer_mla_fa2" in bench.BUILDERS
 
     backends = []

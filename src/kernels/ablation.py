@@ -116,10 +116,6 @@ VARIANTS = {
     "wide_no_preload": Variant(("COMBINE_PRELOAD=0",), cta_rows=64),
     # every split of a row group copying its Q rows in the same order (WIDE_Q_STAGGER=0, as up to v18f)
     "wide_no_q_stagger": Variant(("WIDE_Q_STAGGER=0",), cta_rows=64),
-    # kv_indptr read after the short-request exit test, one round trip after qo_indptr
-    # (EARLY_INDPTR=0, as up to v18h)
-    "late_indptr": Variant(("EARLY_INDPTR=0",)),
-    "wide_late_indptr": Variant(("EARLY_INDPTR=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -249,10 +249,11 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
                 grid.append((impl, d, {}))
         b32 = Shape(32, heads, 16, 16384)
         grid += [("sm120_mla", b32, kw) for kw in ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})]
-        grid += [("flashmla", b32, {})]
+        grid += [(impl, b32, {}) for impl in ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2")]
     for b, q in ((2, 16), (4, 8)):   # small batches: where the kernel choice switches (choose_cta_rows)
         m = Shape(b, 8, q, 65536)
-        grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})] + [("flashmla", m, {})]
+        grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})]
+        grid += [(impl, m, {}) for impl in ("flashmla", "flashinfer_mla_fa2")]
     for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
         grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "tile_keys": k}) for k in (16, 32)]
     return grid

@@ -330,24 +330,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
-// EARLY_INDPTR: a CTA asks for its request's kv_indptr entries beside its qo_indptr ones. It
-// read kv_indptr only after the test that lets a short request's spare CTAs exit, so the two
-// reads (from HBM after an L2 flush) followed one another at the head of every call's critical
-// path: indptrs -> indices and Q -> first tile. Loading both first costs the phase-trace build
-// 8 bytes of spills on sm_90 (255 registers), so the early request is an L2 prefetch: no
-// register, and the load after the exit test finds the line in L2.
-#ifndef EARLY_INDPTR
-#define EARLY_INDPTR 1
-#endif
-__device__ __forceinline__ void request_kv_indptr_early(const Params& prm, int b) {
-#if EARLY_INDPTR
-  if (threadIdx.x == 0) {   // one request a CTA: from every thread, it cost 2 us (v18i)
-    prefetch_l2(prm.kv_indptr + b);
-    prefetch_l2(prm.kv_indptr + b + 1);   // the next line, where b is a line's last entry
-  }
-#endif
-}
-
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int is64) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
@@ -464,7 +446,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int b = blockIdx.z, split = blockIdx.y;
   const int H = prm.heads;
 
-  request_kv_indptr_early(prm, b);
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA

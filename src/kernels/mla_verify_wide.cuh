@@ -193,7 +193,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int b = blockIdx.z, split = blockIdx.y;
   const int H = prm.heads;
 
-  request_kv_indptr_early(prm, b);
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
