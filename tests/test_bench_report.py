@@ -173,6 +173,19 @@ def test_rtx_projection_is_a_range_from_the_fixed_part_plus_the_rtx_roofline_to_
     assert few["rtx_bound_us"].isna().all() and few["rtx_projected_us"].notna().all()
 
 
+def test_versus_table_pairs_the_default_kernel_with_another_impl_shape_by_shape():
+    df = br.default_rows(pd.DataFrame([
+        _rec("r", "v", "sm120_mla", 80.0), _rec("r", "v", "sm120_mla", 70.0, forced=True),   # a sweep row: not used
+        _rec("r", "v", "flashinfer_mla_fa2", 100.0),
+        _rec("r", "v", "sm120_mla", 20.0, ctx=4096), _rec("r", "v", "flashinfer_mla_fa2", 15.0, ctx=4096),
+        _rec("r", "v", "sm120_mla", 40.0, q_len=1),                                           # fa2 not timed here
+    ]))
+    t = br.versus_table(df, "flashinfer_mla_fa2")
+    assert list(t["ctx"]) == [4096, 65536] and list(t["sm120_mla"]) == [20.0, 80.0]
+    assert list(t["speedup"]) == [0.75, 1.25]
+    assert br.versus_table(df, "flashmla").empty
+
+
 def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
     """The benchmark times FlashInfer's MLA twice at every verify shape: with its own choice of
     kernel (fa3 on the H200) and with fa2, the mma.sync kernel it runs on an RTX PRO 6000; fa2

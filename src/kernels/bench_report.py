@@ -117,6 +117,18 @@ def comparison_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFra
     return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
 
 
+def versus_table(df: pd.DataFrame, other: str) -> pd.DataFrame:
+    """sm120_mla against `other` at every shape where both were timed, from `default_rows`' table
+    (one sm120_mla row a shape: the kernel the workspace picks): µs of each and `speedup` =
+    other's time / sm120_mla's (above 1: sm120_mla is faster)."""
+    keys = ["batch", "heads", "q_len", "ctx"]
+    ours = df[df["impl"] == "sm120_mla"].groupby(keys)["time_us"].min().rename("sm120_mla")
+    theirs = df[df["impl"] == other].groupby(keys)["time_us"].min().rename(other)
+    t = pd.concat([ours, theirs], axis=1, join="inner").reset_index()
+    t["speedup"] = (t[other] / t["sm120_mla"]).round(2)
+    return t.round({"sm120_mla": 1, other: 1})
+
+
 def bandwidth_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFrame:
     """Achieved KV GB/s per context and impl, and sm120_mla's share of the copy bandwidth
     measured in the same run."""
