@@ -49,6 +49,21 @@ def test_spans_per_cta():
     assert s.loc[("combine", "merge"), "max_us"] == pytest.approx(2.048)
 
 
+def test_the_prologue_milestones_of_session_12_fall_in_order_and_older_stamps_lack_them():
+    old = synthetic()
+    s = np.zeros((2, 4096, 8), dtype=np.int64)
+    s[:, :, :6] = old
+    s[0, :3, 6] = s[0, :3, 0] + 600       # indptr read
+    s[0, :3, 7] = s[0, :3, 0] + 700       # Q requested, before "indices staged" (+1000)
+    m = milestone_table(s)
+    assert list(m[m.kernel == "attention"].milestone)[:4] == ["entry", "indptr read", "Q requested", "indices staged"]
+    spans = span_table(s).set_index(["kernel", "span"])
+    assert spans.loc[("attention", "indptr reads"), "median_us"] == pytest.approx(0.6)
+    assert spans.loc[("attention", "Q and indices arrive"), "median_us"] == pytest.approx(0.3)
+    assert "indptr read" not in set(milestone_table(old).milestone)
+    assert "indptr reads" not in set(span_table(old).span)
+
+
 def test_resolution_and_median_over_replays():
     assert resolution_ns(synthetic()) == 32
     a, b = milestone_table(synthetic()), milestone_table(synthetic())

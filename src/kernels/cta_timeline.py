@@ -21,8 +21,10 @@ import pandas as pd
 
 TIMELINE_DEFINE = "CTA_TIMELINE"
 # Event slots (TimelineEvent in mla_verify.cuh) and what each kernel stamps in them.
+# In the order they fall. Slots 6 and 7 split the prologue (session 12; absent from older records).
 MILESTONES = {
-    "attention": {0: "entry", 1: "indices staged", 2: "tile 0 landed", 3: "tile 1 landed", 4: "loop end", 5: "exit"},
+    "attention": {0: "entry", 6: "indptr read", 7: "Q requested", 1: "indices staged", 2: "tile 0 landed",
+                  3: "tile 1 landed", 4: "loop end", 5: "exit"},
     "combine": {0: "entry", 1: "weights ready", 5: "exit"},
 }
 # Spans of one CTA: (kernel, name, from slot, to slot). The names are v17e's, as recorded: since
@@ -30,6 +32,8 @@ MILESTONES = {
 # Q, and the first tile no longer waits for it.
 SPANS = (
     ("attention", "prologue (indptr, indices)", 0, 1),
+    ("attention", "indptr reads", 0, 6),
+    ("attention", "Q and indices arrive", 7, 1),
     ("attention", "first tile (copies, Q)", 1, 2),
     ("attention", "round 0", 2, 3),
     ("attention", "loop", 2, 4),
@@ -43,7 +47,7 @@ KERNELS = ("attention", "combine")
 def _check(stamps: np.ndarray) -> np.ndarray:
     stamps = np.asarray(stamps, dtype=np.int64)
     if stamps.ndim != 3 or stamps.shape[0] != 2 or stamps.shape[2] < 6:
-        raise ValueError(f"stamps: expected [2 kernels, CTAs, 6 events], got shape {stamps.shape}")
+        raise ValueError(f"stamps: expected [2 kernels, CTAs, at least 6 events], got shape {stamps.shape}")
     if not (stamps[0, :, 0] > 0).any():
         raise ValueError("stamps: no attention CTA stamped its entry (was the build made with CTA_TIMELINE?)")
     return stamps
@@ -58,6 +62,8 @@ def milestone_table(stamps) -> pd.DataFrame:
     rows = []
     for k, kernel in enumerate(KERNELS):
         for slot, name in MILESTONES[kernel].items():
+            if slot >= stamps.shape[2]:
+                continue
             t = stamps[k, :, slot]
             t = (t[t > 0] - t0) / 1e3
             if len(t):
@@ -73,6 +79,8 @@ def span_table(stamps) -> pd.DataFrame:
     rows = []
     for kernel, name, a, b in SPANS:
         s = stamps[KERNELS.index(kernel)]
+        if max(a, b) >= s.shape[1]:
+            continue
         ok = (s[:, a] > 0) & (s[:, b] > 0)
         if ok.any():
             d = (s[ok, b] - s[ok, a]) / 1e3
@@ -119,7 +127,10 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
     if missing:
         raise ValueError(f"versions: no {kind} timeline recorded as {missing[0]!r} for h{heads} q{q_len} ctx {ctx}")
     newest = df[df["kernel_version"].isin(versions)].groupby(["kernel_version", "kernel", kind]).tail(1)
-    order = list(dict.fromkeys(zip(df["kernel"], df[kind])))   # the kind column holds the milestone or span name
+    # the kind column holds the milestone or span name; known ones in the order they fall
+    known = ([(k, m) for k in KERNELS for m in MILESTONES[k].values()] if kind == "milestone"
+             else [(k, name) for k, name, _, _ in SPANS])
+    order = sorted(dict.fromkeys(zip(df["kernel"], df[kind])), key=lambda o: known.index(o) if o in known else len(known))
     t = newest.pivot_table(index=["kernel", kind], columns="kernel_version", values="median_us", sort=False)
     t = t.reindex(index=[o for o in order if o in t.index], columns=versions)
     t.columns.name = None

@@ -172,8 +172,12 @@ static_assert(kRowsPerCta == 2 * 16 && kGroupThreads == kScoreWarps * 32 && kGro
 // launcher) copies the stamps out and clears them; cta_timeline.py tabulates them.
 // A CTA past kTimelineCtas is not stamped; a milestone a CTA never reached stays 0.
 constexpr int kTimelineCtas = 4096;
-constexpr int kTimelineEvents = 6;
-enum TimelineEvent { kEvEntry = 0, kEvStaged = 1, kEvTile0 = 2, kEvTile1 = 3, kEvLoopEnd = 4, kEvExit = 5 };
+constexpr int kTimelineEvents = 8;
+// kEvIndptr and kEvQRequested (session 12) split the 64-row kernel's prologue: its request's
+// indptr entries are in, and its Q copies are issued.
+enum TimelineEvent {
+  kEvEntry = 0, kEvStaged = 1, kEvTile0 = 2, kEvTile1 = 3, kEvLoopEnd = 4, kEvExit = 5, kEvIndptr = 6, kEvQRequested = 7
+};
 #ifdef CTA_TIMELINE
 __device__ unsigned long long cta_timeline_ns[2][kTimelineCtas][kTimelineEvents];
 #endif
@@ -183,6 +187,17 @@ __device__ __forceinline__ void timeline_stamp(int kernel, int event) {
     const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (cta < kTimelineCtas) cta_timeline_ns[kernel][cta][event] = t;
+  }
+#endif
+}
+// The same, once `value` (a loaded value) has arrived: the stamp waits for it.
+__device__ __forceinline__ void timeline_stamp_after(int kernel, int event, int value) {
+#ifdef CTA_TIMELINE
+  if (threadIdx.x == 0) {
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(value));
     if (cta < kTimelineCtas) cta_timeline_ns[kernel][cta][event] = t;
   }
 #endif

@@ -102,6 +102,13 @@ constexpr int kStages = WIDE_STAGES;
 #ifndef WIDE_Q_STAGGER
 #define WIDE_Q_STAGGER 1
 #endif
+// WIDE_Q_LDG (a candidate, session 12): how Q's 72 KB reach the ring. 0: cp.async, 18 copies of
+// 16 B a thread, at the rate one SM's load units accept cp.async (~19-36 B a cycle measured for
+// the key gathers, NOTES.md session 6). 1: the same pieces as 18 plain 16-byte loads a thread,
+// all in flight before any is used, stored into the ring after the indices are asked for.
+#ifndef WIDE_Q_LDG
+#define WIDE_Q_LDG 0
+#endif
 // WIDE_BF16_PARTIALS: the normalised partial outputs. 0 (v17e): fp32, 8-byte stores straight
 // from the accumulators, 128 KB a CTA; the epilogue took ~4 us at every context in the CTA
 // timeline, 17 MB from 132 CTAs at once, bound by what L2 takes in, not by any one SM. 1: bf16,
@@ -215,6 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
 
   const int64_t kv_start = prm.kv_indptr[b];
   const int prefix_len = prm.kv_indptr[b + 1] - static_cast<int>(kv_start);
+  timeline_stamp_after(0, kEvIndptr, prefix_len);
   const int num_keys = prefix_len + (prm.k_extend ? q_len : 0);
   const int draft0 = num_keys - q_len;
 
@@ -234,7 +242,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     return;
   }
 
-#if WIDE_Q_SMEM
+#if WIDE_Q_SMEM && WIDE_Q_LDG
+  // Q of the CTA's rows into registers now, into the ring below (once the indices are asked for)
+  constexpr int kQPieces = kRows * kChunksPerKey / kThreads;   // 18 pieces of 16 B a thread
+  static_assert(kRows * kChunksPerKey % kThreads == 0, "Q's pieces split evenly over the threads");
+  auto q_piece_row = [&](int c) { return WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey; };
+  uint4 q_pieces[kQPieces];
+  {
+    const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
+#pragma unroll
+    for (int i = 0; i < kQPieces; ++i) {
+      const int c = tid + i * kThreads, r = q_piece_row(c), ch = c % kChunksPerKey;
+      q_pieces[i] = row0 + r < rows ? *reinterpret_cast<const uint4*>(qsrc + r * kDimQK + ch * 8) : make_uint4(0, 0, 0, 0);
+    }
+    timeline_stamp(0, kEvQRequested);
+  }
+#elif WIDE_Q_SMEM
   {   // Q of the CTA's rows (contiguous in q, 72 copies of 16 B a row; zeros past `rows`) -> the ring
     const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
     for (int c = tid; c < kRows * kChunksPerKey; c += kThreads) {
@@ -243,6 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
       cp_async_16(&sm.kv[0][0] + r * kKvRowStride + ch * 8, qsrc + (live ? r : 0) * kDimQK + ch * 8, live);
     }
     cp_async_commit();
+    timeline_stamp(0, kEvQRequested);
   }
 #endif
   prefetch_index_slice(prm, kv_start, key_begin, max(0, min(key_end, prefix_len) - key_begin), tid, kThreads);
@@ -308,6 +332,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
 #endif
   uint32_t qf[2][kQkSteps][4];   // my 32 rows x 144 dims, for the whole split
 #if WIDE_Q_SMEM
+#if WIDE_Q_LDG
+#pragma unroll
+  for (int i = 0; i < kQPieces; ++i) {
+    const int c = tid + i * kThreads;
+    *reinterpret_cast<uint4*>(&sm.kv[0][0] + q_piece_row(c) * kKvRowStride + c % kChunksPerKey * 8) = q_pieces[i];
+  }
+#endif
   cp_async_wait<0>();
   __syncthreads();                // Q and the indices are in shared memory
   {
