@@ -118,6 +118,7 @@ VARIANTS = {
     "wide_no_q_stagger": Variant(("WIDE_Q_STAGGER=0",), cta_rows=64),
     # Q into the ring by plain 16-byte loads instead of cp.async (WIDE_Q_LDG, a candidate: session 12)
     "wide_q_ldg": Variant(("WIDE_Q_LDG=1",), cta_rows=64),
+    "wide_q_ldg_call": Variant(("WIDE_Q_LDG=2",), cta_rows=64),   # the same in a function not inlined
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 
