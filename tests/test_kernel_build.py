@@ -310,6 +310,9 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     assert both.loc[both["variant"] == "full", "q16 h8"].item() == 109.0
     with pytest.raises(ValueError, match="version: no ablation recorded as 'v9'"):
         recorded_table(df, version="v9")
+    # a variant since removed from VARIANTS is described from its record
+    gone = pd.DataFrame([dict(rec("wide_gone", ["X=1"], 16, 8, 90.0, "v3", "2026-11-30T10:00"), cta_rows=64)])
+    assert recorded_table(gone).loc[0, "changes"] == "X=1, 64-row kernel"
 
 
 def test_ablation_rejects_a_bad_context_before_any_build(capsys, monkeypatch):

@@ -118,7 +118,6 @@ VARIANTS = {
     "wide_no_q_stagger": Variant(("WIDE_Q_STAGGER=0",), cta_rows=64),
     # Q into the ring by plain 16-byte loads instead of cp.async (WIDE_Q_LDG, a candidate: session 12)
     "wide_q_ldg": Variant(("WIDE_Q_LDG=1",), cta_rows=64),
-    "wide_q_ldg_call": Variant(("WIDE_Q_LDG=2",), cta_rows=64),   # the same in a function not inlined
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 
@@ -169,8 +168,9 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
         v = VARIANTS.get(r.name)
         if v is not None and v.num_splits:
             d = (d + ", " if d else "") + f"{v.num_splits} splits"
-        if v is not None and v.cta_rows != 32:
-            d = (d + ", " if d else "") + f"{v.cta_rows}-row kernel"
+        rows = v.cta_rows if v is not None else r.get("cta_rows", 32)   # a removed variant: as recorded
+        if rows == rows and rows != 32:
+            d = (d + ", " if d else "") + f"{int(rows)}-row kernel"
         return d or "(shipped build)"
 
     what = newest.drop_duplicates("variant").set_index("variant").apply(changes, axis=1)

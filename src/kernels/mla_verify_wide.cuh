@@ -106,6 +106,9 @@ constexpr int kStages = WIDE_STAGES;
 // 16 B a thread, at the rate one SM's load units accept cp.async (~19-36 B a cycle measured for
 // the key gathers, NOTES.md session 6). 1: the same pieces as 18 plain 16-byte loads a thread,
 // all in flight before any is used, stored into the ring after the indices are asked for.
+// Measured: Q and the indices arrive in 1.31 us instead of 2.24 (q16 h8 4k), so cp.async's
+// acceptance bound them, and a call is 0.6-1.1 us shorter at 8 heads; but ptxas reschedules the
+// loop, and 16 heads lose 0.7% from 64k. Off until its full tests and sanitizers have run.
 #ifndef WIDE_Q_LDG
 #define WIDE_Q_LDG 0
 #endif
@@ -187,26 +190,6 @@ __device__ __forceinline__ int fresh_thread_index() {
   return t;
 }
 
-#if WIDE_Q_LDG == 2
-// WIDE_Q_LDG=2: the same loads and stores in a function that is not inlined, so that their
-// registers are not part of how ptxas allocates and schedules the kernel's loop.
-__device__ __noinline__ void copy_q_by_loads(const __nv_bfloat16* qsrc, __nv_bfloat16* ring, int tid, int split,
-                                             int live_rows) {
-  constexpr int kQPieces = kRows * kChunksPerKey / kThreads;
-  uint4 q_pieces[kQPieces];
-#pragma unroll
-  for (int i = 0; i < kQPieces; ++i) {
-    const int c = tid + i * kThreads, r = WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey;
-    q_pieces[i] = r < live_rows ? *reinterpret_cast<const uint4*>(qsrc + r * kDimQK + c % kChunksPerKey * 8) : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int i = 0; i < kQPieces; ++i) {
-    const int c = tid + i * kThreads, r = WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey;
-    *reinterpret_cast<uint4*>(ring + r * kKvRowStride + c % kChunksPerKey * 8) = q_pieces[i];
-  }
-}
-#endif
-
 // grid: (64-row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -262,10 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     return;
   }
 
-#if WIDE_Q_SMEM && WIDE_Q_LDG == 2
-  copy_q_by_loads(prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK, &sm.kv[0][0], tid, split, rows - row0);
-  timeline_stamp(0, kEvQRequested);
-#elif WIDE_Q_SMEM && WIDE_Q_LDG
+#if WIDE_Q_SMEM && WIDE_Q_LDG
   // Q of the CTA's rows into registers now, into the ring below (once the indices are asked for)
   constexpr int kQPieces = kRows * kChunksPerKey / kThreads;   // 18 pieces of 16 B a thread
   static_assert(kRows * kChunksPerKey % kThreads == 0, "Q's pieces split evenly over the threads");
@@ -355,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
 #endif
   uint32_t qf[2][kQkSteps][4];   // my 32 rows x 144 dims, for the whole split
 #if WIDE_Q_SMEM
-#if WIDE_Q_LDG == 1
+#if WIDE_Q_LDG
 #pragma unroll
   for (int i = 0; i < kQPieces; ++i) {
     const int c = tid + i * kThreads;
