@@ -168,8 +168,8 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
         v = VARIANTS.get(r.name)
         if v is not None and v.num_splits:
             d = (d + ", " if d else "") + f"{v.num_splits} splits"
-        rows = v.cta_rows if v is not None else r.get("cta_rows", 32)   # a removed variant: as recorded
-        if rows == rows and rows != 32:
+        rows = v.cta_rows if v is not None else r.get("cta_rows")   # a removed variant: as recorded
+        if pd.notna(rows) and rows != 32:
             d = (d + ", " if d else "") + f"{int(rows)}-row kernel"
         return d or "(shipped build)"
 
