@@ -120,3 +120,22 @@ def test_timeline_chart_has_a_bar_per_segment_and_version():
     merge = data[(data["version"] == "v2") & (data["segment"] == "combine: merge")].iloc[0]
     assert (merge["start_us"], merge["end_us"]) == (3.5, 4.0)   # combine weights ready -> exit
     assert (data["end_us"] >= data["start_us"]).all()
+
+
+def test_the_milestone_slots_are_the_kernels_timeline_events():
+    """cta_timeline's slot numbers are TimelineEvent's (mla_verify.cuh), and every slot fits in
+    the kTimelineEvents the launcher copies out."""
+    import re
+
+    from sm120_workbook.kernels.build import KERNEL_DIR
+    from sm120_workbook.kernels.cta_timeline import MILESTONES
+
+    src = (KERNEL_DIR / "mla_verify.cuh").read_text()
+    enum = dict(re.findall(r"(kEv\w+) = (\d+)", re.search(r"enum TimelineEvent \{(.*?)\};", src, re.S).group(1)))
+    events = int(re.search(r"constexpr int kTimelineEvents = (\d+);", src).group(1))
+    slots = {slot for kernel in MILESTONES.values() for slot in kernel}
+    assert slots == {int(v) for v in enum.values()} and max(slots) < events
+    assert MILESTONES["attention"][int(enum["kEvIndptr"])] == "indptr read"
+    assert MILESTONES["attention"][int(enum["kEvQRequested"])] == "Q requested"
+    assert MILESTONES["attention"][int(enum["kEvStaged"])] == "indices staged"
+
