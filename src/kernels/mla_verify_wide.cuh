@@ -107,8 +107,9 @@ constexpr int kStages = WIDE_STAGES;
 // the key gathers, NOTES.md session 6). 1: the same pieces as 18 plain 16-byte loads a thread,
 // all in flight before any is used, stored into the ring after the indices are asked for.
 // Measured: Q and the indices arrive in 1.31 us instead of 2.24 (q16 h8 4k), so cp.async's
-// acceptance bound them, and a call is 0.6-1.1 us shorter at 8 heads; but ptxas reschedules the
-// loop, and 16 heads lose 0.7% from 64k. Off until its full tests and sanitizers have run.
+// acceptance bound them, and a call is 0.6-1.1 us shorter at 8 heads; but on sm_90 ptxas
+// reschedules the loop, and 16 heads lose 0.7% from 64k (on sm_120a the loop's SASS stays as it
+// is). Off until its full tests and sanitizers have run.
 #ifndef WIDE_Q_LDG
 #define WIDE_Q_LDG 0
 #endif
