@@ -876,6 +876,18 @@ constexpr int kCombineThreads = 128;
 #endif
 constexpr int kMaxSplitsPerGroup = 12;   // kPreload: a group's splits held in registers, at most
 
+// A full warp's max and sum, every lane getting the result (the combine step's LSE passes).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
 template <int kGroups, bool kBf16Partials = false, bool kPreload = false>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const Params prm) {
   constexpr int kVecs = kCombineThreads / kGroups;   // float4 columns per CTA: 128, 32, 16 or 8
@@ -940,8 +952,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
     if (tid < 32) {
       float m = fmaxf(fmaxf(lv[0], lv[1]), fmaxf(lv[2], lv[3]));
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      m = warp_max(m);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -949,8 +960,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
         if (lane + 32 * j < S) weight[lane + 32 * j] = w;
         sum += w;
       }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      sum = warp_sum(sum);
       if (lane == 0) { total[0] = m; total[1] = sum; }
     }
     __syncthreads();
@@ -979,16 +989,14 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
       const float* lse = prm.ws_lse + row * S;
       float m = -INFINITY;
       for (int s = lane; s < S; s += 32) m = fmaxf(m, lse[s]);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      m = warp_max(m);
       float sum = 0.f;
       for (int s = lane; s < S; s += 32) {
         const float w = m == -INFINITY ? 0.f : exp2f(lse[s] - m);  // 0 for splits with no keys
         weight[s] = w;
         sum += w;
       }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      sum = warp_sum(sum);
       if (lane == 0) { total[0] = m; total[1] = sum; }
     }
     __syncthreads();
