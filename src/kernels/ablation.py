@@ -116,8 +116,9 @@ VARIANTS = {
     "wide_no_preload": Variant(("COMBINE_PRELOAD=0",), cta_rows=64),
     # every split of a row group copying its Q rows in the same order (WIDE_Q_STAGGER=0, as up to v18f)
     "wide_no_q_stagger": Variant(("WIDE_Q_STAGGER=0",), cta_rows=64),
-    # Q into the ring by plain 16-byte loads instead of cp.async (WIDE_Q_LDG, a candidate: session 12)
-    "wide_q_ldg": Variant(("WIDE_Q_LDG=1",), cta_rows=64),
+    # Q into the ring by cp.async, as up to v18h, instead of plain 16-byte loads (WIDE_Q_LDG=0;
+    # `wide_q_ldg` in session 12's records is the plain loads when they were off by default)
+    "wide_q_cp_async": Variant(("WIDE_Q_LDG=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -102,16 +102,16 @@ constexpr int kStages = WIDE_STAGES;
 #ifndef WIDE_Q_STAGGER
 #define WIDE_Q_STAGGER 1
 #endif
-// WIDE_Q_LDG (a candidate, session 12): how Q's 72 KB reach the ring. 0: cp.async, 18 copies of
-// 16 B a thread, at the rate one SM's load units accept cp.async (~19-36 B a cycle measured for
-// the key gathers, NOTES.md session 6). 1: the same pieces as 18 plain 16-byte loads a thread,
-// all in flight before any is used, stored into the ring after the indices are asked for.
-// Measured: Q and the indices arrive in 1.31 us instead of 2.24 (q16 h8 4k), so cp.async's
-// acceptance bound them, and a call is 0.6-1.1 us shorter at 8 heads; but on sm_90 ptxas
-// reschedules the loop, and 16 heads lose 0.7% from 64k (on sm_120a the loop's SASS stays as it
-// is). Off until its full tests and sanitizers have run.
+// WIDE_Q_LDG (v18j): how Q's 72 KB reach the ring. 1: 18 plain 16-byte loads a thread, all in
+// flight before any is used, stored into the ring after the indices are asked for. 0 (up to
+// v18h): the same pieces as 18 cp.async a thread, at the rate one SM's load units accept cp.async
+// (~19-36 B a cycle measured for the key gathers, NOTES.md session 6). Measured: Q and the
+// indices arrive in 1.31 us instead of 2.24 (q16 h8 4k), so cp.async's acceptance bound them,
+// and a call is 0.6-1.1 us shorter at 8 heads. On sm_90 ptxas reschedules the loop, and 16
+// heads lose 0.7% from 64k there; on sm_120a the loop's SASS is v18h's, so an RTX PRO 6000 gets
+// the prologue's gain alone.
 #ifndef WIDE_Q_LDG
-#define WIDE_Q_LDG 0
+#define WIDE_Q_LDG 1
 #endif
 // WIDE_BF16_PARTIALS: the normalised partial outputs. 0 (v17e): fp32, 8-byte stores straight
 // from the accumulators, 128 KB a CTA; the epilogue took ~4 us at every context in the CTA
