@@ -119,10 +119,6 @@ VARIANTS = {
     # Q into the ring by cp.async, as up to v18h, instead of plain 16-byte loads (WIDE_Q_LDG=0;
     # `wide_q_ldg` in session 12's records is the plain loads when they were off by default)
     "wide_q_cp_async": Variant(("WIDE_Q_LDG=0",), cta_rows=64),
-    # Q's loads issued before the split's bounds are known (WIDE_EARLY_Q, a candidate: session 13):
-    # beside the kv_indptr read (1), and with kv_indptr read before the exit test too (2)
-    "wide_early_q": Variant(("WIDE_EARLY_Q=1",), cta_rows=64),
-    "wide_early_q2": Variant(("WIDE_EARLY_Q=2",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

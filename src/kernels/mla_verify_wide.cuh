@@ -113,17 +113,6 @@ constexpr int kStages = WIDE_STAGES;
 #ifndef WIDE_Q_LDG
 #define WIDE_Q_LDG 1
 #endif
-// WIDE_EARLY_Q (a candidate, session 13): when Q's loads are issued. 0: after the split's
-// bounds, which wait for the kv_indptr read (SASS: LDG qo_indptr -> exit test -> LDG kv_indptr
-// -> the bounds -> Q's loads). 1: right after the exit test, beside the kv_indptr read, so that
-// Q's stream (now the prologue's longest part, 1.3 us) starts one HBM trip earlier; an empty
-// split's CTA then loads Q for nothing. 2: as 1, and kv_indptr is read before the exit test too,
-// beside qo_indptr, so the index chain (qo_indptr -> kv_indptr -> kv_indices) loses a trip.
-// Needs WIDE_Q_LDG (Q in registers until the ring is written).
-#ifndef WIDE_EARLY_Q
-#define WIDE_EARLY_Q 0
-#endif
-static_assert(!WIDE_EARLY_Q || (WIDE_Q_LDG && WIDE_Q_SMEM), "WIDE_EARLY_Q needs WIDE_Q_LDG=1 and WIDE_Q_SMEM=1");
 // WIDE_BF16_PARTIALS: the normalised partial outputs. 0 (v17e): fp32, 8-byte stores straight
 // from the accumulators, 128 KB a CTA; the epilogue took ~4 us at every context in the CTA
 // timeline, 17 MB from 132 CTAs at once, bound by what L2 takes in, not by any one SM. 1: bf16,
@@ -219,37 +208,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
   const int rows = q_len * H;
-#if WIDE_EARLY_Q == 2
-  const int64_t kv_start = prm.kv_indptr[b];
-  const int kv_end = prm.kv_indptr[b + 1];
-#endif
   if (row0 >= rows) {                              // request shorter than max_q_len
     timeline_stamp(0, kEvExit);
     return;
   }
-#if WIDE_EARLY_Q == 1
-  const int64_t kv_start = prm.kv_indptr[b];
-  const int kv_end = prm.kv_indptr[b + 1];
-#endif
-#if WIDE_Q_SMEM && WIDE_Q_LDG
-  // Q of the CTA's rows into registers (into the ring below, once the indices are asked for)
-  constexpr int kQPieces = kRows * kChunksPerKey / kThreads;   // 18 pieces of 16 B a thread
-  static_assert(kRows * kChunksPerKey % kThreads == 0, "Q's pieces split evenly over the threads");
-  auto q_piece_row = [&](int c) { return WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey; };
-  uint4 q_pieces[kQPieces];
-  auto load_q_pieces = [&]() {
-    const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
-#pragma unroll
-    for (int i = 0; i < kQPieces; ++i) {
-      const int c = tid + i * kThreads, r = q_piece_row(c), ch = c % kChunksPerKey;
-      q_pieces[i] = row0 + r < rows ? *reinterpret_cast<const uint4*>(qsrc + r * kDimQK + ch * 8) : make_uint4(0, 0, 0, 0);
-    }
-    timeline_stamp(0, kEvQRequested);
-  };
-#if WIDE_EARLY_Q
-  load_q_pieces();
-#endif
-#endif
   const int pair = warp / kQuarters;                  // row pair: warps 0-3 and 4-7
   const int my_rows = pair * 32;                      // my warp's first row within the CTA's 64
 #if !WIDE_Q_SMEM
@@ -262,12 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
 #endif
   };
 
-#if WIDE_EARLY_Q
-  const int prefix_len = kv_end - static_cast<int>(kv_start);
-#else
   const int64_t kv_start = prm.kv_indptr[b];
   const int prefix_len = prm.kv_indptr[b + 1] - static_cast<int>(kv_start);
-#endif
   timeline_stamp_after(0, kEvIndptr, prefix_len);
   const int num_keys = prefix_len + (prm.k_extend ? q_len : 0);
   const int draft0 = num_keys - q_len;
@@ -289,9 +247,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   }
 
 #if WIDE_Q_SMEM && WIDE_Q_LDG
-#if !WIDE_EARLY_Q
-  load_q_pieces();
-#endif
+  // Q of the CTA's rows into registers now, into the ring below (once the indices are asked for)
+  constexpr int kQPieces = kRows * kChunksPerKey / kThreads;   // 18 pieces of 16 B a thread
+  static_assert(kRows * kChunksPerKey % kThreads == 0, "Q's pieces split evenly over the threads");
+  auto q_piece_row = [&](int c) { return WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey; };
+  uint4 q_pieces[kQPieces];
+  {
+    const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
+#pragma unroll
+    for (int i = 0; i < kQPieces; ++i) {
+      const int c = tid + i * kThreads, r = q_piece_row(c), ch = c % kChunksPerKey;
+      q_pieces[i] = row0 + r < rows ? *reinterpret_cast<const uint4*>(qsrc + r * kDimQK + ch * 8) : make_uint4(0, 0, 0, 0);
+    }
+    timeline_stamp(0, kEvQRequested);
+  }
 #elif WIDE_Q_SMEM
   {   // Q of the CTA's rows (contiguous in q, 72 copies of 16 B a row; zeros past `rows`) -> the ring
     const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;

@@ -29,8 +29,7 @@ from .build import build_command
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV_LAG=1",),
-          "split_loads": ("SPLIT_LOADS=1",), "wide_fused": ("WIDE_FUSED=1",), "q_cp_async": ("WIDE_Q_LDG=0",),
-          "early_q": ("WIDE_EARLY_Q=1",), "early_q2": ("WIDE_EARLY_Q=2",)}
+          "split_loads": ("SPLIT_LOADS=1",), "wide_fused": ("WIDE_FUSED=1",), "q_cp_async": ("WIDE_Q_LDG=0",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
