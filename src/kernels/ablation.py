@@ -119,12 +119,11 @@ VARIANTS = {
     # Q into the ring by cp.async, as up to v18h, instead of plain 16-byte loads (WIDE_Q_LDG=0;
     # `wide_q_ldg` in session 12's records is the plain loads when they were off by default)
     "wide_q_cp_async": Variant(("WIDE_Q_LDG=0",), cta_rows=64),
-    # fewer keys a split at short contexts, so more splits with fewer tiles each (MIN_KEYS_PER_SPLIT,
-    # 64 by default, a candidate: session 13); the split kernel serves decode
-    "min_keys16": Variant(("MIN_KEYS_PER_SPLIT=16",)),
-    "min_keys32": Variant(("MIN_KEYS_PER_SPLIT=32",)),
-    "wide_min_keys16": Variant(("MIN_KEYS_PER_SPLIT=16",), cta_rows=64),
-    "wide_min_keys32": Variant(("MIN_KEYS_PER_SPLIT=32",), cta_rows=64),
+    # v1's floor of 64 keys a split, as up to v18j, instead of 16 (MIN_KEYS_PER_SPLIT: fewer splits
+    # of more tiles at short contexts); the split kernel serves decode. (`min_keys16` / `min_keys32`
+    # in session 13's records are the lower floors when 64 was the default.)
+    "min_keys64": Variant(("MIN_KEYS_PER_SPLIT=64",)),
+    "wide_min_keys64": Variant(("MIN_KEYS_PER_SPLIT=64",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -227,8 +227,8 @@ def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_ro
 
 
 def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
-    """(impl, shape, builder kwargs) for one run. Contexts span decode sizes to 128k."""
-    ctxs = [4096, 16384, 65536] if quick else [4096, 16384, 32768, 65536, 131072]
+    """(impl, shape, builder kwargs) for one run. Contexts span 1k (a short chat turn) to 128k."""
+    ctxs = [4096, 16384, 65536] if quick else [1024, 2048, 4096, 16384, 32768, 65536, 131072]
     grid = []
     for heads in (8, 16):
         for ctx in ctxs:

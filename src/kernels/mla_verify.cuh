@@ -40,10 +40,14 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kQkSteps = kDimQK / 16 / kScoreWarps;   // 9 k-steps of 16 dims per score warp
 constexpr int kVColsPerWarp = kDimV / kValueWarps;    // 128 output columns per value warp
 constexpr int kSoftmaxThreadsPerRow = kGroupThreads / kRowsPerCta;  // 4
-// MIN_KEYS_PER_SPLIT: a split never gets fewer keys, so that at short contexts fewer splits
-// run, each with more tiles (a candidate, session 13, times 16 and 32 against v1's 64).
+// MIN_KEYS_PER_SPLIT (v18k): a split never gets fewer keys. The grid's split count is fixed by
+// static shapes, so at short contexts this floor decides how many splits run and how many tiles
+// each walks, and a call there is mostly its fixed part. v1's 64 left decode (128 splits) 17 to 65
+// splits of 4 tiles at 1k-4k; 16 runs 65-86 splits of 1-3 tiles. Measured (NOTES.md, session 13):
+// decode h8 3.6 / 2.5 / 1.2 us shorter at 1k / 2k / 4k (15.0 -> 11.4 at 1k), the 64-row kernel
+// 3.6 / 2.5 us at q16 h8 1k / 2k and 2.5 at q16 h16 1k; from 8k the split count is the same.
 #ifndef MIN_KEYS_PER_SPLIT
-#define MIN_KEYS_PER_SPLIT 64
+#define MIN_KEYS_PER_SPLIT 16
 #endif
 constexpr int kMinKeysPerSplit = MIN_KEYS_PER_SPLIT;
 static_assert(kMinKeysPerSplit >= 16 && kMinKeysPerSplit % 16 == 0, "MIN_KEYS_PER_SPLIT: whole 16-key tiles");

@@ -78,7 +78,7 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
     Rounding down matters: one CTA past a full wave starts a second wave that costs as much
     as the first. The grid must not depend on sequence lengths (a captured graph replays for
     any), so short contexts are handled inside the kernel, which gives each split at least
-    64 keys and leaves the rest empty.
+    16 keys (MIN_KEYS_PER_SPLIT) and leaves the rest empty.
     """
     row_ctas = batch * math.ceil(max_q_len * heads / cta_rows)
     return max(1, min(MAX_SPLITS, num_sms // row_ctas))
