@@ -107,6 +107,25 @@ def test_recorded_table_puts_versions_side_by_side():
         recorded_table(df, kind="phase")
 
 
+def test_recorded_table_keeps_the_two_attention_kernels_apart():
+    """The split kernel's timelines (cta_rows 32, decode's kernel) are their own table; records
+    without the field are the 64-row kernel's."""
+    import pandas as pd
+
+    from sm120_workbook.kernels.cta_timeline import recorded_table
+
+    def rec(version, us, cta_rows=None):
+        r = dict(heads=8, q_len=1, ctx=4096, kind="milestone", kernel="attention", milestone="exit",
+                 median_us=us, kernel_version=version, date=version, defines=[])
+        return r if cta_rows is None else dict(r, cta_rows=cta_rows)
+
+    df = pd.DataFrame([rec("v1", 12.0), rec("v2", 11.0, 64), rec("v2", 6.5, 32)])
+    assert recorded_table(df, q_len=1).columns.tolist() == ["kernel", "milestone", "v1", "v2"]
+    assert recorded_table(df, q_len=1)["v2"].tolist() == [11.0]
+    split = recorded_table(df, q_len=1, cta_rows=32)
+    assert split.columns.tolist() == ["kernel", "milestone", "v2"] and split["v2"].tolist() == [6.5]
+
+
 def test_timeline_chart_has_a_bar_per_segment_and_version():
     import pandas as pd
 

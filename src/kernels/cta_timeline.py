@@ -2,8 +2,9 @@
 
     python -m sm120_workbook.kernels.cta_timeline --heads 8 --q-len 16 --ctx 4096
 
-builds the kernels with CTA_TIMELINE (thread 0 of every CTA of the 64-row kernel and of the
-combine step stamps its milestones; mla_verify.cuh), replays one call's CUDA graph after an L2
+builds the kernels with CTA_TIMELINE (one thread of every CTA of the attention kernel, the
+64-row kernel or with --cta-rows 32 the split kernel that serves decode, and of the combine step
+stamps its milestones; mla_verify.cuh), replays one call's CUDA graph after an L2
 flush several times, and prints when the milestones fall (the first, median and last CTA, in
 us after the first attention CTA started) and how long each CTA spends between them (median
 and slowest CTA), each the median over the replays. The phase trace (phase_trace.py) says
@@ -106,12 +107,13 @@ def median_over(tables: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
 
 
 def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, versions=None,
-                   kind: str = "milestone") -> pd.DataFrame:
+                   kind: str = "milestone", cta_rows: int = 64) -> pd.DataFrame:
     """Recorded timelines of one shape side by side (data/results/kernel_timeline.jsonl): one row
     per milestone (kind="milestone": when the median CTA reaches it, us after the first attention
     CTA's entry) or per span (kind="span": the median CTA's us between two milestones), one
     column per kernel version (default: every version recorded for the shape, oldest first),
-    from the newest record of each. Only builds without extra defines are compared."""
+    from the newest record of each. Only builds without extra defines are compared, and only
+    timelines of one attention kernel (`cta_rows`: 64, or 32 for the split kernel)."""
     from ..results import load_records
 
     df = load_records("kernel_timeline") if df is None else df
@@ -119,8 +121,9 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
         return pd.DataFrame()
     if kind not in ("milestone", "span"):
         raise ValueError(f"kind: 'milestone' or 'span', got {kind!r}")
+    rows = df["cta_rows"].fillna(64) if "cta_rows" in df else pd.Series(64, index=df.index)
     df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx) & (df["kind"] == kind)
-            & (df["defines"].map(len) == 0)].sort_values("date")
+            & (df["defines"].map(len) == 0) & (rows == cta_rows)].sort_values("date")
     if versions is None:
         versions = list(dict.fromkeys(df["kernel_version"]))
     missing = [v for v in versions if v not in set(df["kernel_version"])]
@@ -178,6 +181,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(ap)
     ap.add_argument("--define", action="append", default=[], help="another build define, e.g. COMBINE_PDL=0")
+    ap.add_argument("--cta-rows", type=int, choices=(32, 64), default=64,
+                    help="the attention kernel: 64 (the 64-row kernel, default) or 32 (the split kernel, decode's)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays, each after an L2 flush (default 20)")
     ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
     ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_timeline.jsonl)")
@@ -194,7 +199,8 @@ def main(argv=None) -> None:
 
     defines = tuple(a.define) + (TIMELINE_DEFINE,)
     shape = shape_from_args(a)
-    stamped, stamped_us, untraced_us = diagnostic_and_shipped(Inputs(shape), a.define, TIMELINE_DEFINE)
+    stamped, stamped_us, untraced_us = diagnostic_and_shipped(Inputs(shape), a.define, TIMELINE_DEFINE,
+                                                              cta_rows=a.cta_rows)
     times = {"stamped_us": stamped_us, "untraced_us": untraced_us}
     module = load_kernel_module(defines=defines)
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
@@ -216,7 +222,8 @@ def main(argv=None) -> None:
     m = median_over(milestones, ["kernel", "milestone"])
     s = median_over(spans, ["kernel", "span"])
     res = int(np.median(steps))
-    print(f"b{a.batch} h{a.heads} q{a.q_len} ctx {a.ctx}, 64-row kernel, defines {list(a.define) or 'none'}: "
+    kernel = "64-row kernel" if a.cta_rows == 64 else "32-row split kernel"
+    print(f"b{a.batch} h{a.heads} q{a.q_len} ctx {a.ctx}, {kernel}, defines {list(a.define) or 'none'}: "
           f"{times['stamped_us']:.1f} us stamped, {times['untraced_us']:.1f} us without the stamps; "
           f"timer step {res} ns; medians over {a.replays} replays")
     print(m.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
@@ -225,7 +232,7 @@ def main(argv=None) -> None:
         return
     from ..results import append_cli_records
 
-    common = {"impl": "sm120_mla", **shape.__dict__, "cta_rows": 64, "defines": list(a.define), **times,
+    common = {"impl": "sm120_mla", **shape.__dict__, "cta_rows": a.cta_rows, "defines": list(a.define), **times,
               "timer_step_ns": res, "replays": a.replays, "kernel_version": a.tag}
     records = ([dict(common, kind="milestone", **r) for r in m.to_dict("records")]
                + [dict(common, kind="span", **r) for r in s.to_dict("records")])

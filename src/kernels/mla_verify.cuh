@@ -175,11 +175,13 @@ static_assert(GROUP_BARRIERS || !LATE_REFILL, "LATE_REFILL replaces kBarValue: n
 static_assert(kRowsPerCta == 2 * 16 && kGroupThreads == kScoreWarps * 32 && kGroupThreads == kValueWarps * 32,
               "warp layout");
 
-// CTA_TIMELINE (a diagnostic build, off by default): thread 0 of every CTA of the wide kernel
-// (kernel 0) and of the combine step (kernel 1) stamps %globaltimer, in ns on one clock for all
-// SMs, at the CTA's milestones (kEv*), so that a call's fixed part (launch ramp, prologue, first
-// tiles, epilogue, the combine's own chain) can be told apart CTA by CTA. cta_timeline() (the
-// launcher) copies the stamps out and clears them; cta_timeline.py tabulates them.
+// CTA_TIMELINE (a diagnostic build, off by default): one thread of every CTA of the attention
+// kernel (kernel 0: the wide kernel, or since session 13 the split kernel) and of the combine
+// step (kernel 1) stamps %globaltimer, in ns on one clock for all SMs, at the CTA's milestones
+// (kEv*), so that a call's fixed part (launch ramp, prologue, first tiles, epilogue, the
+// combine's own chain) can be told apart CTA by CTA. cta_timeline() (the launcher) copies the
+// stamps out and clears them; cta_timeline.py tabulates them. Thread 0 stamps unless `by` names
+// another (the split kernel's value warps stamp their own milestones).
 // A CTA past kTimelineCtas is not stamped; a milestone a CTA never reached stays 0.
 constexpr int kTimelineCtas = 4096;
 constexpr int kTimelineEvents = 8;
@@ -191,9 +193,9 @@ enum TimelineEvent {
 #ifdef CTA_TIMELINE
 __device__ unsigned long long cta_timeline_ns[2][kTimelineCtas][kTimelineEvents];
 #endif
-__device__ __forceinline__ void timeline_stamp(int kernel, int event) {
+__device__ __forceinline__ void timeline_stamp(int kernel, int event, int by = 0) {
 #ifdef CTA_TIMELINE
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == by) {
     const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -464,6 +466,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   typename Cfg::Shared& sm = *reinterpret_cast<typename Cfg::Shared*>(smem_raw);
+  timeline_stamp(0, kEvEntry);
   launch_dependents();
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -475,10 +478,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
   const int rows = q_len * H;
-  if (row0 >= rows) return;                        // request shorter than max_q_len
+  if (row0 >= rows) {                              // request shorter than max_q_len
+    timeline_stamp(0, kEvExit);
+    return;
+  }
 
   const int64_t kv_start = prm.kv_indptr[b];
   const int prefix_len = prm.kv_indptr[b + 1] - static_cast<int>(kv_start);
+  timeline_stamp_after(0, kEvIndptr, prefix_len);
   const int num_keys = prefix_len + (prm.k_extend ? q_len : 0);
   const int draft0 = num_keys - q_len;             // first draft key; before it all is visible
 
@@ -505,6 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       const int64_t pi = partial_index(tid);
       if (pi >= 0) prm.ws_lse[pi] = -INFINITY;
     }
+    timeline_stamp(0, kEvExit);
     return;
   }
 
@@ -614,6 +622,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     const int dim_part = warp;
     uint32_t qf[2][kQkSteps][4];   // 32 rows x 144 dims, for the whole split
     load_q_fragments(qf, prm, q_start, rows, row0, dim_part, g, t4);
+    timeline_stamp(0, kEvQRequested);
 
     // Softmax layout: 4 threads per row, KEYS/4 keys each. The row's running max and sum
     // live in registers, identical in the row's 4 threads.
@@ -634,6 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     if (tid < 2 * kRowsPerCta) (&sm.row_scale[0][0])[tid] = 1.f;
 #endif
     cta_sync();   // tile 0 is in shared memory
+    timeline_stamp(0, kEvTile0);
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int par = tile & 1;   // P and row_scale alternate buffers: P(t-1) is still being read
 
@@ -741,7 +751,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       if (kSplitLoads && tile + 1 < num_tiles) cp_async_wait<kStages - 2>();
       if (HANDOVER_SYNCWARP) __syncwarp();
       cta_sync();   // P(tile) ready; tile+1 in shared memory
+      if (tile == 0) timeline_stamp(0, kEvTile1);
     }
+    timeline_stamp(0, kEvLoopEnd);
     if (kSplitLoads) cp_async_wait<0>();
 #pragma unroll
     for (int off = 1; off < kSoftmaxThreadsPerRow; off <<= 1) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);
@@ -772,6 +784,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
   for (int i = 0; i < kIndexAhead; ++i) stage_index(kStages + i, false);
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
+  timeline_stamp(0, kEvStaged, kGroupThreads);   // the first tiles' copies are issued, the next indices staged
   for (int i = 0; i < kPrefetchAhead; ++i) prefetch_rows(row_of(kStages + i, true));
   cp_async_wait<kStages - 1>();
   __syncwarp();
@@ -861,6 +874,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
     }
   }
+  timeline_stamp(0, kEvExit, kGroupThreads);   // the first value warp's partials are stored
 }
 
 // The combine step. A CTA merges one row's splits for a slice of its 512 columns: kGroups
