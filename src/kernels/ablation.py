@@ -124,6 +124,9 @@ VARIANTS = {
     # in session 13's records are the lower floors when 64 was the default.)
     "min_keys64": Variant(("MIN_KEYS_PER_SPLIT=64",)),
     "wide_min_keys64": Variant(("MIN_KEYS_PER_SPLIT=64",), cta_rows=64),
+    # the split kernel's first tiles each waiting for their own index load, as up to v18k,
+    # instead of one batch of index loads (STAGED_PROLOGUE=0)
+    "unstaged_prologue": Variant(("STAGED_PROLOGUE=0",)),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -133,6 +133,17 @@ constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared
 #define PREFETCH_AHEAD 0
 #endif
 constexpr int kPrefetchAhead = PREFETCH_AHEAD;
+// STAGED_PROLOGUE (v18l): how the split kernel's value warps find the first tiles' key rows.
+// 0 (up to v18k): each of the kStages first tiles loads its kv_indices entry with a plain load
+// and copies the row as soon as it arrives, a load -> copies block per tile, so ptxas waits out
+// one index trip per tile in turn (the CTA timeline, session 13: decode's "indices staged" at
+// 1.8 / 3.8 / 5.8 us with 1 / 3 / 8 tiles a split). 1: the indices of the first kStages +
+// kIndexAhead tiles are loaded together (predicated loads, all in flight) into the index ring,
+// as the 64-row kernel's prologue does, and the first tiles' copies read them from there: one
+// index trip a CTA.
+#ifndef STAGED_PROLOGUE
+#define STAGED_PROLOGUE 1
+#endif
 
 // STAGES_16: the cp.async ring of 16-key tiles. Two stages are always being read (the score
 // warps on tile t+1, the value warps on tile t), so 4 stages keep 2 tiles in flight and 3
@@ -777,6 +788,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   // Fill the ring and stage the indices of the next kIndexAhead tiles, then hand tile 0
   // over once this thread's copies of it have landed. Group k of this thread's cp.async
   // groups holds tile k (and the index of tile k + kIndexAhead).
+#if STAGED_PROLOGUE
+  static_assert(kStages + kIndexAhead <= kIndexRing, "STAGED_PROLOGUE: the first tiles' indices fill the ring");
+#pragma unroll
+  for (int i = 0; i < kStages + kIndexAhead; ++i) stage_index(i, false);
+  __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
+  for (int s = 0; s < kStages; ++s) {
+    if (s < num_tiles) copy_row(staged_row(s), s, 0, Cfg::kLoadSteps);
+    cp_async_commit();
+  }
+#else
   for (int s = 0; s < kStages; ++s) {
     if (s < num_tiles) load_tile(row_of(s, false), s, 0, Cfg::kLoadSteps);
     cp_async_commit();
@@ -784,6 +805,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
   for (int i = 0; i < kIndexAhead; ++i) stage_index(kStages + i, false);
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
+#endif
   timeline_stamp(0, kEvStaged, kGroupThreads);   // the first tiles' copies are issued, the next indices staged
   for (int i = 0; i < kPrefetchAhead; ++i) prefetch_rows(row_of(kStages + i, true));
   cp_async_wait<kStages - 1>();

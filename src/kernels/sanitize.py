@@ -30,7 +30,8 @@ from .build import build_command
 TOOLS = ("memcheck", "racecheck", "synccheck")
 BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV_LAG=1",),
           "split_loads": ("SPLIT_LOADS=1",), "wide_fused": ("WIDE_FUSED=1",), "q_cp_async": ("WIDE_Q_LDG=0",),
-          "min_keys64": ("MIN_KEYS_PER_SPLIT=64",)}
+          "min_keys64": ("MIN_KEYS_PER_SPLIT=64",),
+          "unstaged_prologue": ("STAGED_PROLOGUE=0",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
