@@ -785,9 +785,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
   // ---------------- value warps: the gather into the ring, and O += P.V ----------------
   const int vwarp = warp - kScoreWarps;
-  // Fill the ring and stage the indices of the next kIndexAhead tiles, then hand tile 0
-  // over once this thread's copies of it have landed. Group k of this thread's cp.async
-  // groups holds tile k (and the index of tile k + kIndexAhead).
+  // Fill the ring and stage the indices of the next kIndexAhead tiles (STAGED_PROLOGUE: the
+  // first tiles' indices too, all loaded at once), then hand tile 0 over once this thread's
+  // copies of it have landed. Group k of this thread's cp.async groups holds tile k (and, from
+  // the refills on, the index of tile k + kIndexAhead).
 #if STAGED_PROLOGUE
   static_assert(kStages + kIndexAhead <= kIndexRing, "STAGED_PROLOGUE: the first tiles' indices fill the ring");
 #pragma unroll
