@@ -127,6 +127,10 @@ VARIANTS = {
     # the split kernel's first tiles each waiting for their own index load, as up to v18k,
     # instead of one batch of index loads (STAGED_PROLOGUE=0)
     "unstaged_prologue": Variant(("STAGED_PROLOGUE=0",)),
+    # only the first one or two of the ring's tiles copied before tile 0's hand-over, the rest
+    # right after it (PROLOGUE_EARLY_STAGES, a candidate: session 13)
+    "early_stages1": Variant(("PROLOGUE_EARLY_STAGES=1",)),
+    "early_stages2": Variant(("PROLOGUE_EARLY_STAGES=2",)),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

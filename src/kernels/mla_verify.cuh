@@ -144,6 +144,14 @@ constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 #ifndef STAGED_PROLOGUE
 #define STAGED_PROLOGUE 1
 #endif
+// PROLOGUE_EARLY_STAGES (a candidate, session 13): how many of the ring's first tiles the value
+// warps copy before they hand tile 0 over. kStages (the default): all of them. Since v18l the
+// first tile lands 1.3-1.5 us after its index, against 0.2-0.4 before: the warps issue the four
+// tiles' copies (74 KB) in order, at the rate the load units accept cp.async, before they reach
+// tile 0's wait. Fewer copy the rest right after the hand-over, while the score warps start.
+#ifndef PROLOGUE_EARLY_STAGES
+#define PROLOGUE_EARLY_STAGES 0   // 0: kStages
+#endif
 
 // STAGES_16: the cp.async ring of 16-key tiles. Two stages are always being read (the score
 // warps on tile t+1, the value warps on tile t), so 4 stages keep 2 tiles in flight and 3
@@ -794,11 +802,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
   for (int i = 0; i < kStages + kIndexAhead; ++i) stage_index(i, false);
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
-  for (int s = 0; s < kStages; ++s) {
+  constexpr int kEarlyStages = PROLOGUE_EARLY_STAGES > 0 && PROLOGUE_EARLY_STAGES < kStages ? PROLOGUE_EARLY_STAGES : kStages;
+  for (int s = 0; s < kEarlyStages; ++s) {
     if (s < num_tiles) copy_row(staged_row(s), s, 0, Cfg::kLoadSteps);
     cp_async_commit();
   }
 #else
+  constexpr int kEarlyStages = kStages;
   for (int s = 0; s < kStages; ++s) {
     if (s < num_tiles) load_tile(row_of(s, false), s, 0, Cfg::kLoadSteps);
     cp_async_commit();
@@ -809,9 +819,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #endif
   timeline_stamp(0, kEvStaged, kGroupThreads);   // the first tiles' copies are issued, the next indices staged
   for (int i = 0; i < kPrefetchAhead; ++i) prefetch_rows(row_of(kStages + i, true));
-  cp_async_wait<kStages - 1>();
+  cp_async_wait<kEarlyStages - 1>();
   __syncwarp();
   cta_sync();   // tile 0 is in shared memory
+  for (int s = kEarlyStages; s < kStages; ++s) {   // the rest of the ring (PROLOGUE_EARLY_STAGES)
+    if (s < num_tiles) copy_row(staged_row(s), s, 0, Cfg::kLoadSteps);
+    cp_async_commit();
+  }
 
   float o[2][kVColsPerWarp / 8][4];
 #pragma unroll

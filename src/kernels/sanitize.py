@@ -31,7 +31,8 @@ TOOLS = ("memcheck", "racecheck", "synccheck")
 BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV_LAG=1",),
           "split_loads": ("SPLIT_LOADS=1",), "wide_fused": ("WIDE_FUSED=1",), "q_cp_async": ("WIDE_Q_LDG=0",),
           "min_keys64": ("MIN_KEYS_PER_SPLIT=64",),
-          "unstaged_prologue": ("STAGED_PROLOGUE=0",)}
+          "unstaged_prologue": ("STAGED_PROLOGUE=0",),
+          "early_stages1": ("PROLOGUE_EARLY_STAGES=1",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
