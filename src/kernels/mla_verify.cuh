@@ -149,6 +149,8 @@ constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 // first tile lands 1.3-1.5 us after its index, against 0.2-0.4 before: the warps issue the four
 // tiles' copies (74 KB) in order, at the rate the load units accept cp.async, before they reach
 // tile 0's wait. Fewer copy the rest right after the hand-over, while the score warps start.
+// Measured (NOTES.md, session 13): tile 0 lands 0.6-0.8 us earlier, but tile 1 does not, and a
+// call gains 0.2-0.65 us from 4k (=2) and loses 0.3 at 1k, in two rounds. Off until more rounds.
 #ifndef PROLOGUE_EARLY_STAGES
 #define PROLOGUE_EARLY_STAGES 0   // 0: kStages
 #endif
