@@ -17,7 +17,8 @@ from .build import load_kernel_module
 MAX_SPLITS = 128
 MAX_Q_LEN = 16
 TILE_KEYS = (16, 32)      # keys per softmax round of the 32-row kernel: the two compiled variants
-DEFAULT_TILE_KEYS = 16      # faster at every shape since v6 but 4k decode (32: ~0.7 us less there; NOTES.md)
+# 16 keys: as fast or faster at every shape timed since v18k (32 had been ~0.7 us faster at 4k decode)
+DEFAULT_TILE_KEYS = 16
 # (token, head) rows per CTA: 32 is the split kernel (score and value warps, mla_verify.cuh),
 # 64 the wide kernel (every warp alike, 16-key tiles only, mla_verify_wide.cuh), which reads
 # each key half as often when a request has more than 32 rows.
