@@ -107,9 +107,9 @@ constexpr int kStages = WIDE_STAGES;
 // v18h): the same pieces as 18 cp.async a thread, at the rate one SM's load units accept cp.async
 // (~19-36 B a cycle measured for the key gathers, NOTES.md session 6). Measured: Q and the
 // indices arrive in 1.31 us instead of 2.24 (q16 h8 4k), so cp.async's acceptance bound them,
-// and a call is 0.6-1.1 us shorter at 8 heads. On sm_90 ptxas reschedules the loop, and 16
-// heads lose 0.7% from 64k there; on sm_120a the loop's SASS is v18h's, so an RTX PRO 6000 gets
-// the prologue's gain alone.
+// and a call is 0.5-1.3 us shorter at 8 heads up to 64k (NOTES.md, session 13). On sm_90 ptxas
+// reschedules the loop: 8 heads lose 0.4 us at 128k, 16 heads 0.6-1% from 64k. On sm_120a the
+// loop's SASS is v18h's, so an RTX PRO 6000 gets the prologue's gain alone.
 #ifndef WIDE_Q_LDG
 #define WIDE_Q_LDG 1
 #endif
