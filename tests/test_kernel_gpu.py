@@ -233,7 +233,8 @@ def test_compute_sanitizer_clean(tool):
     (("WIDE_Q_SMEM=0",), 64), (("WIDE_BF16_PARTIALS=0",), 64), (("WIDE_PREFETCH_FIRST_TILES=0",), 64),
     (("COMBINE_PRELOAD=0",), 32), (("COMBINE_PRELOAD=0",), 64), (("WIDE_Q_STAGGER=0",), 64),
     (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
-    (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=2",), 32)], ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
+    (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=2",), 32)],
+    ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part

@@ -214,13 +214,22 @@ enum TimelineEvent {
 #ifdef CTA_TIMELINE
 __device__ unsigned long long cta_timeline_ns[2][kTimelineCtas][kTimelineEvents];
 #endif
+#ifdef CTA_TIMELINE
+// This CTA's row of cta_timeline_ns; rows past kTimelineCtas are not stamped.
+__device__ __forceinline__ unsigned timeline_cta() {
+  return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+__device__ __forceinline__ void timeline_store(int kernel, unsigned cta, int event, unsigned long long t) {
+  if (cta < kTimelineCtas) cta_timeline_ns[kernel][cta][event] = t;
+}
+#endif
 __device__ __forceinline__ void timeline_stamp(int kernel, int event, int by = 0) {
 #ifdef CTA_TIMELINE
   if (threadIdx.x == by) {
-    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned cta = timeline_cta();
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (cta < kTimelineCtas) cta_timeline_ns[kernel][cta][event] = t;
+    timeline_store(kernel, cta, event, t);
   }
 #endif
 }
@@ -228,10 +237,10 @@ __device__ __forceinline__ void timeline_stamp(int kernel, int event, int by = 0
 __device__ __forceinline__ void timeline_stamp_after(int kernel, int event, int value) {
 #ifdef CTA_TIMELINE
   if (threadIdx.x == 0) {
-    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned cta = timeline_cta();
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(value));
-    if (cta < kTimelineCtas) cta_timeline_ns[kernel][cta][event] = t;
+    timeline_store(kernel, cta, event, t);
   }
 #endif
 }
@@ -799,16 +808,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   // first tiles' indices too, all loaded at once), then hand tile 0 over once this thread's
   // copies of it have landed. Group k of this thread's cp.async groups holds tile k (and, from
   // the refills on, the index of tile k + kIndexAhead).
+  // Stages [first, end) of the ring from their staged indices, one cp.async group each.
+  auto copy_first_tiles = [&](int first, int end) {
+    for (int s = first; s < end; ++s) {
+      if (s < num_tiles) copy_row(staged_row(s), s, 0, Cfg::kLoadSteps);
+      cp_async_commit();
+    }
+  };
 #if STAGED_PROLOGUE
   static_assert(kStages + kIndexAhead <= kIndexRing, "STAGED_PROLOGUE: the first tiles' indices fill the ring");
 #pragma unroll
   for (int i = 0; i < kStages + kIndexAhead; ++i) stage_index(i, false);
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
   constexpr int kEarlyStages = PROLOGUE_EARLY_STAGES > 0 && PROLOGUE_EARLY_STAGES < kStages ? PROLOGUE_EARLY_STAGES : kStages;
-  for (int s = 0; s < kEarlyStages; ++s) {
-    if (s < num_tiles) copy_row(staged_row(s), s, 0, Cfg::kLoadSteps);
-    cp_async_commit();
-  }
+  copy_first_tiles(0, kEarlyStages);
 #else
   constexpr int kEarlyStages = kStages;
   for (int s = 0; s < kStages; ++s) {
@@ -824,10 +837,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   cp_async_wait<kEarlyStages - 1>();
   __syncwarp();
   cta_sync();   // tile 0 is in shared memory
-  for (int s = kEarlyStages; s < kStages; ++s) {   // the rest of the ring (PROLOGUE_EARLY_STAGES)
-    if (s < num_tiles) copy_row(staged_row(s), s, 0, Cfg::kLoadSteps);
-    cp_async_commit();
-  }
+  copy_first_tiles(kEarlyStages, kStages);   // the rest of the ring (PROLOGUE_EARLY_STAGES)
 
   float o[2][kVColsPerWarp / 8][4];
 #pragma unroll

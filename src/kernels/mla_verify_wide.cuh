@@ -246,11 +246,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
     return;
   }
 
+#if WIDE_Q_SMEM
+  // The row of Q's 16-byte piece c (72 a row): split s starts at row s % 64 (WIDE_Q_STAGGER).
+  auto q_piece_row = [&](int c) { return WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey; };
+#endif
 #if WIDE_Q_SMEM && WIDE_Q_LDG
   // Q of the CTA's rows into registers now, into the ring below (once the indices are asked for)
   constexpr int kQPieces = kRows * kChunksPerKey / kThreads;   // 18 pieces of 16 B a thread
   static_assert(kRows * kChunksPerKey % kThreads == 0, "Q's pieces split evenly over the threads");
-  auto q_piece_row = [&](int c) { return WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey; };
   uint4 q_pieces[kQPieces];
   {
     const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   {   // Q of the CTA's rows (contiguous in q, 72 copies of 16 B a row; zeros past `rows`) -> the ring
     const __nv_bfloat16* qsrc = prm.q + (static_cast<int64_t>(q_start) * H + row0) * kDimQK;
     for (int c = tid; c < kRows * kChunksPerKey; c += kThreads) {
-      const int r = WIDE_Q_STAGGER ? (c / kChunksPerKey + split) % kRows : c / kChunksPerKey, ch = c % kChunksPerKey;
+      const int r = q_piece_row(c), ch = c % kChunksPerKey;
       const bool live = row0 + r < rows;
       cp_async_16(&sm.kv[0][0] + r * kKvRowStride + ch * 8, qsrc + (live ? r : 0) * kDimQK + ch * 8, live);
     }
