@@ -226,6 +226,12 @@ def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_ro
     return stamped, time_graph_us(stamped)["time_us"], time_graph_us(shipped)["time_us"]
 
 
+# The MLA libraries timed beside sm120_mla at verify shapes, and sm120_mla's builds there: the
+# default (the kernel by shape), then each kernel fixed (32 rows with 16- and 32-key tiles, 64 rows).
+VERIFY_LIBRARIES = ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2")
+SM120_KERNELS = ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})
+
+
 def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
     """(impl, shape, builder kwargs) for one run. Contexts span 1k (a short chat turn) to 128k."""
     ctxs = [4096, 16384, 65536] if quick else [1024, 2048, 4096, 16384, 32768, 65536, 131072]
@@ -233,23 +239,21 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
     for heads in (8, 16):
         for ctx in ctxs:
             v = Shape(1, heads, 16, ctx)
-            # the default (by shape), then each kernel fixed: 32 rows (16- and 32-key tiles), 64 rows
-            grid += [("sm120_mla", v, kw) for kw in ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})]
-            for impl in ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2"):
-                grid.append((impl, v, {}))
+            grid += [("sm120_mla", v, kw) for kw in SM120_KERNELS]
+            grid += [(impl, v, {}) for impl in VERIFY_LIBRARIES]
             if ctx <= 65536:
                 grid.append(("triton_verify", v, {}))
             if heads == 8:   # NGRAM's verify in the live service: 8 draft tokens, 64 rows, 2 row CTAs a split
                 n = Shape(1, heads, 8, ctx)
                 grid += [("sm120_mla", n, {}), ("sm120_mla", n, {"cta_rows": 32}), ("sm120_mla", n, {"cta_rows": 64})]
-                grid += [(impl, n, {}) for impl in ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2")]
+                grid += [(impl, n, {}) for impl in VERIFY_LIBRARIES]
             d = Shape(1, heads, 1, ctx)
             grid += [("sm120_mla", d, {}), ("sm120_mla", d, {"tile_keys": 32})]
             for impl in ("triton_decode", "flashmla", "flashinfer_mla_fa2"):
                 grid.append((impl, d, {}))
         b32 = Shape(32, heads, 16, 16384)
-        grid += [("sm120_mla", b32, kw) for kw in ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})]
-        grid += [(impl, b32, {}) for impl in ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2")]
+        grid += [("sm120_mla", b32, kw) for kw in SM120_KERNELS]
+        grid += [(impl, b32, {}) for impl in VERIFY_LIBRARIES]
     for b, q in ((2, 16), (4, 8)):   # small batches: where the kernel choice switches (choose_cta_rows)
         m = Shape(b, 8, q, 65536)
         grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})]
