@@ -47,6 +47,7 @@ VARIANTS = {
     # L2 prefetch of the rows PREFETCH_AHEAD tiles ahead (default 0: none), the stage
     # refill after the hand-over (LATE_REFILL) and 32-key tiles
     "prefetch1": Variant(("PREFETCH_AHEAD=1",)),
+    "prefetch4": Variant(("PREFETCH_AHEAD=4",)),
     "prefetch8": Variant(("PREFETCH_AHEAD=8",)),
     "late_refill": Variant(("GROUP_BARRIERS=1", "LATE_REFILL=1")),
     "late_refill_handovers_only": Variant(("GROUP_BARRIERS=1", "LATE_REFILL=1", "ABLATE_NO_LOADS") + _MATH),
