@@ -132,6 +132,10 @@ VARIANTS = {
     # right after it (PROLOGUE_EARLY_STAGES, a candidate: session 13)
     "early_stages1": Variant(("PROLOGUE_EARLY_STAGES=1",)),
     "early_stages2": Variant(("PROLOGUE_EARLY_STAGES=2",)),
+    # decode (max_q_len * heads <= 16) on the split kernel's two m16 tiles, as up to v18l
+    # (DECODE_ONE_MTILE=0), with and without its loads
+    "two_mtiles": Variant(("DECODE_ONE_MTILE=0",)),
+    "two_mtiles_no_loads": Variant(("DECODE_ONE_MTILE=0", "ABLATE_NO_LOADS")),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

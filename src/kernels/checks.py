@@ -28,6 +28,7 @@ FIXED_CASES = [
     (4, 16, 4, [5000, 17, 129, 3000], "causal", True),
     (2, 64, 16, [2048, 333], "tree", True),
     (5, 8, 1, [1, 2, 3, 64, 65], None, False),
+    (2, 2, 8, [300, 4097], "tree", True),  # 16 rows: the split kernel's one-m16-tile build
 ]
 
 

@@ -154,6 +154,16 @@ constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 #ifndef PROLOGUE_EARLY_STAGES
 #define PROLOGUE_EARLY_STAGES 0   // 0: kStages
 #endif
+// DECODE_ONE_MTILE (a candidate, session 14): where max_q_len * heads <= 16 (decode at up to 16
+// heads), the launcher runs the split kernel with one m16 row tile (MT = 1) instead of two, since
+// every CTA's rows 16-31 are padding: half the score warps' QK mma.sync (in four accumulator
+// chains instead of two), half the value warps' P.V, and the padding rows' softmax skipped.
+// The ablation (session 14) put decode's loop at ~1,480 cycles a round at 64k, against ~1,200
+// with no loads and ~1,060 with loads only: the compute is on the path, and half of it is padding.
+// 0 runs decode on the 32-row build, as up to v18l.
+#ifndef DECODE_ONE_MTILE
+#define DECODE_ONE_MTILE 1
+#endif
 
 // STAGES_16: the cp.async ring of 16-key tiles. Two stages are always being read (the score
 // warps on tile t+1, the value warps on tile t), so 4 stages keep 2 tiles in flight and 3
@@ -428,7 +438,8 @@ __device__ __forceinline__ void prefetch_index_slice(const Params& prm, int64_t 
 // One warp's O (fp32, 32 rows x 128 columns as two m16 tiles): rows g and g+8 of m16 tile `mt`
 // times a0 and a1, skipped when every factor in the warp is 1 (warp-uniform; the lazy rescale
 // makes that the usual case).
-__device__ __forceinline__ void rescale_o(float (&o)[2][kVColsPerWarp / 8][4], int mt, float a0, float a1) {
+template <int MT>
+__device__ __forceinline__ void rescale_o(float (&o)[MT][kVColsPerWarp / 8][4], int mt, float a0, float a1) {
   if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
     for (int nt = 0; nt < kVColsPerWarp / 8; ++nt) {
@@ -440,31 +451,34 @@ __device__ __forceinline__ void rescale_o(float (&o)[2][kVColsPerWarp / 8][4], i
 
 // O += P . V over 16 keys and one warp's 128 columns: pa holds P of both m16 tiles (A operand),
 // vbase is this lane's ldmatrix.trans address of the 16 key rows at the warp's first column.
-// Each V fragment serves both m16 tiles.
-// One column pair `np` of that (16 columns): one V fragment, four mma.sync.
-__device__ __forceinline__ void pv_column_pair(float (&o)[2][kVColsPerWarp / 8][4], const uint32_t (&pa)[2][4],
+// Each V fragment serves every m16 tile (MT: 2, or 1 in the split kernel's decode build).
+// One column pair `np` of that (16 columns): one V fragment, 2 * MT mma.sync.
+template <int MT>
+__device__ __forceinline__ void pv_column_pair(float (&o)[MT][kVColsPerWarp / 8][4], const uint32_t (&pa)[MT][4],
                                                const __nv_bfloat16* vbase, int np) {
   uint32_t vb[4];
   ldmatrix_x4_trans(vb, vbase + np * 16);
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
     mma_16816(o[mt][2 * np], pa[mt], vb[0], vb[1]);
     mma_16816(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
   }
 }
-__device__ __forceinline__ void pv_16_keys(float (&o)[2][kVColsPerWarp / 8][4], const uint32_t (&pa)[2][4],
+template <int MT>
+__device__ __forceinline__ void pv_16_keys(float (&o)[MT][kVColsPerWarp / 8][4], const uint32_t (&pa)[MT][4],
                                            const __nv_bfloat16* vbase) {
 #pragma unroll
   for (int np = 0; np < kVColsPerWarp / 16; ++np) pv_column_pair(o, pa, vbase, np);
 }
 
-// Q fragments (the mma A operand) of 32 rows from `first_row`, over the 144 dims of quarter
+// Q fragments (the mma A operand) of MT * 16 rows from `first_row`, over the 144 dims of quarter
 // `dim_part`; rows past `rows` are 0. They stay in registers for the whole split.
-__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[2][kQkSteps][4], const Params& prm, int q_start,
+template <int MT>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[MT][kQkSteps][4], const Params& prm, int q_start,
                                                  int rows, int first_row, int dim_part, int g, int t4) {
   const int H = prm.heads;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       const int gr = first_row + mt * 16 + g + hi * 8;
@@ -490,8 +504,12 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[2][kQkSteps][4],
 //   value warps: tile t+1 landed -> hand-over(t) -> O += P.V(t)
 //                -> (all value warps done) refill that stage with tile t+stages
 // so the score warps work on tile t+1 while the value warps multiply tile t.
-template <int KEYS>
+// MT: the m16 row tiles a CTA computes. 2 (its 32 rows), or 1 where the launcher knows that no
+// CTA has more than 16 rows (max_q_len * heads <= 16: decode at up to 16 heads), so the other
+// tile is all padding (DECODE_ONE_MTILE; see there).
+template <int KEYS, int MT = 2>
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
+  static_assert(MT == 1 || MT == 2, "MT: one or two m16 row tiles");
   using Cfg = TileConfig<KEYS>;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -650,7 +668,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   if (warp < kScoreWarps) {
     // ---------------- score warps: S = Q.K^T over this warp's 144 dims, then softmax ----------------
     const int dim_part = warp;
-    uint32_t qf[2][kQkSteps][4];   // 32 rows x 144 dims, for the whole split
+    uint32_t qf[MT][kQkSteps][4];   // MT * 16 rows x 144 dims, for the whole split
     load_q_fragments(qf, prm, q_start, rows, row0, dim_part, g, t4);
     timeline_stamp(0, kEvQRequested);
 
@@ -679,8 +697,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
       // S partial = Q[32 rows, 144 dims] . K[KEYS keys, 144 dims]^T
       {
-        // Two accumulator sets (even and odd k-steps) double the independent mma chains.
-        float sacc[2][2][Cfg::kQkNTiles][4] = {};
+        // Two accumulator sets (even and odd k-steps) double the independent mma chains; with
+        // one m16 tile, four sets keep as many chains (and registers) as two tiles do.
+        constexpr int kQkSets = 4 / MT;
+        float sacc[kQkSets][MT][Cfg::kQkNTiles][4] = {};
         const __nv_bfloat16* kbase = klane + (tile % kStages) * Cfg::kStageElems;
 #ifndef ABLATE_NO_QK
 #pragma unroll
@@ -690,22 +710,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
             uint32_t kb[4];   // lanes 16-31 address keys 8-15 of the group: n-tile 2kg+1 in kb[2], kb[3]
             ldmatrix_x4(kb, kbase + kg * 16 * kKvRowStride + ks * 16);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-              mma_16816(sacc[ks & 1][mt][2 * kg], qf[mt][ks], kb[0], kb[1]);
-              mma_16816(sacc[ks & 1][mt][2 * kg + 1], qf[mt][ks], kb[2], kb[3]);
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_16816(sacc[ks % kQkSets][mt][2 * kg], qf[mt][ks], kb[0], kb[1]);
+              mma_16816(sacc[ks % kQkSets][mt][2 * kg + 1], qf[mt][ks], kb[2], kb[3]);
             }
           }
         }
 #endif
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int nt = 0; nt < Cfg::kQkNTiles; ++nt) {
             float* dst = &sm.s_part[dim_part][mt * 16 + g][nt * 8 + 2 * t4];
-            const float* a = sacc[0][mt][nt];
-            const float* c = sacc[1][mt][nt];
-            *reinterpret_cast<float2*>(dst) = make_float2(a[0] + c[0], a[1] + c[1]);
-            *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(a[2] + c[2], a[3] + c[3]);
+            float v[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              v[i] = sacc[0][mt][nt][i];
+#pragma unroll
+              for (int set = 1; set < kQkSets; ++set) v[i] += sacc[set][mt][nt][i];
+            }
+            *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+            *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(v[2], v[3]);
           }
       }
 #if GROUP_BARRIERS
@@ -715,9 +740,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       if (kSplitLoads && tile > 0) score_refill(tile - 1);
 #endif
 
-      // Online softmax over this tile, in the log2 domain.
+      // Online softmax over this tile, in the log2 domain. With one m16 tile (MT == 1) the rows
+      // from 16 on are padding that no value warp reads: their warps skip it.
 #ifndef ABLATE_NO_SOFTMAX
-      {
+      if (MT == 2 || sm_row < 16) {
         float sc[NK];
 #pragma unroll
         for (int j = 0; j < NK; j += 4) {
@@ -839,9 +865,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   cta_sync();   // tile 0 is in shared memory
   copy_first_tiles(kEarlyStages, kStages);   // the rest of the ring (PROLOGUE_EARLY_STAGES)
 
-  float o[2][kVColsPerWarp / 8][4];
+  float o[MT][kVColsPerWarp / 8][4];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
 #pragma unroll
@@ -853,15 +879,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     const int par = tile & 1;
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
       rescale_o(o, mt, sm.row_scale[par][mt * 16 + g], sm.row_scale[par][mt * 16 + g + 8]);
     }
 #ifndef ABLATE_NO_PV
 #pragma unroll
     for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
-      uint32_t pa[2][4];
+      uint32_t pa[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
         ldmatrix_x4(pa[mt], &sm.p[par][mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + ((lane >> 4) & 1) * 8]);
       pv_16_keys(o, pa, kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + pv_col0 +
                             ((lane >> 4) & 1) * 8);
@@ -909,7 +935,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
   // Normalised partial output of each row of this split.
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       const int r = mt * 16 + g + hi * 8;
