@@ -129,9 +129,9 @@ VARIANTS = {
     # instead of one batch of index loads (STAGED_PROLOGUE=0)
     "unstaged_prologue": Variant(("STAGED_PROLOGUE=0",)),
     # only the first one or two of the ring's tiles copied before tile 0's hand-over, the rest
-    # right after it (PROLOGUE_EARLY_STAGES, a candidate: session 13)
-    "early_stages1": Variant(("PROLOGUE_EARLY_STAGES=1",)),
-    "early_stages2": Variant(("PROLOGUE_EARLY_STAGES=2",)),
+    # right after it (PROLOGUE_EARLY_STAGES: 2 is the default since v18n), or all of them, as up
+    # to v18m
+    "all_stages_first": Variant(("PROLOGUE_EARLY_STAGES=0",)),
     # decode (max_q_len * heads <= 16) on the split kernel's two m16 tiles, as up to v18l
     # (DECODE_ONE_MTILE=0), with and without its loads
     "two_mtiles": Variant(("DECODE_ONE_MTILE=0",)),

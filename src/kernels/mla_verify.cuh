@@ -144,23 +144,25 @@ constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 #ifndef STAGED_PROLOGUE
 #define STAGED_PROLOGUE 1
 #endif
-// PROLOGUE_EARLY_STAGES (a candidate, session 13): how many of the ring's first tiles the value
-// warps copy before they hand tile 0 over. kStages (the default): all of them. Since v18l the
-// first tile lands 1.3-1.5 us after its index, against 0.2-0.4 before: the warps issue the four
-// tiles' copies (74 KB) in order, at the rate the load units accept cp.async, before they reach
-// tile 0's wait. Fewer copy the rest right after the hand-over, while the score warps start.
-// Measured (NOTES.md, session 13): tile 0 lands 0.6-0.8 us earlier, but tile 1 does not, and a
-// call gains 0.2-0.65 us from 4k (=2) and loses 0.3 at 1k, in two rounds. Off until more rounds.
+// PROLOGUE_EARLY_STAGES (v18n): how many of the ring's first tiles the value warps copy before
+// they hand tile 0 over; the rest are copied right after the hand-over, while the score warps
+// start. 0 (up to v18m): all kStages of them. Since v18l the first tile landed 1.3-1.5 us after
+// its index, against 0.2-0.4 before: the warps issued the four tiles' copies (74 KB) in order, at
+// the rate the load units accept cp.async, before they reached tile 0's wait. Measured (NOTES.md,
+// sessions 13 and 14): with 2, tile 0 lands 0.6-0.8 us earlier, and decode is 0.4-0.9 us shorter
+// at 8k-16k (0.2-0.65 at 64k) in six rounds; the 0.2-0.3 us it seemed to lose at 1k was the
+// order the ablation ran the builds in (run the other way round: 0.1 us gained).
 #ifndef PROLOGUE_EARLY_STAGES
-#define PROLOGUE_EARLY_STAGES 0   // 0: kStages
+#define PROLOGUE_EARLY_STAGES 2   // 0: kStages
 #endif
-// DECODE_ONE_MTILE (a candidate, session 14): where max_q_len * heads <= 16 (decode at up to 16
-// heads), the launcher runs the split kernel with one m16 row tile (MT = 1) instead of two, since
-// every CTA's rows 16-31 are padding: half the score warps' QK mma.sync (in four accumulator
-// chains instead of two), half the value warps' P.V, and the padding rows' softmax skipped.
-// The ablation (session 14) put decode's loop at ~1,480 cycles a round at 64k, against ~1,200
-// with no loads and ~1,060 with loads only: the compute is on the path, and half of it is padding.
-// 0 runs decode on the 32-row build, as up to v18l.
+// DECODE_ONE_MTILE (v18m): where max_q_len * heads <= 16 (decode at up to 16 heads), the
+// launcher runs the split kernel with one m16 row tile (MT = 1) instead of two, since every
+// CTA's rows 16-31 are padding: half the score warps' QK mma.sync (in four accumulator chains
+// instead of two), half the value warps' P.V, and the padding rows' softmax skipped. Decode's
+// loop was bound by its compute (~1,480 cycles a round at 64k, ~1,200 with no loads, ~1,060 with
+// loads only), half of it padding. Measured (NOTES.md, session 14): decode h8 -0.65 us at 1k,
+// -1.2 at 4k, -1.65 at 16k, -3.5 at 64k and -9 at 128k (66.4 -> 57.5 us, 13%). On sm_120, where
+// decode is memory-bound, it should gain little. 0 runs decode on two m16 tiles, as up to v18l.
 #ifndef DECODE_ONE_MTILE
 #define DECODE_ONE_MTILE 1
 #endif

@@ -44,9 +44,12 @@ _COMBINE = re.compile(r"mla_verify_combine_kernelILi(\d+)ELb(\d)ELb(\d)E")
 
 
 def _kernel_label(mangled: str) -> str | None:
-    """Readable names: mla_verify_split_kernel<16> mangles to ...ILi16E..."""
+    """Readable names: mla_verify_split_kernel<16> (two m16 tiles) mangles to ...ILi16ELi2E...,
+    mla_verify_split_kernel<16, 1> (one m16 tile, decode) to ...ILi16ELi1E..."""
     if "mla_verify_split_kernel" in mangled:
         for keys in (16, 32):
+            if f"ILi{keys}ELi1E" in mangled:
+                return f"mla_verify_split_kernel<{keys}, 1>"
             if f"ILi{keys}E" in mangled:
                 return f"mla_verify_split_kernel<{keys}>"
     if "mla_verify_wide_kernel" in mangled:
@@ -67,6 +70,7 @@ def ptxas_report(arch: str) -> dict[str, dict]:
         src = Path(tmp) / "resources.cu"
         src.write_text('#include "mla_verify_wide.cuh"\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
+                       'template __global__ void sm120_mla::mla_verify_split_kernel<16, 1>(const sm120_mla::Params);\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n'
                        + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
                                  f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
@@ -96,13 +100,15 @@ def dynamic_smem_bytes() -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "smem.cu"
         src.write_text('#include <cstdio>\n#include "mla_verify_wide.cuh"\n'
-                       'int main() { std::printf("%d %d %d\\n", sm120_mla::TileConfig<16>::kSmemBytes,'
-                       ' sm120_mla::TileConfig<32>::kSmemBytes, sm120_mla::wide::kSmemBytes); }\n')
+                       'int main() { std::printf("%d %d %d %d\\n", sm120_mla::TileConfig<16>::kSmemBytes,'
+                       ' sm120_mla::TileConfig<16>::kSmemBytes, sm120_mla::TileConfig<32>::kSmemBytes,'
+                       ' sm120_mla::wide::kSmemBytes); }\n')
         exe = Path(tmp) / "smem"
         subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
                        check=True, capture_output=True, text=True)
         sizes = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
-        names = ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<32>", "mla_verify_wide_kernel")
+        names = ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16, 1>", "mla_verify_split_kernel<32>",
+                 "mla_verify_wide_kernel")
         return {name: int(v) for name, v in zip(names, sizes)}
 
 
