@@ -80,12 +80,14 @@ def test_max_q_len_above_actual(seed):
 
 @pytest.mark.parametrize("defines", [(), ("COMBINE_PDL=0",)], ids=["default", "no_pdl"])
 @pytest.mark.parametrize("cta_rows", [32, 64])
-def test_cuda_graph_replay_with_changed_lengths(cta_rows, defines, seed):
+@pytest.mark.parametrize("H,Q", [(16, 16), (8, 1)], ids=["verify", "decode"])
+def test_cuda_graph_replay_with_changed_lengths(H, Q, cta_rows, defines, seed):
     """One graph captured at the largest lengths replays correctly for shorter ones (the combine
-    step a programmatic dependent, which capture records as its own edge, or launched in order)."""
+    step a programmatic dependent, which capture records as its own edge, or launched in order),
+    for a verify shape and for decode (the split kernel's one-m16-tile build at 32 rows)."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
 
-    B, H, Q, MAX_CTX = 3, 16, 16, 6000
+    B, MAX_CTX = 3, 6000
     dev = "cuda"
     big = make_verify_case(batch=B, heads=H, q_len=Q, ctx_lens=MAX_CTX, mask="tree", seed=seed, device=dev)
     # Static buffers, as SGLang's graph runner keeps them.

@@ -120,10 +120,11 @@ VARIANTS = {
     # Q into the ring by cp.async, as up to v18h, instead of plain 16-byte loads (WIDE_Q_LDG=0;
     # `wide_q_ldg` in session 12's records is the plain loads when they were off by default)
     "wide_q_cp_async": Variant(("WIDE_Q_LDG=0",), cta_rows=64),
-    # v1's floor of 64 keys a split, as up to v18j, instead of 16 (MIN_KEYS_PER_SPLIT: fewer splits
-    # of more tiles at short contexts); the split kernel serves decode. (`min_keys16` / `min_keys32`
-    # in session 13's records are the lower floors when 64 was the default.)
+    # v1's floor of 64 keys a split, as up to v18j, or 32, instead of 16 (MIN_KEYS_PER_SPLIT: fewer
+    # splits of more tiles at short contexts); the split kernel serves decode. (`min_keys16` in
+    # session 13's records is the floor of 16 when 64 was the default.)
     "min_keys64": Variant(("MIN_KEYS_PER_SPLIT=64",)),
+    "min_keys32": Variant(("MIN_KEYS_PER_SPLIT=32",)),
     "wide_min_keys64": Variant(("MIN_KEYS_PER_SPLIT=64",), cta_rows=64),
     # the split kernel's first tiles each waiting for their own index load, as up to v18k,
     # instead of one batch of index loads (STAGED_PROLOGUE=0)
