@@ -149,9 +149,10 @@ constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 // start. 0 (up to v18m): all kStages of them. Since v18l the first tile landed 1.3-1.5 us after
 // its index, against 0.2-0.4 before: the warps issued the four tiles' copies (74 KB) in order, at
 // the rate the load units accept cp.async, before they reached tile 0's wait. Measured (NOTES.md,
-// sessions 13 and 14): with 2, tile 0 lands 0.6-0.8 us earlier, and decode is 0.4-0.9 us shorter
-// at 8k-16k (0.2-0.65 at 64k) in six rounds; the 0.2-0.3 us it seemed to lose at 1k was the
-// order the ablation ran the builds in (run the other way round: 0.1 us gained).
+// sessions 13 and 14): with 2, tile 0 lands 0.6-0.8 us earlier. On two m16 tiles decode was
+// 0.4-0.9 us shorter at 8k-16k in five rounds; the 0.2-0.3 us it seemed to lose at 1k there came
+// from the order the ablation ran the builds in. On v18m's one tile, in three rounds: 0.1-0.5 us
+// shorter up to 16k, and within +-0.4 us at 64k-128k.
 #ifndef PROLOGUE_EARLY_STAGES
 #define PROLOGUE_EARLY_STAGES 2   // 0: kStages
 #endif
