@@ -13,8 +13,10 @@
 // each key row is read once from memory and used for both QK (576 dims) and PV (512 dims).
 // The CTA's warps specialise: four score warps compute S = QK^T and the online softmax of
 // tile t+1 while four value warps issue the loads and accumulate P.V of tile t, handing
-// tiles over through named barriers. Partial results per split go to a workspace, and a
-// second kernel merges the splits by their LSE and writes every row of `out` and `lse`.
+// tiles over through named barriers. Where no CTA has more than 16 rows (decode at up to 16
+// heads) the launcher runs a build that computes one m16 tile instead of two (DECODE_ONE_MTILE).
+// Partial results per split go to a workspace, and a second kernel merges the splits by their
+// LSE and writes every row of `out` and `lse`.
 //
 // This file holds no torch code, so nvcc can compile it alone for resource reports.
 // ABLATE_NO_LOADS / _NO_QK / _NO_SOFTMAX / _NO_PV each remove one part of the per-tile
@@ -438,9 +440,9 @@ __device__ __forceinline__ void prefetch_index_slice(const Params& prm, int64_t 
     prefetch_l2(first + off);
 }
 
-// One warp's O (fp32, 32 rows x 128 columns as two m16 tiles): rows g and g+8 of m16 tile `mt`
-// times a0 and a1, skipped when every factor in the warp is 1 (warp-uniform; the lazy rescale
-// makes that the usual case).
+// One warp's O (fp32, 128 columns of MT m16 tiles: 32 rows, or 16 in the decode build): rows g
+// and g+8 of m16 tile `mt` times a0 and a1, skipped when every factor in the warp is 1
+// (warp-uniform; the lazy rescale makes that the usual case).
 template <int MT>
 __device__ __forceinline__ void rescale_o(float (&o)[MT][kVColsPerWarp / 8][4], int mt, float a0, float a1) {
   if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
@@ -452,7 +454,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[MT][kVColsPerWarp / 8][4], 
   }
 }
 
-// O += P . V over 16 keys and one warp's 128 columns: pa holds P of both m16 tiles (A operand),
+// O += P . V over 16 keys and one warp's 128 columns: pa holds P of the MT m16 tiles (A operand),
 // vbase is this lane's ldmatrix.trans address of the 16 key rows at the warp's first column.
 // Each V fragment serves every m16 tile (MT: 2, or 1 in the split kernel's decode build).
 // One column pair `np` of that (16 columns): one V fragment, 2 * MT mma.sync.
@@ -698,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int par = tile & 1;   // P and row_scale alternate buffers: P(t-1) is still being read
 
-      // S partial = Q[32 rows, 144 dims] . K[KEYS keys, 144 dims]^T
+      // S partial = Q[MT * 16 rows, 144 dims] . K[KEYS keys, 144 dims]^T
       {
         // Two accumulator sets (even and odd k-steps) double the independent mma chains; with
         // one m16 tile, four sets keep as many chains (and registers) as two tiles do.
