@@ -227,3 +227,22 @@ def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
     for impl in ("flashinfer_mla", "flashinfer_mla_fa2"):
         bench.BUILDERS[impl](x)()
     assert backends == ["auto", "fa2"]
+
+
+def test_batched_decode_is_timed_and_tabled_apart_from_batch_one():
+    """A busy server's decode step (8 and 32 requests) is in the grid for sm120_mla and the decode
+    kernels a user has, and its table keeps it apart from batch 1 and from verify shapes."""
+    from sm120_workbook.kernels import bench
+
+    grid = bench.default_grid()
+    batched = {(impl, s.batch, s.ctx) for impl, s, _ in grid if s.q_len == 1 and s.batch > 1}
+    assert batched == {(impl, b, c) for impl in ("sm120_mla", "triton_decode", "flashmla", "flashinfer_mla_fa2")
+                       for b, c in ((8, 65536), (32, 16384))}
+    df = pd.DataFrame([dict(_rec("r", "v", "sm120_mla", 40.0, q_len=1)),
+                       dict(_rec("r", "v", "sm120_mla", 300.0, q_len=1, ctx=16384), batch=32),
+                       dict(_rec("r", "v", "flashmla", 450.0, q_len=1, ctx=16384), batch=32),
+                       dict(_rec("r", "v", "sm120_mla", 500.0, ctx=16384), batch=32)])   # verify: not decode
+    t = br.batched_decode_table(df)
+    assert t.index.tolist() == [(32, 8, 16384)]
+    assert t.columns.tolist() == ["sm120_mla", "flashmla"] and t.loc[(32, 8, 16384)].tolist() == [300.0, 450.0]
+    assert br.batched_decode_table(df[df["batch"] == 1]).empty

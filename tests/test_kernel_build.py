@@ -290,9 +290,9 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
 
     from sm120_workbook.kernels.ablation import recorded_table
 
-    def rec(variant, defines, q_len, heads, t, version, date):
+    def rec(variant, defines, q_len, heads, t, version, date, batch=1):
         return {"variant": variant, "defines": defines, "q_len": q_len, "heads": heads, "ctx": 65536,
-                "time_us": t, "kernel_version": version, "date": date}
+                "batch": batch, "time_us": t, "kernel_version": version, "date": date}
 
     df = pd.DataFrame([
         rec("full", [], 16, 8, 110.0, "v1", "2026-11-29T10:00"),
@@ -315,6 +315,19 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     # a variant since removed from VARIANTS is described from its record
     gone = pd.DataFrame([dict(rec("wide_gone", ["X=1"], 16, 8, 90.0, "v3", "2026-11-30T10:00"), cta_rows=64)])
     assert recorded_table(gone).loc[0, "changes"] == "X=1, 64-row kernel"
+    # a batched run of the same version stays apart from the batch-1 one
+    batched = pd.concat([df, pd.DataFrame([rec("full", [], 1, 8, 300.0, "v2", "2026-11-29T12:00", batch=32)])])
+    assert recorded_table(batched, version="v2")["q1 h8"].tolist()[0] == 52.0
+    assert recorded_table(batched, version="v2", batch=32)["q1 h8"].tolist() == [300.0]
+
+
+def test_ablation_rejects_a_bad_batch_before_any_build(capsys, monkeypatch):
+    from sm120_workbook.kernels import ablation
+
+    monkeypatch.setattr(ablation, "build_all", lambda v: pytest.fail("built before checking --batch"))
+    with pytest.raises(SystemExit) as e:
+        ablation.main(["--variants", "full", "--batch", "0"])
+    assert e.value.code == 2 and "--batch: must be positive" in capsys.readouterr().err
 
 
 def test_ablation_rejects_a_bad_context_before_any_build(capsys, monkeypatch):

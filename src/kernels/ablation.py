@@ -141,20 +141,21 @@ VARIANTS = {
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 
 
-def shapes_at(contexts) -> tuple[Shape, ...]:
-    """The ablation's shapes (SHAPES) at each of these contexts; short ones show the fixed part."""
-    return tuple(Shape(s.batch, s.heads, s.q_len, c) for c in contexts for s in SHAPES)
+def shapes_at(contexts, batch: int = 1) -> tuple[Shape, ...]:
+    """The ablation's shapes (SHAPES) at each of these contexts, `batch` requests each; short
+    contexts show the fixed part, larger batches a step with every SM at work."""
+    return tuple(Shape(batch, s.heads, s.q_len, c) for c in contexts for s in SHAPES)
 
 
 SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16")
 
 
-def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None):
+def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None, batch: int = 1):
     """One recorded ablation run as a table: µs of each variant (rows, in VARIANTS order) at
-    each shape (columns), from data/results/kernel_ablation.jsonl. `version` is a kernel_version
-    tag or a list of them (default: the newest recorded); `variants` keeps only those rows. The newest record of
-    each variant and shape is kept, and the build defines (and a fixed split count) say what
-    the variant changed."""
+    each shape (columns), from data/results/kernel_ablation.jsonl, at one context and batch.
+    `version` is a kernel_version tag or a list of them (default: the newest recorded);
+    `variants` keeps only those rows. The newest record of each variant and shape is kept, and
+    the build defines (and a fixed split count) say what the variant changed."""
     import pandas as pd
 
     from ..results import load_records
@@ -162,7 +163,7 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     df = load_records("kernel_ablation") if df is None else df
     if len(df) == 0:
         return df
-    df = df[df["ctx"] == ctx].sort_values("date").copy()
+    df = df[(df["ctx"] == ctx) & (df["batch"] == batch)].sort_values("date").copy()
     if "kernel_version" in df:
         tags = df["kernel_version"].dropna()
         if version is None and len(tags):
@@ -231,15 +232,18 @@ def main(argv=None):
                     help="run only these (default: all)")
     ap.add_argument("--ctx", type=int, nargs="+", default=[65536],
                     help="contexts to time each shape at (default 65536)")
+    ap.add_argument("--batch", type=int, default=1, help="requests a step, each at that context (default 1)")
     args = ap.parse_args(argv)
     if min(args.ctx) < 1:
         ap.error("--ctx: contexts must be positive")
+    if args.batch < 1:
+        ap.error("--batch: must be positive")
     if not torch.cuda.is_available():
         sys.exit("the ablation needs a CUDA GPU; none is visible to torch")
     variants = {n: VARIANTS[n] for n in (args.variants or VARIANTS)}
     build_all(variants)
     records = [dict(r, kernel_version=args.tag)
-               for r in run(shapes=shapes_at(args.ctx), variants=variants, reps=args.reps)]
+               for r in run(shapes=shapes_at(args.ctx, args.batch), variants=variants, reps=args.reps)]
     from ..results import append_cli_records
 
     path = append_cli_records("kernel_ablation", records, "sm120_workbook.kernels.ablation", argv, args.out)

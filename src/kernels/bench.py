@@ -254,6 +254,9 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
         b32 = Shape(32, heads, 16, 16384)
         grid += [("sm120_mla", b32, kw) for kw in SM120_KERNELS]
         grid += [(impl, b32, {}) for impl in VERIFY_LIBRARIES]
+    for b, ctx in ((8, 65536), (32, 16384)):   # batched decode: a busy server's step, every SM at work
+        d = Shape(b, 8, 1, ctx)
+        grid += [("sm120_mla", d, {})] + [(impl, d, {}) for impl in ("triton_decode", "flashmla", "flashinfer_mla_fa2")]
     for b, q in ((2, 16), (4, 8)):   # small batches: where the kernel choice switches (choose_cta_rows)
         m = Shape(b, 8, q, 65536)
         grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})]

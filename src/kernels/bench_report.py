@@ -117,6 +117,16 @@ def comparison_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFra
     return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
 
 
+def batched_decode_table(df: pd.DataFrame) -> pd.DataFrame:
+    """time_us of decode (q_len 1) at batch > 1, one row per (batch, heads, ctx), impls as
+    columns: a busy server's step, where every SM has work whatever the split count."""
+    sel = df[(df["q_len"] == 1) & (df["batch"] > 1)]
+    if not len(sel):
+        return pd.DataFrame()
+    t = sel.pivot_table(index=["batch", "heads", "ctx"], columns="impl", values="time_us", aggfunc="min")
+    return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
+
+
 def versus_table(df: pd.DataFrame, other: str) -> pd.DataFrame:
     """sm120_mla against `other` at every shape where both were timed, from `default_rows`' table
     (one sm120_mla row a shape: the kernel the workspace picks): µs of each and `speedup` =
