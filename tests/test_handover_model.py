@@ -6,7 +6,7 @@ import pytest
 from sm120_workbook.kernels.handover_model import ProtocolError, check, check_wide, wide_pair_steps
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4, 5])    # TileConfig<32>, <16> with STAGES_16=3, <16>, <16, 1>
+@pytest.mark.parametrize("stages", [2, 3, 4])       # TileConfig<32>, <16> with STAGES_16=3, <16>
 @pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
 def test_kernel_schedule_is_lock_step_and_race_free(num_tiles, stages):
     # The shipped build: every barrier is barrier 0, so the groups must meet the same rounds

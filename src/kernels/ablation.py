@@ -136,9 +136,6 @@ VARIANTS = {
     # decode (max_q_len * heads <= 16) on the split kernel's two m16 tiles, as up to v18l
     # (DECODE_ONE_MTILE=0), with and without its loads
     "two_mtiles": Variant(("DECODE_ONE_MTILE=0",)),
-    # the one-m16-tile build with the 32-row build's 4-stage ring (2 tiles in flight), as in v18m
-    # and v18n, instead of 5 (STAGES_16_ONE_MTILE)
-    "one_mtile_stages4": Variant(("STAGES_16_ONE_MTILE=4",)),
     "two_mtiles_no_loads": Variant(("DECODE_ONE_MTILE=0", "ABLATE_NO_LOADS")),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))

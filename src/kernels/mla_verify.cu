@@ -17,7 +17,7 @@ namespace {
 
 template <int KEYS, int MT = 2>
 void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
-  using Cfg = sm120_mla::TileConfig<KEYS, MT>;
+  using Cfg = sm120_mla::TileConfig<KEYS>;
   // Above 48 KB a kernel must opt in to its dynamic shared memory, once per device.
   static std::once_flag flags[64];
   std::call_once(flags[device % 64], [] {

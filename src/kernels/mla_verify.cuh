@@ -178,26 +178,15 @@ constexpr int kPrefetchAhead = PREFETCH_AHEAD;
 #define STAGES_16 4
 #endif
 static_assert(STAGES_16 == 3 || STAGES_16 == 4, "STAGES_16: 3 or 4 (5 x 18.7 KB exceeds sm_120's 99 KB)");
-// STAGES_16_ONE_MTILE (a candidate, session 14): the ring of the one-m16-tile build
-// (DECODE_ONE_MTILE). That build keeps the S partials, P and row state of its 16 rows only, so a
-// fifth stage fits: 101,376 B, sm_120's limit exactly. 5 keeps three tiles in flight. Measured
-// on that build (NOTES.md, session 14): one tile in flight instead of two cost batched decode
-// 7% (b8 64k 192.2 against 179.7 us). 4: the 32-row build's ring.
-#ifndef STAGES_16_ONE_MTILE
-#define STAGES_16_ONE_MTILE 5
-#endif
-static_assert(STAGES_16_ONE_MTILE >= 3 && STAGES_16_ONE_MTILE <= 5, "STAGES_16_ONE_MTILE: 3, 4 or 5");
 
 // Tile shape: KEYS keys per softmax round. 16 keys x 4 stages and 32 keys x 2 stages fill
 // the same 74,752 B ring; 16 keeps two tiles in flight while the groups work on the other
 // two, 32 halves the hand-overs per key but leaves no tile in flight. 16 is faster at every
-// shape measured (NOTES.md) and the default. Both stay under sm_120's 99 KB. MT: the m16 row
-// tiles whose shared state the CTA keeps (2: its 32 rows; 1: 16, the decode build).
-template <int KEYS, int MT = 2>
+// shape measured (NOTES.md) and the default. Both stay under sm_120's 99 KB.
+template <int KEYS>
 struct TileConfig {
   static constexpr int kKeys = KEYS;
-  static constexpr int kRows = 16 * MT;
-  static constexpr int kStages = KEYS == 16 ? (MT == 1 ? STAGES_16_ONE_MTILE : STAGES_16) : 2;
+  static constexpr int kStages = KEYS == 16 ? STAGES_16 : 2;
   static constexpr int kStageElems = KEYS * kKvRowStride;
   static constexpr int kPRowStride = KEYS + 8;        // bf16 elements: conflict-free ldmatrix rows
   static constexpr int kLoadThreadsPerKey = kGroupThreads / KEYS;
@@ -207,11 +196,11 @@ struct TileConfig {
   static constexpr int kPvKSteps = KEYS / 16;
   struct Shared {
     __nv_bfloat16 kv[kStages][kStageElems];
-    float s_part[kScoreWarps][kRows][KEYS];            // QK partial sums, one per dim quarter
-    __nv_bfloat16 p[2][kRows][kPRowStride];            // probabilities (bf16), by tile parity
-    float row_scale[2][kRows];                         // each tile's rescale of O, by parity
-    float row_max[kRows];                              // final running max (log2 domain)
-    float row_sum[kRows];                              // final running sum of exp2
+    float s_part[kScoreWarps][kRowsPerCta][KEYS];      // QK partial sums, one per dim quarter
+    __nv_bfloat16 p[2][kRowsPerCta][kPRowStride];      // probabilities (bf16), by tile parity
+    float row_scale[2][kRowsPerCta];                   // each tile's rescale of O, by parity
+    float row_max[kRowsPerCta];                        // final running max (log2 domain)
+    float row_sum[kRowsPerCta];                        // final running sum of exp2
     int64_t index[kIndexRing][KEYS];                   // kv_indices of tiles ahead (int32: low half)
   };
   static constexpr int kSmemBytes = sizeof(Shared);
@@ -526,7 +515,7 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[MT][kQkSteps][4]
 template <int KEYS, int MT = 2>
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
   static_assert(MT == 1 || MT == 2, "MT: one or two m16 row tiles");
-  using Cfg = TileConfig<KEYS, MT>;
+  using Cfg = TileConfig<KEYS>;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   typename Cfg::Shared& sm = *reinterpret_cast<typename Cfg::Shared*>(smem_raw);
@@ -704,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #ifdef ABLATE_NO_SOFTMAX
     // No softmax writes row_scale: 1 keeps the value warps' O rescale skipped, as the lazy
     // rescale does in most rounds of the full kernel (uninitialised, it ran every round).
-    if (tid < 2 * Cfg::kRows) (&sm.row_scale[0][0])[tid] = 1.f;
+    if (tid < 2 * kRowsPerCta) (&sm.row_scale[0][0])[tid] = 1.f;
 #endif
     cta_sync();   // tile 0 is in shared memory
     timeline_stamp(0, kEvTile0);
@@ -829,12 +818,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     if (kSplitLoads) cp_async_wait<0>();
 #pragma unroll
     for (int off = 1; off < kSoftmaxThreadsPerRow; off <<= 1) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);
-    if (tid % kSoftmaxThreadsPerRow == 0 && (MT == 2 || sm_row < Cfg::kRows)) {   // the decode build keeps 16
+    if (tid % kSoftmaxThreadsPerRow == 0) {
       sm.row_max[sm_row] = m_run;
       sm.row_sum[sm_row] = l_run;
     }
     cta_sync();   // also: warp 0 reads every row's sums below
-    if (tid < Cfg::kRows) {
+    if (tid < kRowsPerCta) {
       const int64_t pi = partial_index(tid);
       if (pi >= 0) {
         const float l = sm.row_sum[tid];

@@ -101,7 +101,7 @@ def dynamic_smem_bytes() -> dict[str, int]:
         src = Path(tmp) / "smem.cu"
         src.write_text('#include <cstdio>\n#include "mla_verify_wide.cuh"\n'
                        'int main() { std::printf("%d %d %d %d\\n", sm120_mla::TileConfig<16>::kSmemBytes,'
-                       ' sm120_mla::TileConfig<16, 1>::kSmemBytes, sm120_mla::TileConfig<32>::kSmemBytes,'
+                       ' sm120_mla::TileConfig<16>::kSmemBytes, sm120_mla::TileConfig<32>::kSmemBytes,'
                        ' sm120_mla::wide::kSmemBytes); }\n')
         exe = Path(tmp) / "smem"
         subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],

@@ -33,8 +33,7 @@ BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV
           "min_keys64": ("MIN_KEYS_PER_SPLIT=64",),
           "unstaged_prologue": ("STAGED_PROLOGUE=0",),
           "early_stages1": ("PROLOGUE_EARLY_STAGES=1",),
-          "two_mtiles": ("DECODE_ONE_MTILE=0",), "all_stages_first": ("PROLOGUE_EARLY_STAGES=0",),
-          "one_mtile_stages4": ("STAGES_16_ONE_MTILE=4",)}
+          "two_mtiles": ("DECODE_ONE_MTILE=0",), "all_stages_first": ("PROLOGUE_EARLY_STAGES=0",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
