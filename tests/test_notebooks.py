@@ -56,3 +56,16 @@ def test_notebook_runs_with_papermill(name, tmp_path):
                                progress_bar=False)
     charts = list((tmp_path / "charts").glob("*.png")) if (tmp_path / "charts").exists() else []
     print(f"{name}: {len(charts)} PNG charts")
+
+
+@pytest.mark.parametrize("name", _notebooks())
+def test_papermill_reads_every_parameter(name):
+    """papermill's own reading of the parameters cell (`papermill --help-notebook`, and the type
+    it gives an injected value) finds every parameter: a comment it cannot parse (one holding
+    `=`, say) drops that line with a warning."""
+    import re
+
+    papermill = pytest.importorskip("papermill")
+    source = "".join(_parameter_cells(json.loads((NOTEBOOK_DIR / name).read_text()))[0]["source"])
+    names = set(re.findall(r"^(\w+)\s*=", source, flags=re.M))
+    assert set(papermill.inspect_notebook(str(NOTEBOOK_DIR / name))) == names
