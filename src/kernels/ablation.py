@@ -132,6 +132,8 @@ VARIANTS = {
     # only the first one or two of the ring's tiles copied before tile 0's hand-over, the rest
     # right after it (PROLOGUE_EARLY_STAGES: 2 is the default since v18n), or all of them, as up
     # to v18m
+    "early_stages1": Variant(("PROLOGUE_EARLY_STAGES=1",)),
+    "early_stages2": Variant(("PROLOGUE_EARLY_STAGES=2",)),
     "all_stages_first": Variant(("PROLOGUE_EARLY_STAGES=0",)),
     # decode (max_q_len * heads <= 16) on the split kernel's two m16 tiles, as up to v18l
     # (DECODE_ONE_MTILE=0), with and without its loads
