@@ -321,19 +321,14 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     assert recorded_table(batched, version="v2", batch=32)["q1 h8"].tolist() == [300.0]
 
 
-def test_ablation_rejects_a_bad_batch_before_any_build(capsys, monkeypatch):
+@pytest.mark.parametrize("args,message", [
+    (["--variants", "wide", "--ctx", "4096", "0"], "--ctx: contexts must be positive"),
+    (["--variants", "full", "--batch", "0"], "--batch: must be positive"),
+], ids=["ctx", "batch"])
+def test_ablation_rejects_a_bad_argument_before_any_build(capsys, monkeypatch, args, message):
     from sm120_workbook.kernels import ablation
 
-    monkeypatch.setattr(ablation, "build_all", lambda v: pytest.fail("built before checking --batch"))
+    monkeypatch.setattr(ablation, "build_all", lambda v: pytest.fail(f"built before checking {args[2]}"))
     with pytest.raises(SystemExit) as e:
-        ablation.main(["--variants", "full", "--batch", "0"])
-    assert e.value.code == 2 and "--batch: must be positive" in capsys.readouterr().err
-
-
-def test_ablation_rejects_a_bad_context_before_any_build(capsys, monkeypatch):
-    from sm120_workbook.kernels import ablation
-
-    monkeypatch.setattr(ablation, "build_all", lambda v: pytest.fail("built before checking --ctx"))
-    with pytest.raises(SystemExit) as e:
-        ablation.main(["--variants", "wide", "--ctx", "4096", "0"])
-    assert e.value.code == 2 and "--ctx: contexts must be positive" in capsys.readouterr().err
+        ablation.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err

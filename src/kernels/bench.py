@@ -229,6 +229,8 @@ def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_ro
 # The MLA libraries timed beside sm120_mla at verify shapes, and sm120_mla's builds there: the
 # default (the kernel by shape), then each kernel fixed (32 rows with 16- and 32-key tiles, 64 rows).
 VERIFY_LIBRARIES = ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2")
+# The decode kernels timed beside sm120_mla at q_len 1, at batch 1 and batched.
+DECODE_LIBRARIES = ("triton_decode", "flashmla", "flashinfer_mla_fa2")
 SM120_KERNELS = ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})
 
 
@@ -249,14 +251,13 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
                 grid += [(impl, n, {}) for impl in VERIFY_LIBRARIES]
             d = Shape(1, heads, 1, ctx)
             grid += [("sm120_mla", d, {}), ("sm120_mla", d, {"tile_keys": 32})]
-            for impl in ("triton_decode", "flashmla", "flashinfer_mla_fa2"):
-                grid.append((impl, d, {}))
+            grid += [(impl, d, {}) for impl in DECODE_LIBRARIES]
         b32 = Shape(32, heads, 16, 16384)
         grid += [("sm120_mla", b32, kw) for kw in SM120_KERNELS]
         grid += [(impl, b32, {}) for impl in VERIFY_LIBRARIES]
     for b, ctx in ((8, 65536), (32, 16384)):   # batched decode: a busy server's step, every SM at work
         d = Shape(b, 8, 1, ctx)
-        grid += [("sm120_mla", d, {})] + [(impl, d, {}) for impl in ("triton_decode", "flashmla", "flashinfer_mla_fa2")]
+        grid += [("sm120_mla", d, {})] + [(impl, d, {}) for impl in DECODE_LIBRARIES]
     for b, q in ((2, 16), (4, 8)):   # small batches: where the kernel choice switches (choose_cta_rows)
         m = Shape(b, 8, q, 65536)
         grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})]

@@ -94,22 +94,27 @@ def ptxas_report(arch: str) -> dict[str, dict]:
     return report
 
 
+# Each kernel's dynamic shared memory, as the launcher sizes it (mla_verify.cu): the split kernel's
+# TileConfig<KEYS> (its one-m16-tile build shares TileConfig<16>), the wide kernel's own.
+_SMEM_OF = {"mla_verify_split_kernel<16>": "TileConfig<16>::kSmemBytes",
+            "mla_verify_split_kernel<16, 1>": "TileConfig<16>::kSmemBytes",
+            "mla_verify_split_kernel<32>": "TileConfig<32>::kSmemBytes",
+            "mla_verify_wide_kernel": "wide::kSmemBytes"}
+
+
 def dynamic_smem_bytes() -> dict[str, int]:
     """Dynamic shared memory per kernel (the split kernel's TileConfig<KEYS> and the wide
     kernel), from a host-only program (it runs without a GPU)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "smem.cu"
         src.write_text('#include <cstdio>\n#include "mla_verify_wide.cuh"\n'
-                       'int main() { std::printf("%d %d %d %d\\n", sm120_mla::TileConfig<16>::kSmemBytes,'
-                       ' sm120_mla::TileConfig<16>::kSmemBytes, sm120_mla::TileConfig<32>::kSmemBytes,'
-                       ' sm120_mla::wide::kSmemBytes); }\n')
+                       'int main() { std::printf("' + " ".join(["%d"] * len(_SMEM_OF)) + '\\n", '
+                       + ", ".join(f"sm120_mla::{expr}" for expr in _SMEM_OF.values()) + "); }\n")
         exe = Path(tmp) / "smem"
         subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_80", f"-I{KERNEL_DIR}", "-o", str(exe), str(src)],
                        check=True, capture_output=True, text=True)
         sizes = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
-        names = ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16, 1>", "mla_verify_split_kernel<32>",
-                 "mla_verify_wide_kernel")
-        return {name: int(v) for name, v in zip(names, sizes)}
+        return {name: int(v) for name, v in zip(_SMEM_OF, sizes)}
 
 
 def resource_report(archs=ARCHS) -> dict:
