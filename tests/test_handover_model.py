@@ -15,6 +15,18 @@ def test_kernel_schedule_is_lock_step_and_race_free(num_tiles, stages):
     check(num_tiles, stages, schedules=50, parity=False)
 
 
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
+def test_early_refill_schedule_is_race_free(num_tiles, stages):
+    # EARLY_REFILL=1: the stage of tile t refilled right after P.V(t), before the next mid-tile round
+    check(num_tiles, stages, schedules=150, early_refill=True)
+
+
+def test_early_refill_is_a_schedule_of_the_shipped_build():
+    with pytest.raises(ValueError, match="early_refill"):
+        check(4, 4, schedules=1, early_refill=True, group_barriers=True)
+
+
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 9, 17])
 def test_group_barriers_schedule_has_no_race_or_deadlock(num_tiles, stages):

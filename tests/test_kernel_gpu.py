@@ -236,7 +236,7 @@ def test_compute_sanitizer_clean(tool):
     (("COMBINE_PRELOAD=0",), 32), (("COMBINE_PRELOAD=0",), 64), (("WIDE_Q_STAGGER=0",), 64),
     (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
     (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=0",), 32),
-    (("DECODE_ONE_MTILE=0",), 32)],
+    (("DECODE_ONE_MTILE=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32)],
     ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
@@ -247,7 +247,8 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows):
     copied in the same order by every split, or by cp.async as up to v18h; splits of at least
     64 keys, as up to v18j; the split kernel's first tiles each after its own index load, as up
     to v18k, only the first of them or all four before tile 0's hand-over; decode on two m16 tiles,
-    as up to v18l) compute the same attention."""
+    as up to v18l; each value warp refilling its own columns right after its P.V) compute the
+    same attention."""
 
     # verify shapes, and two that fit one m16 tile (decode, 16 rows with a tree)
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:11]:

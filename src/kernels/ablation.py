@@ -139,6 +139,9 @@ VARIANTS = {
     # (DECODE_ONE_MTILE=0), with and without its loads
     "two_mtiles": Variant(("DECODE_ONE_MTILE=0",)),
     "two_mtiles_no_loads": Variant(("DECODE_ONE_MTILE=0", "ABLATE_NO_LOADS")),
+    # each value warp refills its own columns of a stage right after its P.V (EARLY_REFILL, a
+    # candidate: session 14), instead of after the next mid-tile round
+    "early_refill": Variant(("EARLY_REFILL=1",)),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

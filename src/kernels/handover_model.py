@@ -97,18 +97,24 @@ def value_steps_pv_lag(num_tiles: int, stages: int, parity: bool = True, refill_
 
 def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: bool = False,
                 refill_before_handover: bool = False, group_barriers: bool = False,
-                pv_lag: bool = False, refill_distance: int = 2, split_loads: bool = False):
+                pv_lag: bool = False, refill_distance: int = 2, split_loads: bool = False,
+                early_refill: bool = False):
     """The value warps' steps, in the kernel's order. In the shipped build a barrier-0 round
     opens every tile, then the stage of tile t-1 is refilled. `group_barriers` is the
     GROUP_BARRIERS=1 build: no mid-tile round, the stage of tile t is refilled at the end of
     tile t after the value group's own barrier. `late_refill` is the LATE_REFILL build (it
     needs group_barriers); `refill_before_handover` refills tile t's stage before the
     hand-over that the score warps' last read of it precedes: a deliberate bug, for testing
-    the checker (with group_barriers)."""
+    the checker (with group_barriers). `early_refill` is EARLY_REFILL=1: the stage of tile t is
+    refilled right after P.V(t) instead of after the next mid-tile round. Each value warp then
+    writes only the columns it alone reads (and rope, which no value warp reads), so the four
+    warps need no round among themselves for it; the model checks it against the score warps."""
     if (late_refill or refill_before_handover) and not group_barriers:
         raise ValueError("late_refill and refill_before_handover are GROUP_BARRIERS=1 schedules")
     if split_loads and (group_barriers or late_refill or refill_before_handover or pv_lag):
         raise ValueError("split_loads is a schedule of the GROUP_BARRIERS=0 build (v16)")
+    if early_refill and (group_barriers or late_refill or refill_before_handover or pv_lag or split_loads):
+        raise ValueError("early_refill is a schedule of the GROUP_BARRIERS=0 build (v16)")
     if pv_lag:
         if group_barriers or late_refill or refill_before_handover:
             raise ValueError("pv_lag is a schedule of the GROUP_BARRIERS=0 build")
@@ -124,7 +130,7 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
         par = t & 1 if parity else 0
         if rounds:
             yield "sync", HANDOVER                   # the mid-tile round
-            if t >= 1 and t - 1 + stages < num_tiles:
+            if not early_refill and t >= 1 and t - 1 + stages < num_tiles:
                 yield "write", ("stage", (t - 1) % stages)
         if refill_before_handover and t + stages < num_tiles:
             yield "write", ("stage", t % stages)
@@ -136,6 +142,8 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
         yield "read", ("stage", t % stages)
         if split_loads:
             yield "read", ("stage_hi", t % stages)
+        if early_refill and t + stages < num_tiles:
+            yield "write", ("stage", t % stages)     # right after P.V(t): refill with tile t + stages
         if not (late_refill or refill_before_handover or rounds) and t + stages < num_tiles:
             yield "write", ("stage", t % stages)     # refill with tile t + stages
     yield "sync", END

@@ -135,6 +135,18 @@ constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared
 #define PREFETCH_AHEAD 0
 #endif
 constexpr int kPrefetchAhead = PREFETCH_AHEAD;
+// EARLY_REFILL (a candidate, session 14): when a stage is refilled. 0: after the next mid-tile
+// round, the first point at which all four value warps are done with it, so each refill waits
+// about half a round after the stage's last P.V. 1: each value warp refills the part of the
+// stage only it reads, its own 128 V columns (8 chunks of 16 B a lane), plus one chunk a thread
+// of the rope columns (512-575), which no value warp reads, right after its own P.V of the
+// tile. Nine copies a thread either way. The score warps last read the stage in QK, before the
+// hand-over that precedes this P.V. 16-key tiles, the v16 schedule, no L2 prefetch.
+#ifndef EARLY_REFILL
+#define EARLY_REFILL 0
+#endif
+static_assert(!EARLY_REFILL || (!GROUP_BARRIERS && !PV_LAG && !LATE_REFILL && !SPLIT_LOADS && PREFETCH_AHEAD == 0),
+              "EARLY_REFILL: the v16 schedule only, without PREFETCH_AHEAD");
 // STAGED_PROLOGUE (v18l): how the split kernel's value warps find the first tiles' key rows.
 // 0 (up to v18k): each of the kStages first tiles loads its kv_indices entry with a plain load
 // and copies the row as soon as it arrives, a load -> copies block per tile, so ptxas waits out
@@ -663,6 +675,31 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     if (kPrefetchAhead > 0) prefetch_rows(row_of(next + kPrefetchAhead, true));
   };
 
+  // EARLY_REFILL: this value warp's part of the refill of the stage of tile `done`, right after
+  // its own P.V of it: its 128 V columns of the 16 key rows (lane: key lane/2, 8 chunks from
+  // chunk 16*vwarp + 8*(lane&1)) and one chunk of rope (thread: key gtid/8, chunk 64 + gtid%8).
+  constexpr bool kEarlyRefill = EARLY_REFILL && KEYS == 16;
+  auto refill_own = [&](int done, int vwarp) {
+    const int next = done + kStages;
+    const int tile_key0 = key_begin + key_tile(next) * KEYS;
+    __nv_bfloat16* stage = sm.kv[done % kStages];
+    auto copy_chunks = [&](int k, int chunk, int count) {   // key row k of the tile, `count` chunks
+      const int key = tile_key0 + k;
+      const bool live = next < num_tiles && key < key_end;
+      const __nv_bfloat16* src = staged_key_row(prm, sm.index[next % kIndexRing][k], key, prefix_len, q_start, live);
+#pragma unroll
+      for (int j = 0; j < count; ++j)
+        cp_async_16(stage + k * kKvRowStride + (chunk + j) * 8, src + (chunk + j) * 8, live);
+    };
+    __syncwarp();   // this warp's ldmatrix reads of its columns come before its lanes overwrite them
+    copy_chunks(lane >> 1, (kVColsPerWarp / 8) * vwarp + 8 * (lane & 1), 8);
+    copy_chunks(gtid >> 3, kDimV / 8 + (gtid & 7), 1);
+    stage_index(next + kIndexAhead, true);
+    cp_async_commit();
+  };
+  static_assert(!kEarlyRefill || (KEYS * 2 == 32 && (kDimQK - kDimV) / 8 * KEYS == kGroupThreads),
+                "EARLY_REFILL: a lane pair a key row, a thread a rope chunk");
+
   // The score warps' share of the refill (SPLIT_LOADS): the same tile, the upper copies.
   auto score_refill = [&](int done) {
     const int next = done + kStages;
@@ -917,7 +954,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     for (int tile = 0; tile < num_tiles; ++tile) {
 #if !GROUP_BARRIERS
       cta_sync();   // the mid-tile round: every value warp is done with tile - 1
-      if (tile > 0) refill(tile - 1);
+      if (!kEarlyRefill && tile > 0) refill(tile - 1);
 #endif
       // Hand tile+1 over and take P(tile): the score warps start on tile+1 while this group
       // multiplies tile. Cp.async group g holds tile g; committed so far: every group up to
@@ -929,6 +966,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       cta_sync();  // P(tile) is ready; the score warps have tile+1
       if (kRefillLag && tile > 0) refill(tile - 1);
       multiply(tile);
+      if (kEarlyRefill && tile + 1 < num_tiles) refill_own(tile, vwarp);   // as refill(tile) would, next round
       if (!kRefillLag && GROUP_BARRIERS) {
         barrier_sync(kBarValue, kGroupThreads);   // every value warp is done with this stage
         refill(tile);
