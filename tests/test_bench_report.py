@@ -222,7 +222,7 @@ def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
     fake.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=Wrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     s = bench.Shape(1, 2, 3, 10)
-    x = types.SimpleNamespace(shape=s, q=torch.zeros(3, 2, 576), qo_indptr=None, kv_indptr_full=None,
+    x = types.SimpleNamespace(shape=s, q=torch.zeros(3, 2, 576), qo_indptr=None, kv_indptr_full=None, keys=[13],
                               kv_indices_full=torch.zeros(13, dtype=torch.int64), pool=torch.zeros(13, 1, 576))
     for impl in ("flashinfer_mla", "flashinfer_mla_fa2"):
         bench.BUILDERS[impl](x)()

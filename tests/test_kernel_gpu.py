@@ -49,6 +49,20 @@ def test_random_shapes(seed):
         assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} r{cta_rows} tk{tk}")
 
 
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_skewed_batch(q_len, seed):
+    """One long request beside fifteen short ones: the split kernel gives the long one most of
+    the grid (BALANCED_SPLITS), past what the combine step preloads (8 splits a request on
+    average, ~100 for the long one), and every row still merges its own splits."""
+    rng = random.Random(seed)
+    ctx = [rng.randrange(20000, 30000)] + [rng.randrange(1, 200) for _ in range(15)]
+    rng.shuffle(ctx)
+    case = make_verify_case(batch=16, heads=8, q_len=q_len, ctx_lens=ctx, mask="tree" if q_len > 1 else None,
+                            with_k_extend=q_len > 1, seed=seed, device="cuda")
+    out, lse = run_kernel(case, max_q_len=q_len, cta_rows=32)
+    assert_matches_reference(case, out, lse, f"skewed q{q_len} ctx={ctx}")
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 8, 31, 33, 128])   # every combine layout (1, 4, 16 groups)
 @layouts
 def test_any_split_count(num_splits, cta_rows, tile_keys, seed):
@@ -236,7 +250,8 @@ def test_compute_sanitizer_clean(tool):
     (("COMBINE_PRELOAD=0",), 32), (("COMBINE_PRELOAD=0",), 64), (("WIDE_Q_STAGGER=0",), 64),
     (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
     (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=0",), 32),
-    (("DECODE_ONE_MTILE=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32)],
+    (("DECODE_ONE_MTILE=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32),
+    (("BALANCED_SPLITS=0",), 32)],
     ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
@@ -247,8 +262,8 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows):
     copied in the same order by every split, or by cp.async as up to v18h; splits of at least
     64 keys, as up to v18j; the split kernel's first tiles each after its own index load, as up
     to v18k, only the first of them or all four before tile 0's hand-over; decode on two m16 tiles,
-    as up to v18l; each value warp refilling its own columns right after its P.V) compute the
-    same attention."""
+    as up to v18l; each value warp refilling its own columns right after its P.V; num_splits
+    CTAs a request whatever its length, as up to v18n) compute the same attention."""
 
     # verify shapes, and two that fit one m16 tile (decode, 16 rows with a tree)
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:11]:

@@ -142,22 +142,28 @@ VARIANTS = {
     # each value warp refills its own columns of a stage right after its P.V (EARLY_REFILL, a
     # candidate: session 14), instead of after the next mid-tile round
     "early_refill": Variant(("EARLY_REFILL=1",)),
+    # every request num_splits CTAs whatever its length, as up to v18n (v19 shares a row tile's
+    # CTAs out by keys: BALANCED_SPLITS); differs only on a batch of mixed lengths (--short-ctx)
+    "unbalanced": Variant(("BALANCED_SPLITS=0",)),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 
 
-def shapes_at(contexts, batch: int = 1) -> tuple[Shape, ...]:
+def shapes_at(contexts, batch: int = 1, short_ctx: int = 0) -> tuple[Shape, ...]:
     """The ablation's shapes (SHAPES) at each of these contexts, `batch` requests each; short
-    contexts show the fixed part, larger batches a step with every SM at work."""
-    return tuple(Shape(batch, s.heads, s.q_len, c) for c in contexts for s in SHAPES)
+    contexts show the fixed part, larger batches a step with every SM at work. short_ctx > 0
+    makes a skewed batch: one request at the context, the others at short_ctx."""
+    return tuple(Shape(batch, s.heads, s.q_len, c, short_ctx) for c in contexts for s in SHAPES)
 
 
 SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16")
 
 
-def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None, batch: int = 1):
+def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None, batch: int = 1,
+                   short_ctx: int = 0):
     """One recorded ablation run as a table: µs of each variant (rows, in VARIANTS order) at
-    each shape (columns), from data/results/kernel_ablation.jsonl, at one context and batch.
+    each shape (columns), from data/results/kernel_ablation.jsonl, at one context and batch
+    (short_ctx > 0: the skewed batch with its other requests at short_ctx).
     `version` is a kernel_version tag or a list of them (default: the newest recorded);
     `variants` keeps only those rows. The newest record of each variant and shape is kept, and
     the build defines (and a fixed split count) say what the variant changed."""
@@ -168,7 +174,8 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     df = load_records("kernel_ablation") if df is None else df
     if len(df) == 0:
         return df
-    df = df[(df["ctx"] == ctx) & (df["batch"] == batch)].sort_values("date").copy()
+    skew = df["short_ctx"].fillna(0) if "short_ctx" in df else pd.Series(0, index=df.index)
+    df = df[(df["ctx"] == ctx) & (df["batch"] == batch) & (skew == short_ctx)].sort_values("date").copy()
     if "kernel_version" in df:
         tags = df["kernel_version"].dropna()
         if version is None and len(tags):
@@ -223,7 +230,8 @@ def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:
             t = time_graph_us(fn, reps=reps)
             records.append({"impl": "sm120_mla", "variant": name, "defines": list(v.defines), **shape.__dict__,
                             "tile_keys": v.tile_keys, "cta_rows": v.cta_rows, "num_splits": fn.num_splits, **t})
-            print(f"b{shape.batch} h{shape.heads:<3d} q{shape.q_len:<2d} ctx {shape.ctx:6d}  {name:20s} "
+            skew = f"+{shape.batch - 1}x{shape.short_ctx}" if shape.short_ctx else ""
+            print(f"b{shape.batch} h{shape.heads:<3d} q{shape.q_len:<2d} ctx {shape.ctx:6d}{skew}  {name:20s} "
                   f"{t['time_us']:8.1f} us", flush=True)
     return records
 
@@ -238,17 +246,22 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, nargs="+", default=[65536],
                     help="contexts to time each shape at (default 65536)")
     ap.add_argument("--batch", type=int, default=1, help="requests a step, each at that context (default 1)")
+    ap.add_argument("--short-ctx", type=int, default=0,
+                    help="a skewed batch: every request but the first at this context (default 0: none)")
     args = ap.parse_args(argv)
     if min(args.ctx) < 1:
         ap.error("--ctx: contexts must be positive")
     if args.batch < 1:
         ap.error("--batch: must be positive")
+    if args.short_ctx < 0 or (args.short_ctx and args.batch < 2):
+        ap.error("--short-ctx: needs --batch 2 or more, and a positive context")
     if not torch.cuda.is_available():
         sys.exit("the ablation needs a CUDA GPU; none is visible to torch")
     variants = {n: VARIANTS[n] for n in (args.variants or VARIANTS)}
     build_all(variants)
     records = [dict(r, kernel_version=args.tag)
-               for r in run(shapes=shapes_at(args.ctx, args.batch), variants=variants, reps=args.reps)]
+               for r in run(shapes=shapes_at(args.ctx, args.batch, args.short_ctx), variants=variants,
+                            reps=args.reps)]
     from ..results import append_cli_records
 
     path = append_cli_records("kernel_ablation", records, "sm120_workbook.kernels.ablation", argv, args.out)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import statistics
 import sys
 import traceback
@@ -40,6 +41,14 @@ class Shape:
     heads: int
     q_len: int
     ctx: int       # committed context per request (prefix keys); the draft adds q_len keys
+    # > 0: a skewed batch, request 0 at ctx and every other request at short_ctx (the split
+    # kernel's balanced pool, BALANCED_SPLITS, is for such a batch)
+    short_ctx: int = 0
+
+    @property
+    def contexts(self) -> list[int]:
+        """Each request's committed context."""
+        return [self.ctx] + [self.short_ctx or self.ctx] * (self.batch - 1)
 
 
 def add_shape_args(ap) -> None:
@@ -62,28 +71,32 @@ class Inputs:
         g = torch.Generator(device=device).manual_seed(seed)
         self.shape = s
         T = s.batch * s.q_len
-        keys = s.ctx + s.q_len                      # per request, draft included
+        ctxs = s.contexts
+        self.keys = [c + s.q_len for c in ctxs]     # per request, draft included
         self.q = torch.randn(T, s.heads, DIM_QK, device=device, generator=g).to(torch.bfloat16)
         # The pool holds every request's context and draft rows back to back (a sorted,
         # defragmented allocator); notebook 04 measures what scattering costs.
-        self.pool = torch.randn(s.batch * keys, 1, DIM_QK, device=device, generator=g).to(torch.bfloat16)
-        base = torch.arange(s.batch, device=device, dtype=torch.int64) * keys
-        self.kv_indices_full = (base[:, None] + torch.arange(keys, device=device)).reshape(-1)
-        self.prefix_indices = (base[:, None] + torch.arange(s.ctx, device=device)).reshape(-1)
-        draft_rows = (base[:, None] + s.ctx + torch.arange(s.q_len, device=device)).reshape(-1)
+        self.pool = torch.randn(sum(self.keys), 1, DIM_QK, device=device, generator=g).to(torch.bfloat16)
+        starts = [sum(self.keys[:b]) for b in range(s.batch)]
+        ar = functools.partial(torch.arange, device=device, dtype=torch.int64)
+        self.kv_indices_full = ar(sum(self.keys))
+        self.prefix_indices = torch.cat([ar(st, st + c) for st, c in zip(starts, ctxs)])
+        draft_rows = torch.cat([ar(st + c, st + c + s.q_len) for st, c in zip(starts, ctxs)])
         self.k_extend = self.pool[draft_rows].contiguous()             # the drafts' own KV
-        self.qo_indptr = torch.arange(0, T + 1, s.q_len, device=device, dtype=torch.int32)
-        self.kv_indptr = torch.arange(0, s.batch * s.ctx + 1, s.ctx, device=device, dtype=torch.int32)
-        self.kv_indptr_full = torch.arange(0, s.batch * keys + 1, keys, device=device, dtype=torch.int32)
+        def indptr(lens, dtype=torch.int32):
+            return torch.tensor([0, *itertools.accumulate(lens)], device=device, dtype=dtype)
+
+        self.qo_indptr = indptr([s.q_len] * s.batch)
+        self.kv_indptr = indptr(ctxs)
+        self.kv_indptr_full = indptr(self.keys)
         tri = torch.ones(s.q_len, s.q_len, dtype=torch.bool, device=device).tril()
-        blk = torch.cat([torch.ones(s.q_len, s.ctx, dtype=torch.bool, device=device), tri], dim=1)
-        self.custom_mask = blk.reshape(-1).repeat(s.batch)
-        self.mask_indptr = torch.arange(0, s.batch * blk.numel() + 1, blk.numel(), device=device, dtype=torch.int64)
+        blocks = [torch.cat([torch.ones(s.q_len, c, dtype=torch.bool, device=device), tri], dim=1) for c in ctxs]
+        self.custom_mask = torch.cat([b.reshape(-1) for b in blocks])
+        self.mask_indptr = indptr([b.numel() for b in blocks], torch.int64)
 
     @property
     def kv_bytes(self) -> int:
-        s = self.shape
-        return s.batch * (s.ctx + s.q_len) * DIM_QK * 2
+        return sum(self.keys) * DIM_QK * 2
 
 
 # Each builder returns a zero-argument callable that runs one step on preallocated buffers.
@@ -143,14 +156,15 @@ def build_flashmla(x: Inputs, page: int = 64):
 
     s = x.shape
     dev = x.q.device
-    keys = s.ctx + s.q_len
-    blocks = -(-keys // page)
+    blocks = -(-max(x.keys) // page)
     cache = torch.zeros(s.batch * blocks * page, 1, DIM_QK, device=dev, dtype=torch.bfloat16)
-    for b in range(s.batch):   # same rows as the pool, laid out in 64-token pages
-        cache[b * blocks * page:b * blocks * page + keys] = x.pool[b * keys:(b + 1) * keys]
+    start = 0
+    for b, keys in enumerate(x.keys):   # same rows as the pool, laid out in 64-token pages
+        cache[b * blocks * page:b * blocks * page + keys] = x.pool[start:start + keys]
+        start += keys
     cache = cache.view(s.batch * blocks, page, 1, DIM_QK)
     table = torch.arange(s.batch * blocks, device=dev, dtype=torch.int32).view(s.batch, blocks)
-    seqlens = torch.full((s.batch,), keys, device=dev, dtype=torch.int32)
+    seqlens = torch.tensor(x.keys, device=dev, dtype=torch.int32)
     meta, splits = get_mla_metadata(seqlens, s.q_len * s.heads, 1)
     q = x.q.view(s.batch, s.q_len, s.heads, DIM_QK)
     return lambda: flash_mla_with_kvcache(q, cache, table, seqlens, DIM_V, meta, splits,
@@ -165,10 +179,9 @@ def build_flashinfer_mla(x: Inputs, backend: str = "auto"):
 
     s = x.shape
     dev = x.q.device
-    keys = s.ctx + s.q_len
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
-    kv_lens = torch.full((s.batch,), keys, device=dev, dtype=torch.int32)
+    kv_lens = torch.tensor(x.keys, device=dev, dtype=torch.int32)
     wrapper.plan(x.qo_indptr, x.kv_indptr_full, x.kv_indices_full.to(torch.int32), kv_lens, s.heads,
                  DIM_V, DIM_QK - DIM_V, 1, True, SM_SCALE, torch.bfloat16, torch.bfloat16)
     q_nope, q_pe = x.q[..., :DIM_V].contiguous(), x.q[..., DIM_V:].contiguous()

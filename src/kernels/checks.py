@@ -42,7 +42,8 @@ def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
     T, H, _ = q.shape
     out = torch.full((T, H, DIM_V), float("nan"), device=q.device, dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"), device=q.device, dtype=torch.float32)
-    ws = MlaVerifyWorkspace(T, H, q.device, num_splits=num_splits, tile_keys=tile_keys,
+    batch = case["qo_indptr"].numel() - 1
+    ws = MlaVerifyWorkspace(batch * max_q_len, H, q.device, num_splits=num_splits, tile_keys=tile_keys,
                               kernel_defines=kernel_defines, cta_rows=cta_rows)
     mla_verify_attention(q, case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
                          out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=max_q_len,

@@ -113,8 +113,9 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   TORCH_CHECK(cta_rows == kRowsPerCta || (cta_rows == wide::kRows && tile_keys == wide::kKeys),
               "cta_rows must be 32, or 64 with 16-key tiles");
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
-  TORCH_CHECK(ws_o.numel() >= T * H * num_splits * kDimV && ws_lse.numel() >= T * H * num_splits,
-              "workspace too small");
+  // partial_slot: max_q_len * H rows of slots for each of the B * num_splits CTAs of a row tile
+  const int64_t slots = B * num_splits * max_q_len * H;
+  TORCH_CHECK(ws_o.numel() >= slots * kDimV && ws_lse.numel() >= slots, "workspace too small");
   TORCH_CHECK(B <= 65535, "batch must be <= 65535 (grid z)");
   if (T == 0 || B == 0) return;
 
@@ -140,6 +141,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.batch = static_cast<int>(B);
   prm.max_q_len = static_cast<int>(max_q_len);
   prm.num_splits = static_cast<int>(num_splits);
+  prm.balanced_splits = BALANCED_SPLITS && cta_rows != wide::kRows;
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

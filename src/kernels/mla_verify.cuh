@@ -281,16 +281,18 @@ struct Params {
   const void* kv_indices;          // int32 or int64
   const uint8_t* custom_mask;      // flat bool, or nullptr for a causal chain
   const void* mask_indptr;         // int32 or int64, [B+1]
-  float* ws_o;                     // [T*H*num_splits, 512]: each split's normalised output, fp32, or
+  float* ws_o;                     // [B*num_splits*max_q_len*H, 512] (partial_slot): each split's
+                                   // normalised output, fp32, or
                                    // bf16 in the first half of the same buffer (the wide kernel's
                                    // WIDE_BF16_PARTIALS; the combine step's kBf16Partials)
-  float* ws_lse;                   // [T*H*num_splits]: each split's LSE (log2 domain)
+  float* ws_lse;                   // [B*num_splits*max_q_len*H]: each split's LSE (log2 domain)
   __nv_bfloat16* out;              // [T, H, 512]
   float* lse;                      // [T, H] natural-log LSE of sm_scale * q.k
   int heads;
   int batch;
   int max_q_len;
   int num_splits;
+  int balanced_splits;             // the split kernel's pool (BALANCED_SPLITS), not the 64-row kernel
   int kv_indices_64;
   int mask_indptr_64;
   float scale_log2;                // sm_scale * log2(e)
@@ -434,10 +436,77 @@ __device__ __forceinline__ void stage_key_index(const Params& prm, int64_t* dst,
 
 // Helpers shared by the split kernel and the wide kernel (mla_verify_wide.cuh).
 
-// Workspace slot of (token, head) row `gr` of a request (q_start: its first token), or -1 for
-// a padding row past `rows`.
+// Which request, and which of its splits, a CTA works on (v19, BALANCED_SPLITS). The CTAs of
+// one row tile, gridDim.y x gridDim.z = num_splits x batch of them, are a pool. Request r takes
+// the pool's CTAs first_cta(r) .. first_cta(r + 1) - 1: one of its own, and the rest shared out
+// in proportion to its keys. So a batch of mixed lengths finishes together, where a fixed
+// num_splits a request left its longest request's CTAs working long after the others had
+// finished. Equal lengths give every request num_splits, exactly as before. The grid still
+// depends on static shapes only, so a captured graph replays for any lengths.
+// BALANCED_SPLITS=0: num_splits CTAs a request whatever its length (up to v18n).
+#ifndef BALANCED_SPLITS
+#define BALANCED_SPLITS 1
+#endif
+struct SplitPool {
+  int spare;            // CTAs beyond one a request: shared out by keys
+  int64_t total_keys;   // keys of the whole batch
+};
+// Keys of requests 0 .. r-1: their prefixes and, with k_extend, their draft tokens.
+__device__ __forceinline__ int64_t keys_before(const Params& prm, int r) {
+  int64_t k = prm.kv_indptr[r] - prm.kv_indptr[0];
+  if (prm.k_extend) k += prm.qo_indptr[r] - prm.qo_indptr[0];
+  return k;
+}
+__device__ __forceinline__ SplitPool split_pool(const Params& prm) {
+  return {prm.batch * (prm.num_splits - 1), prm.balanced_splits ? keys_before(prm, prm.batch) : 0};
+}
+// The pool's first CTA for request r (r = batch: the pool's size).
+__device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& pool, int r) {
+  if (pool.total_keys == 0) return r * prm.num_splits;   // also: not balanced
+  return r + static_cast<int>(pool.spare * keys_before(prm, r) / pool.total_keys);
+}
+// The request of pool CTA c: how many of requests 1 .. batch-1 start at or before c, counted by
+// the whole block (every thread must call it, with the same c).
+__device__ __forceinline__ int request_of_cta(const Params& prm, const SplitPool& pool, int c) {
+  if (prm.batch == 1) return 0;
+  if (pool.total_keys == 0) return c / prm.num_splits;
+  int before = 0;
+  for (int r0 = 1; r0 < prm.batch; r0 += blockDim.x) {
+    const int r = r0 + static_cast<int>(threadIdx.x);
+    before += __syncthreads_count(r < prm.batch && first_cta(prm, pool, r) <= c);
+  }
+  return before;
+}
+// This CTA's place in its row tile's pool, read afresh from the special registers wherever it is
+// used: volatile, so that ptxas does not keep one copy live (spilled) through the main loop.
+__device__ __forceinline__ int pool_cta() {
+  unsigned y, z, ny;
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+  asm volatile("mov.u32 %0, %%nctaid.y;" : "=r"(ny));
+  return static_cast<int>(y + ny * z);
+}
+// A CTA's work: request `request`, split `split` of its `count` (at most kMaxSplits, the
+// combine step's bound; a CTA past that bound has none: split >= count).
+struct SplitOf {
+  int request, split, count;
+};
+__device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
+  const SplitPool pool = split_pool(prm);
+  const int r = request_of_cta(prm, pool, c);
+  const int first = first_cta(prm, pool, r);
+  return {r, c - first, min(first_cta(prm, pool, r + 1) - first, kMaxSplits)};
+}
+
+// Workspace slot of (token, head) row `gr` of a request (q_start: its first token) for its split
+// `split`, or -1 for a padding row past `rows`.
+// kBalanced (the split kernel, prm.balanced_splits): each pool CTA has max_q_len * H rows of
+// slots, so a request may have any number of splits; the combine step finds them from the same
+// first_cta. Otherwise (the 64-row kernel): num_splits slots a row, row by row.
+template <bool kBalanced>
 __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, int rows, int gr, int split) {
   if (gr >= rows) return -1;
+  if (kBalanced) return static_cast<int64_t>(pool_cta()) * prm.max_q_len * prm.heads + gr;
   // row (q_start + gr / H) * H + gr % H of the [T * H] rows, i.e. q_start * H + gr: no division
   return (static_cast<int64_t>(q_start) * prm.heads + gr) * prm.num_splits + split;
 }
@@ -536,14 +605,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
-  const int b = blockIdx.z, split = blockIdx.y;
+  const SplitOf work = split_of_cta(prm, pool_cta());
+  const int b = work.request, split = work.split;
   const int H = prm.heads;
 
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
   const int rows = q_len * H;
-  if (row0 >= rows) {                              // request shorter than max_q_len
+  if (row0 >= rows || split >= work.count) {       // request shorter than max_q_len; a spare CTA
     timeline_stamp(0, kEvExit);
     return;
   }
@@ -555,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int draft0 = num_keys - q_len;             // first draft key; before it all is visible
 
   // This split's key range: equal chunks, whole tiles, never below kMinKeysPerSplit.
-  int chunk = (num_keys + prm.num_splits - 1) / prm.num_splits;
+  int chunk = (num_keys + work.count - 1) / work.count;
   chunk = max(kMinKeysPerSplit, (chunk + KEYS - 1) / KEYS * KEYS);
   const int key_begin = split * chunk;
   const int key_end = min(num_keys, key_begin + chunk);
@@ -569,7 +639,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   };
 
   auto partial_index = [&](int r) {  // workspace slot of local row r, or -1 for padding
-    return partial_slot(prm, q_start, rows, row0 + r, split);
+    return partial_slot<BALANCED_SPLITS>(prm, q_start, rows, row0 + r, split);
   };
 
   if (num_tiles == 0) {  // empty split: the combine step gives it zero weight
@@ -676,24 +746,28 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   };
 
   // EARLY_REFILL: this value warp's part of the refill of the stage of tile `done`, right after
-  // its own P.V of it: its 128 V columns of the 16 key rows (lane: key lane/2, 8 chunks from
-  // chunk 16*vwarp + 8*(lane&1)) and one chunk of rope (thread: key gtid/8, chunk 64 + gtid%8).
+  // its own P.V of it: its 128 V columns of the 16 key rows (lane: key lane/2, chunks 16*vwarp +
+  // 2j + (lane&1) for j < 8, so that each copy instruction fills whole 32-byte sectors: a lane
+  // pair's 32 contiguous bytes of each row) and one chunk of rope (thread: key gtid/8, chunk 64 +
+  // gtid%8). The first build gave each lane 8 contiguous chunks instead, so every instruction
+  // fetched half sectors, and decode was 1.6x slower (NOTES.md, session 15).
   constexpr bool kEarlyRefill = EARLY_REFILL && KEYS == 16;
   auto refill_own = [&](int done, int vwarp) {
     const int next = done + kStages;
     const int tile_key0 = key_begin + key_tile(next) * KEYS;
     __nv_bfloat16* stage = sm.kv[done % kStages];
-    auto copy_chunks = [&](int k, int chunk, int count) {   // key row k of the tile, `count` chunks
+    // key row k of the tile: `count` chunks from `chunk`, `step` chunks apart
+    auto copy_chunks = [&](int k, int chunk, int count, int step) {
       const int key = tile_key0 + k;
       const bool live = next < num_tiles && key < key_end;
       const __nv_bfloat16* src = staged_key_row(prm, sm.index[next % kIndexRing][k], key, prefix_len, q_start, live);
 #pragma unroll
       for (int j = 0; j < count; ++j)
-        cp_async_16(stage + k * kKvRowStride + (chunk + j) * 8, src + (chunk + j) * 8, live);
+        cp_async_16(stage + k * kKvRowStride + (chunk + j * step) * 8, src + (chunk + j * step) * 8, live);
     };
     __syncwarp();   // this warp's ldmatrix reads of its columns come before its lanes overwrite them
-    copy_chunks(lane >> 1, (kVColsPerWarp / 8) * vwarp + 8 * (lane & 1), 8);
-    copy_chunks(gtid >> 3, kDimV / 8 + (gtid & 7), 1);
+    copy_chunks(lane >> 1, (kVColsPerWarp / 8) * vwarp + (lane & 1), 8, 2);
+    copy_chunks(gtid >> 3, kDimV / 8 + (gtid & 7), 1, 1);
     stage_index(next + kIndexAhead, true);
     cp_async_commit();
   };
@@ -1042,7 +1116,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   timeline_stamp(1, kEvEntry);
   const int64_t row = blockIdx.x;
   const int col0 = blockIdx.y * kCols;
-  const int S = prm.num_splits, tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31;
   const int vec = tid % kVecs, group = tid / kVecs;
   __nv_bfloat16* dst = prm.out + row * kDimV + col0 + vec * 4;
   auto store = [&](float4 v) {
@@ -1052,16 +1126,17 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // Rows the attention kernel never wrote: tokens past the last request (CUDA-graph padding)
   // get 0 and lse -inf; tokens past max_q_len within their request broke the caller's
   // contract and get NaN, so it shows. The test is uniform across the CTA.
+  const int64_t token = row / prm.heads;
+  int request = 0;   // the request holding token: last b with qo_indptr[b] <= token
   {
-    const int64_t token = row / prm.heads;
     int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
     if (!unwritten) {
-      int lo = 0, hi = prm.batch - 1;  // the request holding token: last b with qo_indptr[b] <= token
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (prm.qo_indptr[mid] <= token) lo = mid; else hi = mid - 1;
+      int hi = prm.batch - 1;
+      while (request < hi) {
+        const int mid = (request + hi + 1) >> 1;
+        if (prm.qo_indptr[mid] <= token) request = mid; else hi = mid - 1;
       }
-      unwritten = token - prm.qo_indptr[lo] >= prm.max_q_len ? 2 : 0;
+      unwritten = token - prm.qo_indptr[request] >= prm.max_q_len ? 2 : 0;
     }
     if (unwritten) {
       const float fill = unwritten == 1 ? 0.f : NAN;
@@ -1073,10 +1148,23 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
       return;
     }
   }
+  // This row's splits: S pool CTAs from `first_split`, each with max_q_len * H rows of slots, or
+  // num_splits slots of the row itself (partial_slot). The indptrs are inputs, so they are read
+  // before the wait.
+  const SplitPool pool = split_pool(prm);
+  const int first_split = first_cta(prm, pool, request);
+  const int S = min(first_cta(prm, pool, request + 1) - first_split, kMaxSplits);
+  const int64_t split_stride = prm.balanced_splits ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
+  const int64_t slot0 = prm.balanced_splits
+                            ? first_split * split_stride + (row - static_cast<int64_t>(prm.qo_indptr[request]) * prm.heads)
+                            : row * prm.num_splits;
   wait_for_prerequisite_grid();   // the partials below are the attention kernel's
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if constexpr (kPreload) {
-    const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
+  const int64_t first = (slot0 * kDimV + col0) / 4 + vec;   // in 4-column vectors
+  const int64_t stride = split_stride * (kDimV / 4);          // from one split's partial to the next
+  // The launcher sized kGroups for num_splits; a request with more splits than the preload
+  // holds (a long one beside short ones) takes the walk below.
+  if (kPreload && S <= kGroups * kMaxSplitsPerGroup) {
     using Raw = typename std::conditional<kBf16Partials, uint2, float4>::type;   // 4 bf16 or 4 fp32
     const Raw* parts = reinterpret_cast<const Raw*>(prm.ws_o);
     // The LSE warp's own loads go first (v18d: loads queued ahead of them delayed the LSE pass),
@@ -1084,13 +1172,14 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     float lv[4];
     if (tid < 32) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) lv[j] = lane + 32 * j < S ? prm.ws_lse[row * S + lane + 32 * j] : -INFINITY;
+      for (int j = 0; j < 4; ++j)
+        lv[j] = lane + 32 * j < S ? prm.ws_lse[slot0 + (lane + 32 * j) * split_stride] : -INFINITY;
     }
     Raw raw[kMaxSplitsPerGroup];
 #pragma unroll
     for (int k = 0; k < kMaxSplitsPerGroup; ++k) {
       const int s = group + k * kGroups;
-      if (s < S) raw[k] = parts[first + static_cast<int64_t>(s) * (kDimV / 4)];
+      if (s < S) raw[k] = parts[first + s * stride];
     }
     if (tid < 32) {
       float m = fmaxf(fmaxf(lv[0], lv[1]), fmaxf(lv[2], lv[3]));
@@ -1128,13 +1217,13 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
   } else {
     if (tid < 32) {
-      const float* lse = prm.ws_lse + row * S;
+      const float* lse = prm.ws_lse + slot0;
       float m = -INFINITY;
-      for (int s = lane; s < S; s += 32) m = fmaxf(m, lse[s]);
+      for (int s = lane; s < S; s += 32) m = fmaxf(m, lse[s * split_stride]);
       m = warp_max(m);
       float sum = 0.f;
       for (int s = lane; s < S; s += 32) {
-        const float w = m == -INFINITY ? 0.f : exp2f(lse[s] - m);  // 0 for splits with no keys
+        const float w = m == -INFINITY ? 0.f : exp2f(lse[s * split_stride] - m);  // 0 for splits with no keys
         weight[s] = w;
         sum += w;
       }
@@ -1143,12 +1232,11 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
     __syncthreads();
     timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
-    const int64_t first = (row * S * kDimV + col0) / 4 + vec;   // in 4-column vectors
 #pragma unroll 4
     for (int s = group; s < S; s += kGroups) {
       // Loaded whatever the weight, so the loads of a thread's splits are in flight together;
       // a split with no keys never wrote its partial (it may hold NaN), so it is never multiplied.
-      const int64_t at = first + static_cast<int64_t>(s) * (kDimV / 4);
+      const int64_t at = first + s * stride;
       float4 v;
       if constexpr (kBf16Partials) {
         const uint2 raw = reinterpret_cast<const uint2*>(prm.ws_o)[at];   // 4 bf16

@@ -201,7 +201,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
   const int dq = warp % kQuarters;          // my quarter of the dims and of the O columns
-  const int b = blockIdx.z, split = blockIdx.y;
+  // Every request num_splits CTAs (the balanced pool of the split kernel costs this kernel's
+  // main loop two spilled registers on both archs: NOTES.md, session 15).
+  const SplitOf work = {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y), prm.num_splits};
+  const int b = work.request, split = work.split;
   const int H = prm.heads;
 
   const int q_start = prm.qo_indptr[b];
@@ -230,13 +233,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int num_keys = prefix_len + (prm.k_extend ? q_len : 0);
   const int draft0 = num_keys - q_len;
 
-  int chunk = (num_keys + prm.num_splits - 1) / prm.num_splits;
+  int chunk = (num_keys + work.count - 1) / work.count;
   chunk = max(kMinKeysPerSplit, (chunk + kKeys - 1) / kKeys * kKeys);
   const int key_begin = split * chunk;
   const int key_end = min(num_keys, key_begin + chunk);
   const int num_tiles = key_begin < key_end ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
 
-  auto partial_index = [&](int gr) { return partial_slot(prm, q_start, rows, gr, split); };
+  auto partial_index = [&](int gr) { return partial_slot<false>(prm, q_start, rows, gr, split); };
   if (num_tiles == 0) {  // empty split: the combine step gives it zero weight
     if (tid < kRows) {
       const int64_t pi = partial_index(row0 + tid);

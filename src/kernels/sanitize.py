@@ -34,7 +34,7 @@ BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV
           "unstaged_prologue": ("STAGED_PROLOGUE=0",),
           "early_stages1": ("PROLOGUE_EARLY_STAGES=1",),
           "two_mtiles": ("DECODE_ONE_MTILE=0",), "all_stages_first": ("PROLOGUE_EARLY_STAGES=0",),
-          "early_refill": ("EARLY_REFILL=1",)}
+          "early_refill": ("EARLY_REFILL=1",), "unbalanced": ("BALANCED_SPLITS=0",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 

@@ -90,7 +90,10 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
 class MlaVerifyWorkspace:
     """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
 
-    With num_splits=None the split count follows `choose_num_splits` for each call's
+    Each call needs batch x max_q_len x heads x num_splits rows of partials (each of the
+    grid's CTAs has max_q_len x heads of them, whichever request it works on), so max_tokens
+    bounds batch x max_q_len, which is the token count where every request has max_q_len
+    queries. With num_splits=None the split count follows `choose_num_splits` for each call's
     batch; the buffer is sized so that any batch up to max_tokens fits. With cta_rows=None
     the kernel follows `choose_cta_rows` for each call's batch and max_q_len (32-key tiles
     exist only in the 32-row kernel); 32 or 64 fixes it.
@@ -120,7 +123,8 @@ class MlaVerifyWorkspace:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         if num_splits is None:
-            # T*H*S <= 64*num_sms when S > 1 (one wave, <= 64 rows per CTA), else T*H.
+            # B*max_q_len*H*S <= 64*num_sms when S > 1 (one wave of B*S CTAs per row tile, each
+            # tile <= 64 rows), else B*max_q_len*H.
             rows = max(CTA_ROWS) * self.num_sms + max_tokens * heads
         else:
             rows = max_tokens * heads * num_splits
@@ -234,9 +238,9 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     if workspace.heads != H:
         _fail("workspace", f"allocated for {workspace.heads} heads, q has {H}")
     splits = workspace.num_splits_for(batch, max_q_len)
-    if T * H * splits > workspace.capacity_rows:
-        _fail("workspace", f"too small: {T} tokens x {H} heads x {splits} splits > "
-              f"{workspace.capacity_rows} rows (allocated for max_tokens={workspace.max_tokens})")
+    if batch * max_q_len * H * splits > workspace.capacity_rows:
+        _fail("workspace", f"too small: {batch} requests x max_q_len {max_q_len} x {H} heads x {splits} "
+              f"splits > {workspace.capacity_rows} rows (allocated for max_tokens={workspace.max_tokens})")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         _fail("sm_scale", f"must be a positive finite float, got {sm_scale!r}")
     if dev.type != "cuda":
