@@ -135,7 +135,10 @@ constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared
 #define PREFETCH_AHEAD 0
 #endif
 constexpr int kPrefetchAhead = PREFETCH_AHEAD;
-// EARLY_REFILL (a candidate, session 14): when a stage is refilled. 0: after the next mid-tile
+// EARLY_REFILL (session 14's candidate; refuted in session 15, off, kept as the record): when a
+// stage is refilled. Measured 1.4-1.6x slower at batched decode (b8 64k 178 -> 254-289 us), with
+// either lane mapping below: copies issued beside the P.V stream cost more than an earlier
+// refill gains (NOTES.md, session 15). 0: after the next mid-tile
 // round, the first point at which all four value warps are done with it, so each refill waits
 // about half a round after the stage's last P.V. 1: each value warp refills the part of the
 // stage only it reads, its own 128 V columns (8 chunks of 16 B a lane), plus one chunk a thread
