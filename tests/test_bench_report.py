@@ -246,3 +246,21 @@ def test_batched_decode_is_timed_and_tabled_apart_from_batch_one():
     assert t.index.tolist() == [(32, 8, 16384)]
     assert t.columns.tolist() == ["sm120_mla", "flashmla"] and t.loc[(32, 8, 16384)].tolist() == [300.0, 450.0]
     assert br.batched_decode_table(df[df["batch"] == 1]).empty
+
+
+def test_skewed_batch_inputs_give_each_request_its_own_length():
+    """Shape.short_ctx: request 0 at ctx and the rest at short_ctx, in every index, indptr and
+    mask the builders read (a mixed-length batch, as a server's is)."""
+    import torch
+
+    from sm120_workbook.kernels.bench import Inputs, Shape
+
+    s = Shape(3, 2, 2, 10, short_ctx=4)
+    assert s.contexts == [10, 4, 4] and Shape(3, 2, 2, 10).contexts == [10, 10, 10]
+    x = Inputs(s, device="cpu")
+    assert x.keys == [12, 6, 6] and x.kv_bytes == 24 * 576 * 2
+    assert x.kv_indptr.tolist() == [0, 10, 14, 18] and x.kv_indptr_full.tolist() == [0, 12, 18, 24]
+    assert x.qo_indptr.tolist() == [0, 2, 4, 6] and x.mask_indptr.tolist() == [0, 24, 36, 48]
+    # request 1's prefix rows, then its two draft rows, follow request 0's 12 rows in the pool
+    assert x.prefix_indices.tolist()[10:14] == [12, 13, 14, 15]
+    assert torch.equal(x.k_extend[2:4], x.pool[[16, 17]])
