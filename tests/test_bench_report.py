@@ -235,9 +235,12 @@ def test_batched_decode_is_timed_and_tabled_apart_from_batch_one():
     from sm120_workbook.kernels import bench
 
     grid = bench.default_grid()
-    batched = {(impl, s.batch, s.ctx) for impl, s, _ in grid if s.q_len == 1 and s.batch > 1}
-    assert batched == {(impl, b, c) for impl in ("sm120_mla", "triton_decode", "flashmla", "flashinfer_mla_fa2")
-                       for b, c in ((8, 65536), (32, 16384))}
+    decode_libs = ("sm120_mla", "triton_decode", "flashmla", "flashinfer_mla_fa2")
+    batched = {(impl, s.batch, s.ctx, s.short_ctx) for impl, s, _ in grid if s.q_len == 1 and s.batch > 1}
+    assert batched == ({(impl, b, c, 0) for impl in decode_libs for b, c in ((8, 65536), (32, 16384))}
+                       | {(impl, b, 65536, short) for impl in decode_libs for b, short in ((8, 1024), (32, 2048))})
+    skewed_verify = {(impl, s.batch, s.q_len) for impl, s, _ in grid if s.short_ctx and s.q_len > 1}
+    assert skewed_verify == {(impl, 8, 16) for impl in ("sm120_mla", "flashmla", "flashinfer_mla_fa2")}
     df = pd.DataFrame([dict(_rec("r", "v", "sm120_mla", 40.0, q_len=1)),
                        dict(_rec("r", "v", "sm120_mla", 300.0, q_len=1, ctx=16384), batch=32),
                        dict(_rec("r", "v", "flashmla", 450.0, q_len=1, ctx=16384), batch=32),
@@ -264,3 +267,18 @@ def test_skewed_batch_inputs_give_each_request_its_own_length():
     # request 1's prefix rows, then its two draft rows, follow request 0's 12 rows in the pool
     assert x.prefix_indices.tolist()[10:14] == [12, 13, 14, 15]
     assert torch.equal(x.k_extend[2:4], x.pool[[16, 17]])
+
+
+def test_skewed_batches_are_tabled_apart_from_uniform_ones():
+    """A skewed batch (short_ctx > 0) shares batch, q_len and ctx with a uniform one, so every
+    table but skewed_batch_table sees only uniform records, and that one only skewed records."""
+    uniform = [dict(_rec("r", "v", impl, t, q_len=1), batch=8) for impl, t in (("sm120_mla", 177.0), ("flashmla", 170.0))]
+    skewed = [dict(r, short_ctx=1024, time_us=r["time_us"] / 4) for r in uniform]
+    old = _rec("r0", "v0", "sm120_mla", 300.0)   # a record from before short_ctx existed
+    df = pd.DataFrame([old, *uniform, *skewed])
+    flat, skew = br.uniform_and_skewed(df)
+    assert len(flat) == 3 and len(skew) == 2 and (skew["short_ctx"] == 1024).all()
+    assert list(br.batched_decode_table(flat).loc[(8, 8, 65536)]) == [177.0, 170.0]
+    t = br.skewed_batch_table(skew)
+    assert list(t.index) == [(8, 8, 1, 65536, 1024)] and list(t.loc[(8, 8, 1, 65536, 1024)]) == [44.2, 42.5]
+    assert br.skewed_batch_table(skew.iloc[:0]).empty

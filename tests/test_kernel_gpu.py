@@ -49,17 +49,17 @@ def test_random_shapes(seed):
         assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} r{cta_rows} tk{tk}")
 
 
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_skewed_batch(q_len, seed):
-    """One long request beside fifteen short ones: the split kernel gives the long one most of
-    the grid (BALANCED_SPLITS), past what the combine step preloads (8 splits a request on
+@pytest.mark.parametrize("q_len, cta_rows", [(1, 32), (4, 32), (16, 64)])
+def test_skewed_batch(q_len, cta_rows, seed):
+    """One long request beside fifteen short ones: the kernel gives the long one most of the
+    grid (BALANCED_SPLITS), past what the combine step preloads (decode: 8 splits a request on
     average, ~100 for the long one), and every row still merges its own splits."""
     rng = random.Random(seed)
     ctx = [rng.randrange(20000, 30000)] + [rng.randrange(1, 200) for _ in range(15)]
     rng.shuffle(ctx)
     case = make_verify_case(batch=16, heads=8, q_len=q_len, ctx_lens=ctx, mask="tree" if q_len > 1 else None,
                             with_k_extend=q_len > 1, seed=seed, device="cuda")
-    out, lse = run_kernel(case, max_q_len=q_len, cta_rows=32)
+    out, lse = run_kernel(case, max_q_len=q_len, cta_rows=cta_rows)
     assert_matches_reference(case, out, lse, f"skewed q{q_len} ctx={ctx}")
 
 
@@ -251,7 +251,7 @@ def test_compute_sanitizer_clean(tool):
     (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
     (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=0",), 32),
     (("DECODE_ONE_MTILE=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32),
-    (("BALANCED_SPLITS=0",), 32)],
+    (("BALANCED_SPLITS=0",), 32), (("BALANCED_SPLITS=0",), 64)],
     ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,

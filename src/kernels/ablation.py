@@ -145,6 +145,7 @@ VARIANTS = {
     # every request num_splits CTAs whatever its length, as up to v18n (v19 shares a row tile's
     # CTAs out by keys: BALANCED_SPLITS); differs only on a batch of mixed lengths (--short-ctx)
     "unbalanced": Variant(("BALANCED_SPLITS=0",)),
+    "wide_unbalanced": Variant(("BALANCED_SPLITS=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

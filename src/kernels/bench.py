@@ -83,6 +83,7 @@ class Inputs:
         self.prefix_indices = torch.cat([ar(st, st + c) for st, c in zip(starts, ctxs)])
         draft_rows = torch.cat([ar(st + c, st + c + s.q_len) for st, c in zip(starts, ctxs)])
         self.k_extend = self.pool[draft_rows].contiguous()             # the drafts' own KV
+
         def indptr(lens, dtype=torch.int32):
             return torch.tensor([0, *itertools.accumulate(lens)], device=device, dtype=dtype)
 
@@ -244,7 +245,20 @@ def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_ro
 VERIFY_LIBRARIES = ("flashmla", "flashinfer_mla", "flashinfer_mla_fa2")
 # The decode kernels timed beside sm120_mla at q_len 1, at batch 1 and batched.
 DECODE_LIBRARIES = ("triton_decode", "flashmla", "flashinfer_mla_fa2")
+# Beside sm120_mla on a skewed verify batch: FlashMLA (its metadata splits work by length) and
+# fa2, the FlashInfer kernel an RTX PRO 6000 user runs.
+SKEWED_VERIFY = ("flashmla", "flashinfer_mla_fa2")
 SM120_KERNELS = ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})
+
+
+def step_cost(x: Inputs) -> dict:
+    """verify_cost of one step, summed over its requests' lengths (a skewed batch's differ)."""
+    s = x.shape
+    if len(set(x.keys)) == 1:
+        return verify_cost(s.heads, s.q_len, x.keys[0], batch=s.batch)
+    costs = [verify_cost(s.heads, s.q_len, k) for k in x.keys]
+    total = {key: sum(c[key] for c in costs) for key in costs[0] if key != "intensity"}
+    return {**total, "intensity": total["flops"] / total["total_bytes"]}
 
 
 def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
@@ -275,6 +289,10 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
         m = Shape(b, 8, q, 65536)
         grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})]
         grid += [(impl, m, {}) for impl in ("flashmla", "flashinfer_mla_fa2")]
+    # skewed batches: one 64k request beside short ones, as a server's batch is (BALANCED_SPLITS)
+    for b, q, short in ((8, 1, 1024), (32, 1, 2048), (8, 16, 1024)):
+        k = Shape(b, 8, q, 65536, short)
+        grid += [("sm120_mla", k, {})] + [(impl, k, {}) for impl in (DECODE_LIBRARIES if q == 1 else SKEWED_VERIFY)]
     for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
         grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "tile_keys": k}) for k in (16, 32)]
     return grid
@@ -329,7 +347,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
             t = time_graph_us(fn, reps=reps if impl != "triton_verify" else max(5, reps // 5))
             rec.update(t)
             rec["gbps"] = x.kv_bytes / (t["time_us"] * 1e3)
-            cost = verify_cost(shape.heads, shape.q_len, shape.ctx + shape.q_len, batch=shape.batch)
+            cost = step_cost(x)
             rec["roofline_us"] = roofline_time_us(cost, ceilings["copy_gbps"], ceilings["matmul_tflops"])
             rec["roofline_mma_us"] = roofline_time_us(cost, ceilings["copy_gbps"], ceilings["mma_sync_tflops"])
             rec["status"] = "ok"

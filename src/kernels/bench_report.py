@@ -15,11 +15,20 @@ IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "flashinfer_mla_fa2", "
 RTX = "RTX PRO 6000 Blackwell"
 
 
-def load_bench(path=None) -> pd.DataFrame:
+def load_bench(path=None, skewed: bool = False) -> pd.DataFrame:
+    """The benchmark's ok records: by default the batches whose requests share one context,
+    which every table here but `skewed_batch_table` compares; skewed=True: the skewed batches
+    (one request at ctx, the others at short_ctx) alone."""
     df = load_records("kernel_bench", path=path)
     if len(df) and "status" in df:
         df = df[df["status"] == "ok"]
-    return df
+    return uniform_and_skewed(df)[1 if skewed else 0]
+
+
+def uniform_and_skewed(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(records of batches whose requests share one context, records of skewed batches)."""
+    short = df["short_ctx"].fillna(0) if "short_ctx" in df else pd.Series(0, index=df.index)
+    return df[short == 0], df[short > 0]
 
 
 def latest_run(df: pd.DataFrame) -> pd.DataFrame:
@@ -124,6 +133,18 @@ def batched_decode_table(df: pd.DataFrame) -> pd.DataFrame:
     if not len(sel):
         return pd.DataFrame()
     t = sel.pivot_table(index=["batch", "heads", "ctx"], columns="impl", values="time_us", aggfunc="min")
+    return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
+
+
+def skewed_batch_table(df: pd.DataFrame) -> pd.DataFrame:
+    """time_us of skewed batches (`load_bench(skewed=True)`): one row per (batch, heads, q_len,
+    ctx, short_ctx), impls as columns; the newest run that has them."""
+    if df.empty:
+        return pd.DataFrame()
+    run = comparison_run(df)
+    run = run.assign(short_ctx=run["short_ctx"].astype(int))
+    t = run.pivot_table(index=["batch", "heads", "q_len", "ctx", "short_ctx"], columns="impl",
+                        values="time_us", aggfunc="min")
     return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
 
 

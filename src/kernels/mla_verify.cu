@@ -141,7 +141,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.batch = static_cast<int>(B);
   prm.max_q_len = static_cast<int>(max_q_len);
   prm.num_splits = static_cast<int>(num_splits);
-  prm.balanced_splits = BALANCED_SPLITS && cta_rows != wide::kRows;
+  prm.balanced_splits = BALANCED_SPLITS ? (cta_rows == wide::kRows ? 2 : 1) : 0;
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -295,10 +295,14 @@ struct Params {
   int batch;
   int max_q_len;
   int num_splits;
-  int balanced_splits;             // the split kernel's pool (BALANCED_SPLITS), not the 64-row kernel
   int kv_indices_64;
   int mask_indptr_64;
   float scale_log2;                // sm_scale * log2(e)
+  // BALANCED_SPLITS (requests share each row tile's CTAs by keys): 0 off, 1 on with the split
+  // kernel, 2 on with the 64-row kernel. One field, last, in what was padding: at 255 registers,
+  // a Params that grew or moved its fields changed what ptxas spilled in the 64-row kernel on
+  // sm_86/sm_89 (4 -> 12 bytes).
+  int balanced_splits;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -450,6 +454,19 @@ __device__ __forceinline__ void stage_key_index(const Params& prm, int64_t* dst,
 #ifndef BALANCED_SPLITS
 #define BALANCED_SPLITS 1
 #endif
+// The 64-row kernel takes the pool from sm_90 on. It keeps num_splits a request where its main
+// loop spilled with the pool: on sm_80-sm_89 (24-64 bytes, reloaded every round), and in its
+// WIDE_TRACE build (phase_trace.py, batch 1, where the pool changes nothing) on sm_90 (4 bytes;
+// on sm_120a that build spills without the pool instead). Device code only: the combine step is
+// compiled for the same arch with the same defines, in the same module, so it agrees.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || (defined(WIDE_TRACE) && __CUDA_ARCH__ == 900))
+constexpr bool kWidePool = false;
+#else
+constexpr bool kWidePool = true;
+#endif
+__device__ __forceinline__ bool pooled(const Params& prm) {
+  return prm.balanced_splits == 1 || (kWidePool && prm.balanced_splits == 2);
+}
 struct SplitPool {
   int spare;            // CTAs beyond one a request: shared out by keys
   int64_t total_keys;   // keys of the whole batch
@@ -461,7 +478,7 @@ __device__ __forceinline__ int64_t keys_before(const Params& prm, int r) {
   return k;
 }
 __device__ __forceinline__ SplitPool split_pool(const Params& prm) {
-  return {prm.batch * (prm.num_splits - 1), prm.balanced_splits ? keys_before(prm, prm.batch) : 0};
+  return {prm.batch * (prm.num_splits - 1), pooled(prm) ? keys_before(prm, prm.batch) : 0};
 }
 // The pool's first CTA for request r (r = batch: the pool's size).
 __device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& pool, int r) {
@@ -469,7 +486,10 @@ __device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& poo
   return r + static_cast<int>(pool.spare * keys_before(prm, r) / pool.total_keys);
 }
 // The request of pool CTA c: how many of requests 1 .. batch-1 start at or before c, counted by
-// the whole block (every thread must call it, with the same c).
+// the whole block (every thread must call it, with the same c). The count goes through a warp
+// reduction so that it lands in a uniform register: ptxas cannot tell that a barrier's count is
+// the same in every lane, and with the request index in a regular register the request's
+// indptr values took regular registers too, which spilled in the 64-row kernel's loop.
 __device__ __forceinline__ int request_of_cta(const Params& prm, const SplitPool& pool, int c) {
   if (prm.batch == 1) return 0;
   if (pool.total_keys == 0) return c / prm.num_splits;
@@ -478,7 +498,7 @@ __device__ __forceinline__ int request_of_cta(const Params& prm, const SplitPool
     const int r = r0 + static_cast<int>(threadIdx.x);
     before += __syncthreads_count(r < prm.batch && first_cta(prm, pool, r) <= c);
   }
-  return before;
+  return __reduce_max_sync(0xffffffffu, before);
 }
 // This CTA's place in its row tile's pool, read afresh from the special registers wherever it is
 // used: volatile, so that ptxas does not keep one copy live (spilled) through the main loop.
@@ -498,14 +518,16 @@ __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
   const SplitPool pool = split_pool(prm);
   const int r = request_of_cta(prm, pool, c);
   const int first = first_cta(prm, pool, r);
-  return {r, c - first, min(first_cta(prm, pool, r + 1) - first, kMaxSplits)};
+  // uniform registers, as the request (request_of_cta): the same in every lane
+  return {r, __reduce_max_sync(0xffffffffu, c - first),
+          __reduce_max_sync(0xffffffffu, min(first_cta(prm, pool, r + 1) - first, kMaxSplits))};
 }
 
 // Workspace slot of (token, head) row `gr` of a request (q_start: its first token) for its split
 // `split`, or -1 for a padding row past `rows`.
-// kBalanced (the split kernel, prm.balanced_splits): each pool CTA has max_q_len * H rows of
-// slots, so a request may have any number of splits; the combine step finds them from the same
-// first_cta. Otherwise (the 64-row kernel): num_splits slots a row, row by row.
+// kBalanced (BALANCED_SPLITS): each pool CTA has max_q_len * H rows of slots, so a request may
+// have any number of splits; the combine step finds them from the same first_cta. Otherwise:
+// num_splits slots a row, row by row.
 template <bool kBalanced>
 __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, int rows, int gr, int split) {
   if (gr >= rows) return -1;
@@ -1157,8 +1179,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const SplitPool pool = split_pool(prm);
   const int first_split = first_cta(prm, pool, request);
   const int S = min(first_cta(prm, pool, request + 1) - first_split, kMaxSplits);
-  const int64_t split_stride = prm.balanced_splits ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
-  const int64_t slot0 = prm.balanced_splits
+  const int64_t split_stride = pooled(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
+  const int64_t slot0 = pooled(prm)
                             ? first_split * split_stride + (row - static_cast<int64_t>(prm.qo_indptr[request]) * prm.heads)
                             : row * prm.num_splits;
   wait_for_prerequisite_grid();   // the partials below are the attention kernel's

@@ -201,9 +201,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
   const int dq = warp % kQuarters;          // my quarter of the dims and of the O columns
-  // Every request num_splits CTAs (the balanced pool of the split kernel costs this kernel's
-  // main loop two spilled registers on both archs: NOTES.md, session 15).
-  const SplitOf work = {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y), prm.num_splits};
+  constexpr bool kPool = BALANCED_SPLITS && kWidePool;
+  const SplitOf work = kPool ? split_of_cta(prm, pool_cta())
+                             : SplitOf{static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y), prm.num_splits};
   const int b = work.request, split = work.split;
   const int H = prm.heads;
 
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
   const int rows = q_len * H;
-  if (row0 >= rows) {                              // request shorter than max_q_len
+  if (row0 >= rows || split >= work.count) {       // request shorter than max_q_len; a spare CTA
     timeline_stamp(0, kEvExit);
     return;
   }
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int key_end = min(num_keys, key_begin + chunk);
   const int num_tiles = key_begin < key_end ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
 
-  auto partial_index = [&](int gr) { return partial_slot<false>(prm, q_start, rows, gr, split); };
+  auto partial_index = [&](int gr) { return partial_slot<kPool>(prm, q_start, rows, gr, split); };
   if (num_tiles == 0) {  // empty split: the combine step gives it zero weight
     if (tid < kRows) {
       const int64_t pi = partial_index(row0 + tid);
