@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mla import DIM_QK, DIM_V, SM_SCALE
+from ..roofline import verify_cost
 from .verify_attention import MlaVerifyWorkspace, mla_verify_attention
 
 L2_FLUSH_BYTES = 256 << 20
@@ -323,7 +324,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
     from tqdm.auto import tqdm
 
     from ..hardware import measure_bf16_matmul_tflops, measure_copy_bandwidth
-    from ..roofline import roofline_time_us, verify_cost
+    from ..roofline import roofline_time_us
 
     copy = measure_copy_bandwidth(1 << 30)
     mm = measure_bf16_matmul_tflops(8192)
@@ -360,9 +361,10 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
 
 
 def summary_table(records) -> str:
-    rows = ["impl           rows tk  b   h  q     ctx splits   time_us    GB/s  roof_us  mma_us  status"]
+    rows = ["impl           rows tk  b   h  q          ctx splits   time_us    GB/s  roof_us  mma_us  status"]
     for r in records:
-        rows.append(f"{r['impl']:14s} {str(r.get('cta_rows') or ''):>4s} {str(r.get('tile_keys') or ''):>2s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {r['ctx']:7d} "
+        ctx = f"{r['ctx']}" + (f"+{r['short_ctx']}s" if r.get("short_ctx") else "")   # skewed: + the others'
+        rows.append(f"{r['impl']:14s} {str(r.get('cta_rows') or ''):>4s} {str(r.get('tile_keys') or ''):>2s} {r['batch']:2d} {r['heads']:3d} {r['q_len']:2d} {ctx:>12s} "
                     f"{str(r.get('num_splits') or ''):>6s} {r.get('time_us', float('nan')):9.1f} "
                     f"{r.get('gbps', float('nan')):7.0f} {r.get('roofline_us', float('nan')):8.1f} "
                     f"{r.get('roofline_mma_us', float('nan')):7.1f}  "
