@@ -477,8 +477,10 @@ __device__ __forceinline__ int64_t keys_before(const Params& prm, int r) {
   if (prm.k_extend) k += prm.qo_indptr[r] - prm.qo_indptr[0];
   return k;
 }
+// total_keys 0: every request num_splits CTAs. So at batch 1, where that is the whole pool
+// anyway, nothing is loaded: the indptr round trip and the division cost v19b 1.5-3 us there.
 __device__ __forceinline__ SplitPool split_pool(const Params& prm) {
-  return {prm.batch * (prm.num_splits - 1), pooled(prm) ? keys_before(prm, prm.batch) : 0};
+  return {prm.batch * (prm.num_splits - 1), pooled(prm) && prm.batch > 1 ? keys_before(prm, prm.batch) : 0};
 }
 // The pool's first CTA for request r (r = batch: the pool's size).
 __device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& pool, int r) {
