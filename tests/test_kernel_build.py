@@ -20,7 +20,7 @@ def test_resource_budget_sm120a_and_sm90():
     rep = resource_report_once()
     for arch in ("sm_120a", "sm_90"):
         for variant in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16, 1>", "mla_verify_split_kernel<32>",
-                        "mla_verify_wide_kernel"):
+                        "mla_verify_wide_kernel", "mla_verify_wide_kernel<batched>"):
             k = rep["archs"][arch][variant]
             print(arch, variant, k)
             assert k["smem_bytes"] <= SM120_SMEM_LIMIT, f"{arch} {variant}: {k['smem_bytes']} B of shared memory"
@@ -169,7 +169,9 @@ def test_diagnostic_builds_compile_without_spills(tmp_path, arch, defines):
     src.write_text('#include "mla_verify_wide.cuh"\n'
                    "template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n"
                    "template __global__ void sm120_mla::mla_verify_split_kernel<16, 1>(const sm120_mla::Params);\n"
-                   "template __global__ void sm120_mla::mla_verify_combine_kernel<16>(const sm120_mla::Params);\n")
+                   "template __global__ void sm120_mla::mla_verify_combine_kernel<16>(const sm120_mla::Params);\n"
+                   "template __global__ void sm120_mla::wide::mla_verify_wide_kernel<false>(const sm120_mla::Params);\n"
+                   "template __global__ void sm120_mla::wide::mla_verify_wide_kernel<true>(const sm120_mla::Params);\n")
     proc = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
                            *[f"-D{d}" for d in defines], f"-I{KERNEL_DIR}", "-o", str(tmp_path / "t.cubin"),
                            str(src)], capture_output=True, text=True)
@@ -177,7 +179,7 @@ def test_diagnostic_builds_compile_without_spills(tmp_path, arch, defines):
     for kernel in ("mla_verify_wide_kernel", "mla_verify_split_kernel", "mla_verify_combine_kernel"):
         assert kernel in proc.stderr
     if arch != "sm_86":   # the targets; sm_86 checks that the sm_90+ instructions compile away
-        assert proc.stderr.count("bytes spill stores") == 4 and "spill stores" not in proc.stderr.replace(
+        assert proc.stderr.count("bytes spill stores") == 5 and "spill stores" not in proc.stderr.replace(
             " 0 bytes spill stores", "")
 
 

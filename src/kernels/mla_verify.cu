@@ -27,14 +27,15 @@ void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, 
   sm120_mla::mla_verify_split_kernel<KEYS, MT><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
 }
 
+template <bool kBatched>
 void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
   namespace wide = sm120_mla::wide;
   static std::once_flag flags[64];
   std::call_once(flags[device % 64], [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(wide::mla_verify_wide_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        wide::kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(wide::mla_verify_wide_kernel<kBatched>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, wide::kSmemBytes));
   });
-  wide::mla_verify_wide_kernel<<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
+  wide::mla_verify_wide_kernel<kBatched><<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
 }
 
 // The combine step, as a programmatic dependent of the attention kernel where COMBINE_PDL and
@@ -141,14 +142,17 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.batch = static_cast<int>(B);
   prm.max_q_len = static_cast<int>(max_q_len);
   prm.num_splits = static_cast<int>(num_splits);
-  prm.balanced_splits = BALANCED_SPLITS ? (cta_rows == wide::kRows ? 2 : 1) : 0;
+  // the 64-row kernel's batch-1 build has no pool (mla_verify_wide_kernel<false>)
+  prm.balanced_splits = !BALANCED_SPLITS ? 0 : cta_rows != wide::kRows ? 1 : B > 1 ? 2 : 0;
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((max_q_len * H + cta_rows - 1) / cta_rows),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
-  if (cta_rows == wide::kRows)
-    launch_wide(prm, grid, stream, device);
+  if (cta_rows == wide::kRows && B > 1)
+    launch_wide<true>(prm, grid, stream, device);
+  else if (cta_rows == wide::kRows)
+    launch_wide<false>(prm, grid, stream, device);
   else if (tile_keys == 32)
     launch_split<32>(prm, grid, stream, device);
   else if (DECODE_ONE_MTILE && max_q_len * H <= 16)   // every CTA's rows 16-31 are padding

@@ -192,6 +192,11 @@ __device__ __forceinline__ int fresh_thread_index() {
 }
 
 // grid: (64-row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
+// kBatched: the launcher's choice for calls of more than one request, which share each row
+// tile's CTAs out by keys (BALANCED_SPLITS). A batch-1 call runs the build without that code:
+// in one kernel for both, batch 1 took 0.7-1.7 us longer (v19c, NOTES.md session 15), since the
+// pool's prologue and its uniform registers changed how ptxas laid out the main loop.
+template <bool kBatched>
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Shared& sm = *reinterpret_cast<Shared*>(smem_raw);
@@ -201,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
   const int dq = warp % kQuarters;          // my quarter of the dims and of the O columns
-  constexpr bool kPool = BALANCED_SPLITS && kWidePool;
+  constexpr bool kPool = kBatched && BALANCED_SPLITS && kWidePool;
   const SplitOf work = kPool ? split_of_cta(prm, pool_cta())
                              : SplitOf{static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y), prm.num_splits};
   const int b = work.request, split = work.split;
@@ -211,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
   const int rows = q_len * H;
-  if (row0 >= rows || split >= work.count) {       // request shorter than max_q_len; a spare CTA
+  if (row0 >= rows || (kPool && split >= work.count)) {   // request shorter than max_q_len; a spare CTA
     timeline_stamp(0, kEvExit);
     return;
   }

@@ -52,8 +52,8 @@ def _kernel_label(mangled: str) -> str | None:
                 return f"mla_verify_split_kernel<{keys}, 1>"
             if f"ILi{keys}E" in mangled:
                 return f"mla_verify_split_kernel<{keys}>"
-    if "mla_verify_wide_kernel" in mangled:
-        return "mla_verify_wide_kernel"
+    if "mla_verify_wide_kernel" in mangled:   # <false>: batch 1; <true>: batches, with the pool
+        return "mla_verify_wide_kernel<batched>" if "ILb1E" in mangled else "mla_verify_wide_kernel"
     if m := _COMBINE.search(mangled):
         return combine_label(int(m[1]), m[2] == "1", m[3] == "1")
     return None   # a device function (cta_sync), not a kernel
@@ -72,6 +72,8 @@ def ptxas_report(arch: str) -> dict[str, dict]:
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<16, 1>(const sm120_mla::Params);\n'
                        'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n'
+                       + "".join(f'template __global__ void sm120_mla::wide::mla_verify_wide_kernel<{b}>'
+                                 '(const sm120_mla::Params);\n' for b in ("false", "true"))
                        + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
                                  f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
@@ -99,7 +101,7 @@ def ptxas_report(arch: str) -> dict[str, dict]:
 _SMEM_OF = {"mla_verify_split_kernel<16>": "TileConfig<16>::kSmemBytes",
             "mla_verify_split_kernel<16, 1>": "TileConfig<16>::kSmemBytes",
             "mla_verify_split_kernel<32>": "TileConfig<32>::kSmemBytes",
-            "mla_verify_wide_kernel": "wide::kSmemBytes"}
+            "mla_verify_wide_kernel": "wide::kSmemBytes", "mla_verify_wide_kernel<batched>": "wide::kSmemBytes"}
 
 
 def dynamic_smem_bytes() -> dict[str, int]:
