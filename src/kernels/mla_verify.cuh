@@ -135,16 +135,16 @@ constexpr int kIndexRing = 16;           // tiles of kv_indices staged in shared
 #define PREFETCH_AHEAD 0
 #endif
 constexpr int kPrefetchAhead = PREFETCH_AHEAD;
-// EARLY_REFILL (session 14's candidate; refuted in session 15, off, kept as the record): when a
-// stage is refilled. Measured 1.4-1.6x slower at batched decode (b8 64k 178 -> 254-289 us), with
-// either lane mapping below: copies issued beside the P.V stream cost more than an earlier
-// refill gains (NOTES.md, session 15). 0: after the next mid-tile
-// round, the first point at which all four value warps are done with it, so each refill waits
-// about half a round after the stage's last P.V. 1: each value warp refills the part of the
-// stage only it reads, its own 128 V columns (8 chunks of 16 B a lane), plus one chunk a thread
-// of the rope columns (512-575), which no value warp reads, right after its own P.V of the
-// tile. Nine copies a thread either way. The score warps last read the stage in QK, before the
-// hand-over that precedes this P.V. 16-key tiles, the v16 schedule, no L2 prefetch.
+// EARLY_REFILL: when a stage is refilled. 0: after the next mid-tile round, the first point at
+// which all four value warps are done with it, so each refill waits about half a round after
+// the stage's last P.V. 1: each value warp refills the part of the stage only it reads, its own
+// 128 V columns (8 chunks of 16 B a lane), plus one chunk a thread of the rope columns
+// (512-575), which no value warp reads, right after its own P.V of the tile. Nine copies a
+// thread either way. The score warps last read the stage in QK, before the hand-over that
+// precedes this P.V. 16-key tiles, the v16 schedule, no L2 prefetch.
+// Session 14's candidate, refuted in session 15 and kept off as the record: 1.4-1.6x slower at
+// batched decode (b8 64k 178 -> 254-289 us) with either lane mapping below, since copies issued
+// in the P.V stream cost more than an earlier refill gains (NOTES.md, session 15).
 #ifndef EARLY_REFILL
 #define EARLY_REFILL 0
 #endif
@@ -456,10 +456,10 @@ __device__ __forceinline__ void stage_key_index(const Params& prm, int64_t* dst,
 #endif
 // The 64-row kernel takes the pool from sm_90 on. It keeps num_splits a request where its main
 // loop spilled with the pool: on sm_80-sm_89 (24-64 bytes, reloaded every round), and in its
-// WIDE_TRACE build (phase_trace.py, batch 1, where the pool changes nothing) on sm_90 (4 bytes;
-// on sm_120a that build spills without the pool instead). Device code only: the combine step is
-// compiled for the same arch with the same defines, in the same module, so it agrees.
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || (defined(WIDE_TRACE) && __CUDA_ARCH__ == 900))
+// WIDE_TRACE build (phase_trace.py, batch 1, where the pool changes nothing; 4 bytes on sm_90).
+// Device code only: the combine step is compiled for the same arch with the same defines, in
+// the same module, so it agrees.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || defined(WIDE_TRACE))
 constexpr bool kWidePool = false;
 #else
 constexpr bool kWidePool = true;
