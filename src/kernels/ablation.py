@@ -171,12 +171,12 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     import pandas as pd
 
     from ..results import load_records
+    from .bench_report import short_ctx_of
 
     df = load_records("kernel_ablation") if df is None else df
     if len(df) == 0:
         return df
-    skew = df["short_ctx"].fillna(0) if "short_ctx" in df else pd.Series(0, index=df.index)
-    df = df[(df["ctx"] == ctx) & (df["batch"] == batch) & (skew == short_ctx)].sort_values("date").copy()
+    df = df[(df["ctx"] == ctx) & (df["batch"] == batch) & (short_ctx_of(df) == short_ctx)].sort_values("date").copy()
     if "kernel_version" in df:
         tags = df["kernel_version"].dropna()
         if version is None and len(tags):

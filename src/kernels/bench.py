@@ -78,11 +78,11 @@ class Inputs:
         # The pool holds every request's context and draft rows back to back (a sorted,
         # defragmented allocator); notebook 04 measures what scattering costs.
         self.pool = torch.randn(sum(self.keys), 1, DIM_QK, device=device, generator=g).to(torch.bfloat16)
-        starts = [sum(self.keys[:b]) for b in range(s.batch)]
+        self.starts = [0, *itertools.accumulate(self.keys)][:-1]   # each request's first pool row
         ar = functools.partial(torch.arange, device=device, dtype=torch.int64)
         self.kv_indices_full = ar(sum(self.keys))
-        self.prefix_indices = torch.cat([ar(st, st + c) for st, c in zip(starts, ctxs)])
-        draft_rows = torch.cat([ar(st + c, st + c + s.q_len) for st, c in zip(starts, ctxs)])
+        self.prefix_indices = torch.cat([ar(st, st + c) for st, c in zip(self.starts, ctxs)])
+        draft_rows = torch.cat([ar(st + c, st + c + s.q_len) for st, c in zip(self.starts, ctxs)])
         self.k_extend = self.pool[draft_rows].contiguous()             # the drafts' own KV
 
         def indptr(lens, dtype=torch.int32):
@@ -160,10 +160,8 @@ def build_flashmla(x: Inputs, page: int = 64):
     dev = x.q.device
     blocks = -(-max(x.keys) // page)
     cache = torch.zeros(s.batch * blocks * page, 1, DIM_QK, device=dev, dtype=torch.bfloat16)
-    start = 0
-    for b, keys in enumerate(x.keys):   # same rows as the pool, laid out in 64-token pages
+    for b, (start, keys) in enumerate(zip(x.starts, x.keys)):   # the pool's rows in 64-token pages
         cache[b * blocks * page:b * blocks * page + keys] = x.pool[start:start + keys]
-        start += keys
     cache = cache.view(s.batch * blocks, page, 1, DIM_QK)
     table = torch.arange(s.batch * blocks, device=dev, dtype=torch.int32).view(s.batch, blocks)
     seqlens = torch.tensor(x.keys, device=dev, dtype=torch.int32)
@@ -255,8 +253,6 @@ SM120_KERNELS = ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})
 def step_cost(x: Inputs) -> dict:
     """verify_cost of one step, summed over its requests' lengths (a skewed batch's differ)."""
     s = x.shape
-    if len(set(x.keys)) == 1:
-        return verify_cost(s.heads, s.q_len, x.keys[0], batch=s.batch)
     costs = [verify_cost(s.heads, s.q_len, k) for k in x.keys]
     total = {key: sum(c[key] for c in costs) for key in costs[0] if key != "intensity"}
     return {**total, "intensity": total["flops"] / total["total_bytes"]}

@@ -25,9 +25,15 @@ def load_bench(path=None, skewed: bool = False) -> pd.DataFrame:
     return uniform_and_skewed(df)[1 if skewed else 0]
 
 
+def short_ctx_of(df: pd.DataFrame) -> pd.Series:
+    """Each record's short_ctx: 0 for a batch whose requests share one context, including
+    records from before skewed batches were timed (no such column)."""
+    return df["short_ctx"].fillna(0) if "short_ctx" in df else pd.Series(0, index=df.index)
+
+
 def uniform_and_skewed(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(records of batches whose requests share one context, records of skewed batches)."""
-    short = df["short_ctx"].fillna(0) if "short_ctx" in df else pd.Series(0, index=df.index)
+    short = short_ctx_of(df)
     return df[short == 0], df[short > 0]
 
 
