@@ -49,18 +49,21 @@ def test_random_shapes(seed):
         assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} r{cta_rows} tk{tk}")
 
 
-@pytest.mark.parametrize("q_len, cta_rows", [(1, 32), (4, 32), (16, 64)])
-def test_skewed_batch(q_len, cta_rows, seed):
-    """One long request beside fifteen short ones: the kernel gives the long one most of the
-    grid (BALANCED_SPLITS), past what the combine step preloads (decode: 8 splits a request on
-    average, ~100 for the long one), and every row still merges its own splits."""
+@pytest.mark.parametrize("batch, heads, q_len, cta_rows",
+                         [(16, 8, 1, 32), (16, 8, 4, 32), (16, 8, 16, 64), (32, 8, 1, 32), (20, 1, 1, 32)])
+def test_skewed_batch(batch, heads, q_len, cta_rows, seed):
+    """One long request beside short ones: the kernel gives the long one most of the grid
+    (BALANCED_SPLITS), and every row still merges its own splits. At b16 the long request has
+    more splits than the combine step preloads (decode: 8 a request on average, ~100 for the long
+    one). At b32 h8 and b20 h1 decode (4 and 6 splits on average) no preload fits, and the
+    combine step walks in 4 and 16 split groups (COMBINE_POOL_GROUPS, on a 132-SM H200)."""
     rng = random.Random(seed)
-    ctx = [rng.randrange(20000, 30000)] + [rng.randrange(1, 200) for _ in range(15)]
+    ctx = [rng.randrange(20000, 30000)] + [rng.randrange(1, 200) for _ in range(batch - 1)]
     rng.shuffle(ctx)
-    case = make_verify_case(batch=16, heads=8, q_len=q_len, ctx_lens=ctx, mask="tree" if q_len > 1 else None,
+    case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask="tree" if q_len > 1 else None,
                             with_k_extend=q_len > 1, seed=seed, device="cuda")
     out, lse = run_kernel(case, max_q_len=q_len, cta_rows=cta_rows)
-    assert_matches_reference(case, out, lse, f"skewed q{q_len} ctx={ctx}")
+    assert_matches_reference(case, out, lse, f"skewed b{batch} h{heads} q{q_len} ctx={ctx}")
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 8, 31, 33, 128])   # every combine layout (1, 4, 16 groups)

@@ -146,6 +146,10 @@ VARIANTS = {
     # CTAs out by keys: BALANCED_SPLITS); differs only on a batch of mixed lengths (--short-ctx)
     "unbalanced": Variant(("BALANCED_SPLITS=0",)),
     "wide_unbalanced": Variant(("BALANCED_SPLITS=0",), cta_rows=64),
+    # the combine step's split groups from num_splits alone, as up to v19 (COMBINE_POOL_GROUPS, v20,
+    # sizes them for the most splits a pooled batch gives one row); differs where no preload fits
+    "row_groups": Variant(("COMBINE_POOL_GROUPS=0",)),
+    "wide_row_groups": Variant(("COMBINE_POOL_GROUPS=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 
@@ -54,39 +55,62 @@ void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, kPreload>, prm));
 }
 
-// How many CTAs of the preloading combine step (kGroups split groups) the device holds at once.
-template <int kGroups, bool kBf16Partials>
-int64_t preload_combine_ctas(int device) {
+// How many CTAs of the combine step (kGroups split groups, with or without the preload) the
+// device holds at once.
+template <int kGroups, bool kBf16Partials, bool kPreload>
+int64_t combine_ctas(int device) {
   static std::once_flag flags[64];
   static int64_t ctas[64];
   std::call_once(flags[device % 64], [device] {
     int per_sm = 0, sms = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, true>, sm120_mla::kCombineThreads, 0));
+        &per_sm, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, kPreload>, sm120_mla::kCombineThreads, 0));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     ctas[device % 64] = int64_t(per_sm) * sms;
   });
   return ctas[device % 64];
 }
 
+// The most splits one request may have: num_splits, or in a pooled batch (BALANCED_SPLITS) its
+// own CTA plus every spare one, up to the kernels' bound.
+int most_splits_of_a_request(const sm120_mla::Params& prm, int device) {
+  const bool pooled = prm.balanced_splits == 1 ||
+                      (prm.balanced_splits == 2 && at::cuda::getDeviceProperties(device)->major >= 9);   // kWidePool
+  if (!pooled || prm.batch == 1) return prm.num_splits;
+  return static_cast<int>(std::min<int64_t>(sm120_mla::kMaxSplits, 1 + int64_t(prm.batch) * (prm.num_splits - 1)));
+}
+
 // The combine step for `rows` rows of num_splits splits: with COMBINE_PRELOAD, the widest split
 // groups (16, 8, 4) whose grid of rows x groups CTAs fits one wave of the preloading kernel;
 // where none does, combine_groups' layout without the preload (one wave of its 32-40-register
-// CTAs beats two waves of the preloading ones, v18c). Both depend on static shapes only, so a captured graph keeps its grid.
+// CTAs beats two waves of the preloading ones, v18c). Both depend on static shapes only, so a
+// captured graph keeps its grid.
+// COMBINE_POOL_GROUPS (v20): without the preload, the groups are sized for the most splits a row
+// may have (most_splits_of_a_request), as far as one wave holds them. In a pooled batch a long
+// request beside short ones takes most of the pool: at b32 decode (num_splits 4, so
+// combine_groups gave 1) its rows had ~97 splits each, walked by one CTA with 4 loads in flight
+// a thread, while the other SMs had finished.
 template <bool kBf16Partials>
 void launch_combine_for(const sm120_mla::Params& prm, int64_t rows, int device, cudaStream_t stream) {
   using sm120_mla::preload_groups_fit;
   const int S = prm.num_splits;
   auto grid = [rows](int groups) { return dim3(static_cast<unsigned>(rows), static_cast<unsigned>(groups)); };
   if (COMBINE_PRELOAD) {
-    if (preload_groups_fit(16, S) && rows * 16 <= preload_combine_ctas<16, kBf16Partials>(device))
+    if (preload_groups_fit(16, S) && rows * 16 <= combine_ctas<16, kBf16Partials, true>(device))
       return launch_combine<16, kBf16Partials, true>(prm, grid(16), stream);
-    if (preload_groups_fit(8, S) && rows * 8 <= preload_combine_ctas<8, kBf16Partials>(device))
+    if (preload_groups_fit(8, S) && rows * 8 <= combine_ctas<8, kBf16Partials, true>(device))
       return launch_combine<8, kBf16Partials, true>(prm, grid(8), stream);
-    if (preload_groups_fit(4, S) && rows * 4 <= preload_combine_ctas<4, kBf16Partials>(device))
+    if (preload_groups_fit(4, S) && rows * 4 <= combine_ctas<4, kBf16Partials, true>(device))
       return launch_combine<4, kBf16Partials, true>(prm, grid(4), stream);
   }
-  const int groups = sm120_mla::combine_groups(S);   // groups column slices
+  int groups = sm120_mla::combine_groups(S);   // groups column slices
+  if (COMBINE_POOL_GROUPS && groups < 16) {
+    const int most = sm120_mla::combine_groups(most_splits_of_a_request(prm, device));
+    if (most >= 16 && rows * 16 <= combine_ctas<16, kBf16Partials, false>(device))
+      groups = 16;
+    else if (most >= 4 && groups < 4 && rows * 4 <= combine_ctas<4, kBf16Partials, false>(device))
+      groups = 4;
+  }
   if (groups == 16)
     launch_combine<16, kBf16Partials>(prm, grid(16), stream);
   else if (groups == 4)

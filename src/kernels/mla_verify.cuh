@@ -1117,6 +1117,11 @@ constexpr int kCombineThreads = 128;
 #ifndef COMBINE_PRELOAD
 #define COMBINE_PRELOAD 1
 #endif
+// COMBINE_POOL_GROUPS (v20, host side only: mla_verify.cu's launch_combine_for): without the
+// preload, split groups for the most splits a pooled batch may give one row, not num_splits.
+#ifndef COMBINE_POOL_GROUPS
+#define COMBINE_POOL_GROUPS 1
+#endif
 constexpr int kMaxSplitsPerGroup = 12;   // kPreload: a group's splits held in registers, at most
 
 // A full warp's max and sum, every lane getting the result (the combine step's LSE passes).
