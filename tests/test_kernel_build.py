@@ -3,12 +3,14 @@ the sm_120 budget, and bad arguments are refused with errors that name them."""
 from __future__ import annotations
 
 import functools
+import math
+import random
 
 import pytest
 import torch
 
 from sm120_workbook.kernels import MlaVerifyWorkspace, choose_num_splits, mla_verify_attention
-from sm120_workbook.kernels.verify_attention import choose_cta_rows
+from sm120_workbook.kernels.verify_attention import choose_cta_rows, pool_first_ctas
 from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
 
 # nvcc's report for both archs, compiled once for the tests that read it
@@ -42,6 +44,47 @@ def test_split_policy_fills_the_gpu_from_static_shapes():
     # the 64-row kernel: q16 h8 is 2 row CTAs a split, q8 h8 one
     assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=132, cta_rows=64) == 66
     assert choose_num_splits(batch=1, heads=8, max_q_len=8, num_sms=132, cta_rows=64) == 128
+
+
+def _v19_first_ctas(keys, num_splits):
+    """v19's rule (POOL_MIN_MAX=0): one CTA each, the spare ones by keys."""
+    spare, total = len(keys) * (num_splits - 1), sum(keys)
+    return [r + spare * sum(keys[:r]) // total for r in range(len(keys) + 1)]
+
+
+def _most_keys_a_cta(keys, first):
+    return max(k / (b - a) for k, a, b in zip(keys, first, first[1:]))
+
+
+def test_pool_schedule_minimises_the_slowest_cta():
+    """The pooled batch's schedule (pool_first_ctas, the kernels' POOL_MIN_MAX step for step):
+    every request at least one CTA, the pool used exactly, equal lengths num_splits each, and
+    the most keys a CTA walks within the search's 1/64 of the best load, never worse than v19's."""
+    counts = lambda f: [b - a for a, b in zip(f, f[1:])]
+    skewed = [65536] + [2048] * 31                       # b32 decode: v19 gave the long one 49 CTAs
+    assert counts(pool_first_ctas(skewed, 4))[:2] == [64, 2] and _most_keys_a_cta(skewed, pool_first_ctas(skewed, 4)) == 1024
+    assert pool_first_ctas([1000] * 8, 16) == [16 * r for r in range(9)]
+    assert pool_first_ctas([0, 0, 0], 4) == [0, 4, 8, 12]
+    assert pool_first_ctas([7], 33) == [0, 33]
+    assert counts(pool_first_ctas([5000, 1], 1)) == [1, 1]                          # no spare CTA
+    assert pool_first_ctas([100] * 129 + [5000], 2) == _v19_first_ctas([100] * 129 + [5000], 2)   # past 128
+    rng = random.Random(0)
+    for _ in range(300):
+        batch, splits = rng.choice([(2, 33), (4, 16), (8, 16), (16, 8), (32, 4), (48, 2), (64, 2), (100, 1)])
+        keys = [int(math.exp(rng.uniform(0, math.log(262144)))) for _ in range(batch)]
+        first = pool_first_ctas(keys, splits)
+        assert first[0] == 0 and first[-1] == batch * splits and min(counts(first)) >= 1, (keys, splits)
+        pool = batch * splits
+        fits = lambda load: sum(max(1, -(-k // load)) for k in keys) <= pool
+        lo, best = 0, max(keys) + 1                      # the best integer load, by bisection
+        while best - lo > 1:
+            lo, best = (lo, (lo + best) // 2) if fits((lo + best) // 2) else ((lo + best) // 2, best)
+        most = _most_keys_a_cta(keys, first)
+        assert most <= best * 64 / 63, (keys, splits, most, best)
+        if splits > 1:
+            assert most <= math.ceil(_most_keys_a_cta(keys, _v19_first_ctas(keys, splits))) * 64 / 63, (keys, splits)
+    with pytest.raises(ValueError, match="keys"):
+        pool_first_ctas([], 4)
 
 
 def test_kernel_choice_by_static_shape():

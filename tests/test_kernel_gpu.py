@@ -49,20 +49,23 @@ def test_random_shapes(seed):
         assert_matches_reference(case, out, lse, f"#{i} b{batch} h{heads} q{q_len} ctx{ctx} {mask} r{cta_rows} tk{tk}")
 
 
-@pytest.mark.parametrize("batch, heads, q_len, cta_rows",
-                         [(16, 8, 1, 32), (16, 8, 4, 32), (16, 8, 16, 64), (32, 8, 1, 32), (20, 1, 1, 32)])
-def test_skewed_batch(batch, heads, q_len, cta_rows, seed):
+@pytest.mark.parametrize("batch, heads, q_len, cta_rows, num_splits",
+                         [(16, 8, 1, 32, None), (16, 8, 4, 32, None), (16, 8, 16, 64, None), (32, 8, 1, 32, None),
+                          (20, 1, 1, 32, None), (48, 1, 1, 32, None), (130, 1, 1, 32, 2)])
+def test_skewed_batch(batch, heads, q_len, cta_rows, num_splits, seed):
     """One long request beside short ones: the kernel gives the long one most of the grid
-    (BALANCED_SPLITS), and every row still merges its own splits. At b16 the long request has
-    more splits than the combine step preloads (decode: 8 a request on average, ~100 for the long
-    one). At b32 h8 and b20 h1 decode (4 and 6 splits on average) no preload fits, and the
-    combine step walks in 4 and 16 split groups (COMBINE_POOL_GROUPS, on a 132-SM H200)."""
+    (BALANCED_SPLITS, POOL_MIN_MAX), and every row still merges its own splits. At b16 the long
+    request has more splits than the combine step preloads (decode: 8 a request on average, ~100
+    for the long one). At b32 h8 and b20 h1 decode (4 and 6 splits on average) no preload fits,
+    and the combine step walks in 4 and 16 split groups (COMBINE_POOL_GROUPS, on a 132-SM H200).
+    At b48 a lane of the pool's search holds two requests; at b130 (2 splits each, forced) the
+    pool keeps v19's rule, past the search's 128 requests."""
     rng = random.Random(seed)
     ctx = [rng.randrange(20000, 30000)] + [rng.randrange(1, 200) for _ in range(batch - 1)]
     rng.shuffle(ctx)
     case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask="tree" if q_len > 1 else None,
                             with_k_extend=q_len > 1, seed=seed, device="cuda")
-    out, lse = run_kernel(case, max_q_len=q_len, cta_rows=cta_rows)
+    out, lse = run_kernel(case, max_q_len=q_len, cta_rows=cta_rows, num_splits=num_splits)
     assert_matches_reference(case, out, lse, f"skewed b{batch} h{heads} q{q_len} ctx={ctx}")
 
 
@@ -254,7 +257,7 @@ def test_compute_sanitizer_clean(tool):
     (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
     (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=0",), 32),
     (("DECODE_ONE_MTILE=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32),
-    (("BALANCED_SPLITS=0",), 32), (("BALANCED_SPLITS=0",), 64)],
+    (("BALANCED_SPLITS=0",), 32), (("BALANCED_SPLITS=0",), 64), (("POOL_MIN_MAX=0",), 32), (("POOL_MIN_MAX=0",), 64)],
     ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
@@ -266,7 +269,8 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows):
     64 keys, as up to v18j; the split kernel's first tiles each after its own index load, as up
     to v18k, only the first of them or all four before tile 0's hand-over; decode on two m16 tiles,
     as up to v18l; each value warp refilling its own columns right after its P.V; num_splits
-    CTAs a request whatever its length, as up to v18n) compute the same attention."""
+    CTAs a request whatever its length, as up to v18n, or shared out by keys, as up to v19) compute the
+    same attention."""
 
     # verify shapes, and two that fit one m16 tile (decode, 16 rows with a tree)
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:11]:

@@ -150,6 +150,10 @@ VARIANTS = {
     # sizes them for the most splits a pooled batch gives one row); differs where no preload fits
     "row_groups": Variant(("COMBINE_POOL_GROUPS=0",)),
     "wide_row_groups": Variant(("COMBINE_POOL_GROUPS=0",), cta_rows=64),
+    # a batch's pool shared out by v19's rule, one CTA each and the spare ones by keys
+    # (POOL_MIN_MAX, v20, minimises the most keys a CTA walks); differs on mixed lengths only
+    "linear_pool": Variant(("POOL_MIN_MAX=0",)),
+    "wide_linear_pool": Variant(("POOL_MIN_MAX=0",), cta_rows=64),
 }
 SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
 

@@ -511,12 +511,121 @@ __device__ __forceinline__ int pool_cta() {
   asm volatile("mov.u32 %0, %%nctaid.y;" : "=r"(ny));
   return static_cast<int>(y + ny * z);
 }
+// POOL_MIN_MAX (v20): each request's CTA count minimises the most keys any CTA of the pool
+// walks, by a binary search over that load L: request r needs max(1, ceil(keys_r / L)) CTAs, and
+// the smallest L whose needs fit the pool wins (the leftover CTAs go to the last request). v19's
+// rule, one CTA each plus the spare ones by keys, over-serves the short requests whenever the
+// pool has few CTAs a request: with 64k + 31 x 2k at b32 decode (a pool of 128) the long request
+// got 49 CTAs of ~1,340 keys, where 65 of ~1,010 fit. Over random batches (log-uniform 0.5k-128k,
+// NOTES.md session 16) v19's slowest CTA walks 1-3% more keys than needed at 2-8 requests, 10%
+// at 32 and 25% at 64 (num_splits 4 and 2); the search's 1/64 tolerance stays within 1%.
+// Equal lengths skip the search: num_splits CTAs each, exactly as before. Warp 0 runs it, one
+// request a lane (up to four), so it serves up to kPoolScanMax requests; larger batches have no
+// spare CTAs at the workspace's split counts, and keep v19's rule.
+#ifndef POOL_MIN_MAX
+#define POOL_MIN_MAX 1
+#endif
+constexpr int kPoolScanMax = 128;
+// A request's place in its row tile's pool: its first CTA, and the next request's.
+struct PoolSpan {
+  int request, first, next;
+};
+__device__ __forceinline__ bool pool_min_max(const Params& prm) {
+  return POOL_MIN_MAX && pooled(prm) && prm.batch > 1 && prm.batch <= kPoolScanMax;
+}
+__device__ __forceinline__ unsigned ceil_div(unsigned a, unsigned b) { return (a + b - 1) / b; }
+// Block-wide (every thread calls it). kFindCta: the span of the request that holds pool CTA
+// `at`; otherwise that of request `at`.
+template <bool kFindCta>
+__device__ __forceinline__ PoolSpan pool_span_min_max(const Params& prm, int at) {
+  __shared__ int span[3];
+  if (threadIdx.x < 32) {
+    constexpr int kPerLane = kPoolScanMax / 32;
+    const int B = prm.batch, lane = threadIdx.x;
+    const unsigned ns = prm.num_splits, P = B * ns, spare = P - B;
+    unsigned keys[kPerLane], total = 0;   // request lane + 32 j
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int r = lane + 32 * j;
+      keys[j] = 0;
+      if (r < B) {
+        keys[j] = prm.kv_indptr[r + 1] - prm.kv_indptr[r];
+        if (prm.k_extend) keys[j] += prm.qo_indptr[r + 1] - prm.qo_indptr[r];
+      }
+      total += keys[j];
+    }
+    total = __reduce_add_sync(0xffffffffu, total);
+    const unsigned keys0 = __shfl_sync(0xffffffffu, keys[0], 0);
+    bool equal = true;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) equal &= lane + 32 * j >= B || keys[j] == keys0;
+    // the CTAs of request lane + 32 j at load L
+    auto needs = [&](unsigned L, unsigned (&n)[kPerLane]) {
+      unsigned sum = 0;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        n[j] = lane + 32 * j < B ? max(1u, ceil_div(keys[j], L)) : 0u;
+        sum += n[j];
+      }
+      return __reduce_add_sync(0xffffffffu, sum);
+    };
+    unsigned ctas[kPerLane];
+    if (__all_sync(0xffffffffu, equal) || spare == 0) {
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) ctas[j] = lane + 32 * j < B ? ns : 0u;
+    } else {
+      // hi: a load that fits (sum of max(1, ceil(k / hi)) <= T / hi + B <= P); lo: one that may not
+      unsigned lo = max(1u, ceil_div(total, P)) - 1, hi = max(1u, ceil_div(total, spare));
+      while (hi - lo > max(1u, hi >> 6)) {
+        const unsigned mid = (lo + hi) / 2;
+        unsigned n[kPerLane];
+        if (needs(mid, n) <= P) hi = mid; else lo = mid;
+      }
+      const unsigned used = needs(hi, ctas);
+      if (lane == (B - 1) % 32) ctas[(B - 1) / 32] += P - used;   // the leftover: to the last request
+    }
+    // first CTA of each request: an exclusive prefix sum in request order (j, then lane)
+    unsigned carry = 0;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      unsigned incl = ctas[j];
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+      }
+      const int r = lane + 32 * j;
+      const int first = static_cast<int>(carry + incl - ctas[j]), next = static_cast<int>(carry + incl);
+      if (r < B && (kFindCta ? first <= at && at < next : r == at)) {
+        span[0] = r;
+        span[1] = first;
+        span[2] = next;
+      }
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+  }
+  __syncthreads();
+  return {span[0], span[1], span[2]};
+}
+// The span of request r (the combine step; block-wide).
+__device__ __forceinline__ PoolSpan pool_span_of_request(const Params& prm, int r) {
+  if (pool_min_max(prm)) return pool_span_min_max<false>(prm, r);
+  const SplitPool pool = split_pool(prm);
+  return {r, first_cta(prm, pool, r), first_cta(prm, pool, r + 1)};
+}
+
 // A CTA's work: request `request`, split `split` of its `count` (at most kMaxSplits, the
 // combine step's bound; a CTA past that bound has none: split >= count).
 struct SplitOf {
   int request, split, count;
 };
 __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
+  if (pool_min_max(prm)) {
+    const PoolSpan span = pool_span_min_max<true>(prm, c);
+    // uniform registers, as request_of_cta's: the same in every lane
+    return {__reduce_max_sync(0xffffffffu, span.request), __reduce_max_sync(0xffffffffu, c - span.first),
+            __reduce_max_sync(0xffffffffu, min(span.next - span.first, kMaxSplits))};
+  }
   const SplitPool pool = split_pool(prm);
   const int r = request_of_cta(prm, pool, c);
   const int first = first_cta(prm, pool, r);
@@ -1183,9 +1292,9 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // This row's splits: S pool CTAs from `first_split`, each with max_q_len * H rows of slots, or
   // num_splits slots of the row itself (partial_slot). The indptrs are inputs, so they are read
   // before the wait.
-  const SplitPool pool = split_pool(prm);
-  const int first_split = first_cta(prm, pool, request);
-  const int S = min(first_cta(prm, pool, request + 1) - first_split, kMaxSplits);
+  const PoolSpan span = pool_span_of_request(prm, request);
+  const int first_split = span.first;
+  const int S = min(span.next - first_split, kMaxSplits);
   const int64_t split_stride = pooled(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
   const int64_t slot0 = pooled(prm)
                             ? first_split * split_stride + (row - static_cast<int64_t>(prm.qo_indptr[request]) * prm.heads)

@@ -87,6 +87,42 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
     return max(1, min(MAX_SPLITS, num_sms // row_ctas))
 
 
+def pool_first_ctas(keys, num_splits: int) -> list[int]:
+    """Where each request's CTAs start in its row tile's pool of batch x num_splits CTAs, and
+    the pool's size last: the kernels' schedule for a batch (BALANCED_SPLITS and POOL_MIN_MAX
+    in mla_verify.cuh, step for step), for CPU tests and for reading a batch's balance. `keys`
+    are the requests' key counts (prefix plus draft tokens).
+
+    Each request gets max(1, ceil(keys / L)) CTAs for the smallest load L (within 1/64) whose
+    CTAs fit the pool, and the last request the leftover; equal lengths get num_splits each.
+    Batches over 128 requests keep v19's rule: one CTA each, the spare ones by keys.
+    """
+    batch = len(keys)
+    if batch == 0 or num_splits < 1 or min(keys) < 0:
+        raise ValueError(f"keys: needs at least one request, none negative, and num_splits >= 1; "
+                         f"got {batch} requests and num_splits={num_splits}")
+    pool, total = batch * num_splits, sum(keys)
+    spare = pool - batch
+    if batch > 128:
+        return [r + spare * sum(keys[:r]) // total if total else r * num_splits for r in range(batch + 1)]
+    if batch == 1 or spare == 0 or len(set(keys)) == 1:
+        ctas = [num_splits] * batch
+    else:
+        def needs(load):
+            return [max(1, -(-k // load)) for k in keys]
+
+        lo, hi = max(1, -(-total // pool)) - 1, max(1, -(-total // spare))
+        while hi - lo > max(1, hi >> 6):
+            mid = (lo + hi) // 2
+            if sum(needs(mid)) <= pool:
+                hi = mid
+            else:
+                lo = mid
+        ctas = needs(hi)
+        ctas[-1] += pool - sum(ctas)
+    return [sum(ctas[:r]) for r in range(batch + 1)]
+
+
 class MlaVerifyWorkspace:
     """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
 
