@@ -543,12 +543,14 @@ __device__ __forceinline__ PoolSpan pool_span_min_max(const Params& prm, int at)
     constexpr int kPerLane = kPoolScanMax / 32;
     const int B = prm.batch, lane = threadIdx.x;
     const unsigned ns = prm.num_splits, P = B * ns, spare = P - B;
-    unsigned keys[kPerLane], total = 0;   // request lane + 32 j
+    // request lane + 32 j, for the j that hold any (a uniform test: no work past the batch)
+    auto has = [&](int j) { return 32 * j < B; };
+    unsigned keys[kPerLane], total = 0;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int r = lane + 32 * j;
       keys[j] = 0;
-      if (r < B) {
+      if (has(j) && r < B) {
         keys[j] = prm.kv_indptr[r + 1] - prm.kv_indptr[r];
         if (prm.k_extend) keys[j] += prm.qo_indptr[r + 1] - prm.qo_indptr[r];
       }
@@ -559,49 +561,55 @@ __device__ __forceinline__ PoolSpan pool_span_min_max(const Params& prm, int at)
     bool equal = true;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) equal &= lane + 32 * j >= B || keys[j] == keys0;
-    // the CTAs of request lane + 32 j at load L
-    auto needs = [&](unsigned L, unsigned (&n)[kPerLane]) {
-      unsigned sum = 0;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        n[j] = lane + 32 * j < B ? max(1u, ceil_div(keys[j], L)) : 0u;
-        sum += n[j];
+    if (__all_sync(0xffffffffu, equal) || spare == 0) {   // num_splits CTAs each
+      if (lane == 0) {
+        const int r = kFindCta ? at / prm.num_splits : at;
+        span[0] = r;
+        span[1] = r * prm.num_splits;
+        span[2] = (r + 1) * prm.num_splits;
       }
-      return __reduce_add_sync(0xffffffffu, sum);
-    };
-    unsigned ctas[kPerLane];
-    if (__all_sync(0xffffffffu, equal) || spare == 0) {
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) ctas[j] = lane + 32 * j < B ? ns : 0u;
     } else {
+      // the CTAs of request lane + 32 j at load L, and their sum over the batch
+      unsigned ctas[kPerLane];
+      auto needs = [&](unsigned L) {
+        unsigned sum = 0;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) {
+          ctas[j] = has(j) && lane + 32 * j < B ? max(1u, ceil_div(keys[j], L)) : 0u;
+          sum += ctas[j];
+        }
+        return __reduce_add_sync(0xffffffffu, sum);
+      };
       // hi: a load that fits (sum of max(1, ceil(k / hi)) <= T / hi + B <= P); lo: one that may not
       unsigned lo = max(1u, ceil_div(total, P)) - 1, hi = max(1u, ceil_div(total, spare));
       while (hi - lo > max(1u, hi >> 6)) {
         const unsigned mid = (lo + hi) / 2;
-        unsigned n[kPerLane];
-        if (needs(mid, n) <= P) hi = mid; else lo = mid;
+        if (needs(mid) <= P) hi = mid; else lo = mid;
       }
-      const unsigned used = needs(hi, ctas);
-      if (lane == (B - 1) % 32) ctas[(B - 1) / 32] += P - used;   // the leftover: to the last request
-    }
-    // first CTA of each request: an exclusive prefix sum in request order (j, then lane)
-    unsigned carry = 0;
+      const unsigned used = needs(hi);
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      unsigned incl = ctas[j];
+      for (int j = 0; j < kPerLane; ++j)   // the leftover: to the last request (no dynamic index: no stack)
+        if (lane + 32 * j == B - 1) ctas[j] += P - used;
+      // first CTA of each request: an exclusive prefix sum in request order (j, then lane)
+      unsigned carry = 0;
 #pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned v = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += v;
+      for (int j = 0; j < kPerLane; ++j) {
+        if (!has(j)) break;
+        unsigned incl = ctas[j];
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const unsigned v = __shfl_up_sync(0xffffffffu, incl, off);
+          if (lane >= off) incl += v;
+        }
+        const int r = lane + 32 * j;
+        const int first = static_cast<int>(carry + incl - ctas[j]), next = static_cast<int>(carry + incl);
+        if (r < B && (kFindCta ? first <= at && at < next : r == at)) {
+          span[0] = r;
+          span[1] = first;
+          span[2] = next;
+        }
+        carry += __shfl_sync(0xffffffffu, incl, 31);
       }
-      const int r = lane + 32 * j;
-      const int first = static_cast<int>(carry + incl - ctas[j]), next = static_cast<int>(carry + incl);
-      if (r < B && (kFindCta ? first <= at && at < next : r == at)) {
-        span[0] = r;
-        span[1] = first;
-        span[2] = next;
-      }
-      carry += __shfl_sync(0xffffffffu, incl, 31);
     }
   }
   __syncthreads();
