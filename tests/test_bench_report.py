@@ -282,3 +282,17 @@ def test_skewed_batches_are_tabled_apart_from_uniform_ones():
     t = br.skewed_batch_table(skew)
     assert list(t.index) == [(8, 8, 1, 65536, 1024)] and list(t.loc[(8, 8, 1, 65536, 1024)]) == [44.2, 42.5]
     assert br.skewed_batch_table(skew.iloc[:0]).empty
+
+
+def test_pool_balance_table_reads_the_kernels_schedule():
+    """pool_balance_table: the most keys a CTA walks under v19's rule and v20's min-max pool, at
+    the workspace's split count on each target GPU, never below the even split."""
+    from sm120_workbook.kernels.bench import Shape
+
+    t = br.pool_balance_table([Shape(32, 8, 1, 65536, 2048), Shape(4, 8, 1, 4096)])
+    h200 = t[(t["gpu"] == "H200") & (t["batch"] == 32)].iloc[0]
+    assert h200["num_splits"] == 4 and h200["v19_rule"] == 1337 and h200["v20_min_max"] == 1024   # 65,537 keys / 49 and / 64 CTAs
+    assert (t["v20_min_max"] >= t["even_split"]).all() and (t["v20_min_max"] <= t["v19_rule"]).all()
+    equal = t[t["batch"] == 4]
+    assert (equal["v20_gain"] == 0).all() and (equal["v19_rule"] == equal["even_split"]).all()
+    assert set(t["gpu"]) == {"H200", "RTX PRO 6000 Blackwell"}

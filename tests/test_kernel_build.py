@@ -46,12 +46,6 @@ def test_split_policy_fills_the_gpu_from_static_shapes():
     assert choose_num_splits(batch=1, heads=8, max_q_len=8, num_sms=132, cta_rows=64) == 128
 
 
-def _v19_first_ctas(keys, num_splits):
-    """v19's rule (POOL_MIN_MAX=0): one CTA each, the spare ones by keys."""
-    spare, total = len(keys) * (num_splits - 1), sum(keys)
-    return [r + spare * sum(keys[:r]) // total for r in range(len(keys) + 1)]
-
-
 def _most_keys_a_cta(keys, first):
     return max(k / (b - a) for k, a, b in zip(keys, first, first[1:]))
 
@@ -61,13 +55,14 @@ def test_pool_schedule_minimises_the_slowest_cta():
     every request at least one CTA, the pool used exactly, equal lengths num_splits each, and
     the most keys a CTA walks within the search's 1/64 of the best load, never worse than v19's."""
     counts = lambda f: [b - a for a, b in zip(f, f[1:])]
-    skewed = [65536] + [2048] * 31                       # b32 decode: v19 gave the long one 49 CTAs
+    skewed = [65536] + [2048] * 31                       # b32 decode: v19's rule gave the long one 49 CTAs
+    assert pool_first_ctas(skewed, 4, min_max=False)[1] == 49
     assert counts(pool_first_ctas(skewed, 4))[:2] == [64, 2] and _most_keys_a_cta(skewed, pool_first_ctas(skewed, 4)) == 1024
     assert pool_first_ctas([1000] * 8, 16) == [16 * r for r in range(9)]
     assert pool_first_ctas([0, 0, 0], 4) == [0, 4, 8, 12]
     assert pool_first_ctas([7], 33) == [0, 33]
     assert counts(pool_first_ctas([5000, 1], 1)) == [1, 1]                          # no spare CTA
-    assert pool_first_ctas([100] * 129 + [5000], 2) == _v19_first_ctas([100] * 129 + [5000], 2)   # past 128
+    assert pool_first_ctas([100] * 129 + [5000], 2) == pool_first_ctas([100] * 129 + [5000], 2, min_max=False)   # past 128
     rng = random.Random(0)
     for _ in range(300):
         batch, splits = rng.choice([(2, 33), (4, 16), (8, 16), (16, 8), (32, 4), (48, 2), (64, 2), (100, 1)])
@@ -82,7 +77,7 @@ def test_pool_schedule_minimises_the_slowest_cta():
         most = _most_keys_a_cta(keys, first)
         assert most <= best * 64 / 63, (keys, splits, most, best)
         if splits > 1:
-            assert most <= math.ceil(_most_keys_a_cta(keys, _v19_first_ctas(keys, splits))) * 64 / 63, (keys, splits)
+            assert most <= math.ceil(_most_keys_a_cta(keys, pool_first_ctas(keys, splits, min_max=False))) * 64 / 63, (keys, splits)
     with pytest.raises(ValueError, match="keys"):
         pool_first_ctas([], 4)
 

@@ -247,6 +247,8 @@ DECODE_LIBRARIES = ("triton_decode", "flashmla", "flashinfer_mla_fa2")
 # Beside sm120_mla on a skewed verify batch: FlashMLA (its metadata splits work by length) and
 # fa2, the FlashInfer kernel an RTX PRO 6000 user runs.
 SKEWED_VERIFY = ("flashmla", "flashinfer_mla_fa2")
+# skewed batches: one 64k request beside short ones, as a server's batch is (BALANCED_SPLITS)
+SKEWED_BATCHES = (Shape(8, 8, 1, 65536, 1024), Shape(32, 8, 1, 65536, 2048), Shape(8, 8, 16, 65536, 1024))
 SM120_KERNELS = ({}, {"cta_rows": 32}, {"tile_keys": 32}, {"cta_rows": 64})
 
 
@@ -286,10 +288,8 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
         m = Shape(b, 8, q, 65536)
         grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})]
         grid += [(impl, m, {}) for impl in ("flashmla", "flashinfer_mla_fa2")]
-    # skewed batches: one 64k request beside short ones, as a server's batch is (BALANCED_SPLITS)
-    for b, q, short in ((8, 1, 1024), (32, 1, 2048), (8, 16, 1024)):
-        k = Shape(b, 8, q, 65536, short)
-        grid += [("sm120_mla", k, {})] + [(impl, k, {}) for impl in (DECODE_LIBRARIES if q == 1 else SKEWED_VERIFY)]
+    for k in SKEWED_BATCHES:
+        grid += [("sm120_mla", k, {})] + [(impl, k, {}) for impl in (DECODE_LIBRARIES if k.q_len == 1 else SKEWED_VERIFY)]
     for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
         grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "tile_keys": k}) for k in (16, 32)]
     return grid

@@ -154,6 +154,31 @@ def skewed_batch_table(df: pd.DataFrame) -> pd.DataFrame:
     return t[[c for c in IMPL_ORDER if c in t.columns]].round(1)
 
 
+def pool_balance_table(shapes) -> pd.DataFrame:
+    """The most keys one CTA walks in each batch (bench.Shape, skewed by short_ctx), on each
+    TARGET_GPUS GPU at the workspace's split count: with v19's rule (one CTA a request, the spare
+    ones by keys), with v20's min-max pool (POOL_MIN_MAX), and in an even split of every key over
+    every CTA, which no schedule beats. Computed, not measured: `pool_first_ctas` is the kernels'
+    schedule step for step."""
+    from .verify_attention import choose_cta_rows, choose_num_splits, pool_first_ctas
+
+    def most(keys, first):
+        return max(k / (b - a) for k, a, b in zip(keys, first, first[1:]))
+
+    rows = []
+    for s in shapes:
+        keys = [c + s.q_len for c in s.contexts]   # as bench.Inputs: the step's own tokens too
+        for gpu, spec in TARGET_GPUS.items():
+            splits = choose_num_splits(s.batch, s.heads, s.q_len, spec["sms"], choose_cta_rows(s.batch, s.heads, s.q_len))
+            rows.append({"batch": s.batch, "heads": s.heads, "q_len": s.q_len, "ctx": s.ctx, "short_ctx": s.short_ctx,
+                         "gpu": gpu, "num_splits": splits, "even_split": sum(keys) / (s.batch * splits),
+                         "v19_rule": most(keys, pool_first_ctas(keys, splits, min_max=False)),
+                         "v20_min_max": most(keys, pool_first_ctas(keys, splits))})
+    t = pd.DataFrame(rows)
+    t["v20_gain"] = 1 - t["v20_min_max"] / t["v19_rule"]
+    return t.round({"even_split": 0, "v19_rule": 0, "v20_min_max": 0, "v20_gain": 3})
+
+
 def versus_table(df: pd.DataFrame, other: str) -> pd.DataFrame:
     """sm120_mla against `other` at every shape where both were timed, from `default_rows`' table
     (one sm120_mla row a shape: the kernel the workspace picks): µs of each and `speedup` =

@@ -87,7 +87,7 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
     return max(1, min(MAX_SPLITS, num_sms // row_ctas))
 
 
-def pool_first_ctas(keys, num_splits: int) -> list[int]:
+def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
     """Where each request's CTAs start in its row tile's pool of batch x num_splits CTAs, and
     the pool's size last: the kernels' schedule for a batch (BALANCED_SPLITS and POOL_MIN_MAX
     in mla_verify.cuh, step for step), for CPU tests and for reading a batch's balance. `keys`
@@ -95,7 +95,8 @@ def pool_first_ctas(keys, num_splits: int) -> list[int]:
 
     Each request gets max(1, ceil(keys / L)) CTAs for the smallest load L (within 1/64) whose
     CTAs fit the pool, and the last request the leftover; equal lengths get num_splits each.
-    Batches over 128 requests keep v19's rule: one CTA each, the spare ones by keys.
+    Batches over 128 requests keep v19's rule, one CTA each and the spare ones by keys, which
+    min_max=False gives at any batch (the `POOL_MIN_MAX=0` build).
     """
     batch = len(keys)
     if batch == 0 or num_splits < 1 or min(keys) < 0:
@@ -103,7 +104,7 @@ def pool_first_ctas(keys, num_splits: int) -> list[int]:
                          f"got {batch} requests and num_splits={num_splits}")
     pool, total = batch * num_splits, sum(keys)
     spare = pool - batch
-    if batch > 128:
+    if batch > 128 or (not min_max and batch > 1):
         return [r + spare * sum(keys[:r]) // total if total else r * num_splits for r in range(batch + 1)]
     if batch == 1 or spare == 0 or len(set(keys)) == 1:
         ctas = [num_splits] * batch
