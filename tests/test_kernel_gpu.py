@@ -6,6 +6,7 @@ element was written.
 """
 from __future__ import annotations
 
+import math
 import random
 import shutil
 
@@ -67,6 +68,49 @@ def test_skewed_batch(batch, heads, q_len, cta_rows, num_splits, seed):
                             with_k_extend=q_len > 1, seed=seed, device="cuda")
     out, lse = run_kernel(case, max_q_len=q_len, cta_rows=cta_rows, num_splits=num_splits)
     assert_matches_reference(case, out, lse, f"skewed b{batch} h{heads} q{q_len} ctx={ctx}")
+
+
+@pytest.mark.parametrize("batch, heads, q_len, cta_rows, num_splits",
+                         [(2, 8, 16, 64, None), (5, 8, 1, 32, None), (3, 8, 4, 32, None), (40, 1, 1, 32, None),
+                          (64, 8, 1, 32, None), (130, 1, 1, 32, 2)])
+def test_pool_matches_its_python_mirror(batch, heads, q_len, cta_rows, num_splits, seed):
+    """The pool as the kernels computed it (a POOL_TRACE build) is `pool_first_ctas`' schedule:
+    every pool CTA of the first row tile has its request, split and split count from it, and the
+    combine step finds each row's first split and split count from it (mixed random lengths; b40
+    and b64 put two requests on a lane of the search; b130 is past it, on v19's rule)."""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+    from sm120_workbook.kernels.build import load_kernel_module
+    from sm120_workbook.kernels.verify_attention import pool_first_ctas
+
+    if cta_rows == 64 and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the 64-row kernel shares its CTAs by length from sm_90 on (kWidePool); this GPU is older")
+    rng = random.Random(seed)
+    ctx = [int(math.exp(rng.uniform(0, math.log(30000)))) for _ in range(batch)]
+    case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask="tree" if q_len > 1 else None,
+                            with_k_extend=q_len > 1, seed=seed, device="cuda")
+    defines = ("POOL_TRACE",)
+    module = load_kernel_module(defines=defines)
+    module.pool_trace()   # clear what earlier calls left
+    T, H = batch * q_len, heads
+    ws = MlaVerifyWorkspace(T, H, "cuda", num_splits=num_splits, kernel_defines=defines, cta_rows=cta_rows)
+    out = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(T, H, device="cuda")
+    mla_verify_attention(case["q"], case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
+                         out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=q_len,
+                         k_extend=case["k_extend"], custom_mask=case["custom_mask"], mask_indptr=case["mask_indptr"])
+    ctas, rows = (t.numpy() for t in module.pool_trace())
+    splits = ws.num_splits_for(batch, q_len)
+    keys = [k + (q_len if case["k_extend"] is not None else 0) for k in ctx]
+    first = pool_first_ctas(keys, splits)
+    assert first[-1] == batch * splits
+    for r in range(batch):
+        count = min(first[r + 1] - first[r], 128)
+        for c in range(first[r], first[r + 1]):
+            assert ctas[c].tolist() == [r, c - first[r], count], (c, r, ctx)
+        for row in range(r * q_len * H, (r + 1) * q_len * H):
+            assert rows[row].tolist() == [first[r], count], (row, r, ctx)
+    assert (ctas[first[-1]:] == -1).all() and (rows[T * H:] == -1).all()
+    assert_matches_reference(case, out, lse, f"pool trace b{batch} ctx={ctx}")
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 8, 31, 33, 128])   # every combine layout (1, 4, 16 groups)

@@ -29,6 +29,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
 void mma_sync_peak(at::Tensor& out, int64_t iters, int64_t threads_per_block);
 at::Tensor wide_phase_trace();
 at::Tensor cta_timeline();
+std::vector<at::Tensor> pool_trace();
 """
 
 
@@ -98,7 +99,7 @@ def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ..
             name=name,
             cpp_sources=[CPP_DECLS],
             cuda_sources=[cu],
-            functions=["mla_verify_forward", "mma_sync_peak", "wide_phase_trace", "cta_timeline"],
+            functions=["mla_verify_forward", "mma_sync_peak", "wide_phase_trace", "cta_timeline", "pool_trace"],
             extra_cuda_cflags=NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines) + [f"-I{KERNEL_DIR}"],
             extra_include_paths=[str(KERNEL_DIR)],
             build_directory=str(build_dir),

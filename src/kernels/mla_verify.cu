@@ -222,6 +222,28 @@ at::Tensor cta_timeline() {
 #endif
 }
 
+// The pool as the last call of a POOL_TRACE build computed it (mla_verify.cuh): int32
+// [slots, 3] of (request, split, count) a pool CTA, and [slots, 2] of (first split, splits) a
+// combine row, on the CPU; the device copies are reset to -1 for the next call.
+std::vector<at::Tensor> pool_trace() {
+#ifdef POOL_TRACE
+  using namespace sm120_mla;
+  at::Tensor ctas = torch::empty({kPoolTraceSlots, 3}, torch::kInt);
+  at::Tensor rows = torch::empty({kPoolTraceSlots, 2}, torch::kInt);
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(ctas.data_ptr(), pool_trace_ctas, ctas.numel() * sizeof(int)));
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(rows.data_ptr(), pool_trace_rows, rows.numel() * sizeof(int)));
+  void* at = nullptr;
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&at, pool_trace_ctas));
+  C10_CUDA_CHECK(cudaMemset(at, 0xff, sizeof(pool_trace_ctas)));
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&at, pool_trace_rows));
+  C10_CUDA_CHECK(cudaMemset(at, 0xff, sizeof(pool_trace_rows)));
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  return {ctas, rows};
+#else
+  TORCH_CHECK(false, "pool_trace: this build records no pool; build it with defines=(\"POOL_TRACE\",)");
+#endif
+}
+
 // One launch of the mma.sync ceiling kernel: out.numel() / threads_per_block blocks, each
 // warp doing iters x kPeakChains mma.sync m16n8k16 (2 * 16 * 8 * 16 flops each).
 void mma_sync_peak(at::Tensor& out, int64_t iters, int64_t threads_per_block) {

@@ -627,6 +627,26 @@ __device__ __forceinline__ PoolSpan pool_span_of_request(const Params& prm, int 
 struct SplitOf {
   int request, split, count;
 };
+// POOL_TRACE (a diagnostic build: tests/test_kernel_gpu.py checks it against
+// verify_attention.pool_first_ctas, the Python mirror): the pool as the kernels computed it.
+// pool_trace_ctas[c] = (request, split, count) of pool CTA c in the first row tile;
+// pool_trace_rows[row] = (first split, splits) as the combine step found them. Slots past
+// kPoolTraceSlots are not written.
+#ifdef POOL_TRACE
+constexpr int kPoolTraceSlots = 4096;
+__device__ int pool_trace_ctas[kPoolTraceSlots][3];
+__device__ int pool_trace_rows[kPoolTraceSlots][2];
+#endif
+__device__ __forceinline__ void pool_trace_cta(const SplitOf& w) {
+#ifdef POOL_TRACE
+  const int c = pool_cta();   // only here: pool_cta's volatile reads would stay in every build
+  if (threadIdx.x == 0 && blockIdx.x == 0 && c < kPoolTraceSlots) {
+    pool_trace_ctas[c][0] = w.request;
+    pool_trace_ctas[c][1] = w.split;
+    pool_trace_ctas[c][2] = w.count;
+  }
+#endif
+}
 __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
   if (pool_min_max(prm)) {
     const PoolSpan span = pool_span_min_max<true>(prm, c);
@@ -750,6 +770,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
   const SplitOf work = split_of_cta(prm, pool_cta());
+  pool_trace_cta(work);
   const int b = work.request, split = work.split;
   const int H = prm.heads;
 
@@ -1303,6 +1324,12 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const PoolSpan span = pool_span_of_request(prm, request);
   const int first_split = span.first;
   const int S = min(span.next - first_split, kMaxSplits);
+#ifdef POOL_TRACE
+  if (tid == 0 && blockIdx.y == 0 && row < kPoolTraceSlots) {
+    pool_trace_rows[row][0] = first_split;
+    pool_trace_rows[row][1] = S;
+  }
+#endif
   const int64_t split_stride = pooled(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
   const int64_t slot0 = pooled(prm)
                             ? first_split * split_stride + (row - static_cast<int64_t>(prm.qo_indptr[request]) * prm.heads)
