@@ -192,12 +192,12 @@ def test_ablation_switches_compile_for_sm120a(tmp_path):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("defines", [(), ("WIDE_TRACE",), ("CTA_TIMELINE",)],
-                         ids=["default", "phase_trace", "cta_timeline"])
+@pytest.mark.parametrize("defines", [(), ("WIDE_TRACE",), ("CTA_TIMELINE",), ("POOL_TRACE",)],
+                         ids=["default", "phase_trace", "cta_timeline", "pool_trace"])
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90", "sm_86"])
 def test_diagnostic_builds_compile_without_spills(tmp_path, arch, defines):
     """The default build (its combine step a programmatic dependent) and the diagnostic builds
-    (phase_trace.py's stamps, cta_timeline.py's stamps) keep every kernel's registers on sm_120a
+    (phase_trace.py's stamps, cta_timeline.py's stamps, the pool's trace) keep every kernel's registers on sm_120a
     and sm_90; on sm_86 they build (griddepcontrol compiles to nothing there)."""
     import subprocess
 
