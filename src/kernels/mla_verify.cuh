@@ -516,7 +516,7 @@ __device__ __forceinline__ int pool_cta() {
 // the smallest L whose needs fit the pool wins (the leftover CTAs go to the last request). v19's
 // rule, one CTA each plus the spare ones by keys, over-serves the short requests whenever the
 // pool has few CTAs a request: with 64k + 31 x 2k at b32 decode (a pool of 128) the long request
-// got 49 CTAs of ~1,340 keys, where 65 of ~1,010 fit. Over random batches (log-uniform 0.5k-128k,
+// got 49 CTAs of ~1,340 keys; the search gives it 64 of ~1,020. Over random batches (log-uniform 0.5k-128k,
 // NOTES.md session 16) v19's slowest CTA walks 1-3% more keys than needed at 2-8 requests, 10%
 // at 32 and 25% at 64 (num_splits 4 and 2); the search's 1/64 tolerance stays within 1%.
 // Equal lengths skip the search: num_splits CTAs each, exactly as before. Warp 0 runs it, one
