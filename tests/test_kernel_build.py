@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sm120_workbook.kernels import MlaVerifyWorkspace, choose_num_splits, mla_verify_attention
-from sm120_workbook.kernels.verify_attention import choose_cta_rows, pool_first_ctas
+from sm120_workbook.kernels.verify_attention import choose_cta_rows, most_keys_a_cta, pool_first_ctas
 from sm120_workbook.kernels.resources import SM120_SMEM_LIMIT, resource_report
 
 # nvcc's report for both archs, compiled once for the tests that read it
@@ -46,10 +46,6 @@ def test_split_policy_fills_the_gpu_from_static_shapes():
     assert choose_num_splits(batch=1, heads=8, max_q_len=8, num_sms=132, cta_rows=64) == 128
 
 
-def _most_keys_a_cta(keys, first):
-    return max(k / (b - a) for k, a, b in zip(keys, first, first[1:]))
-
-
 def test_pool_schedule_minimises_the_slowest_cta():
     """The pooled batch's schedule (pool_first_ctas, the kernels' POOL_MIN_MAX step for step):
     every request at least one CTA, the pool used exactly, equal lengths num_splits each, and
@@ -57,7 +53,7 @@ def test_pool_schedule_minimises_the_slowest_cta():
     counts = lambda f: [b - a for a, b in zip(f, f[1:])]
     skewed = [65536] + [2048] * 31                       # b32 decode: v19's rule gave the long one 49 CTAs
     assert pool_first_ctas(skewed, 4, min_max=False)[1] == 49
-    assert counts(pool_first_ctas(skewed, 4))[:2] == [64, 2] and _most_keys_a_cta(skewed, pool_first_ctas(skewed, 4)) == 1024
+    assert counts(pool_first_ctas(skewed, 4))[:2] == [64, 2] and most_keys_a_cta(skewed, pool_first_ctas(skewed, 4)) == 1024
     assert pool_first_ctas([1000] * 8, 16) == [16 * r for r in range(9)]
     assert pool_first_ctas([0, 0, 0], 4) == [0, 4, 8, 12]
     assert pool_first_ctas([7], 33) == [0, 33]
@@ -74,10 +70,10 @@ def test_pool_schedule_minimises_the_slowest_cta():
         lo, best = 0, max(keys) + 1                      # the best integer load, by bisection
         while best - lo > 1:
             lo, best = (lo, (lo + best) // 2) if fits((lo + best) // 2) else ((lo + best) // 2, best)
-        most = _most_keys_a_cta(keys, first)
+        most = most_keys_a_cta(keys, first)
         assert most <= best * 64 / 63, (keys, splits, most, best)
         if splits > 1:
-            assert most <= math.ceil(_most_keys_a_cta(keys, pool_first_ctas(keys, splits, min_max=False))) * 64 / 63, (keys, splits)
+            assert most <= math.ceil(most_keys_a_cta(keys, pool_first_ctas(keys, splits, min_max=False))) * 64 / 63, (keys, splits)
     with pytest.raises(ValueError, match="keys"):
         pool_first_ctas([], 4)
 

@@ -160,10 +160,7 @@ def pool_balance_table(shapes) -> pd.DataFrame:
     ones by keys), with v20's min-max pool (POOL_MIN_MAX), and in an even split of every key over
     every CTA, which no schedule beats. Computed, not measured: `pool_first_ctas` is the kernels'
     schedule step for step."""
-    from .verify_attention import choose_cta_rows, choose_num_splits, pool_first_ctas
-
-    def most(keys, first):
-        return max(k / (b - a) for k, a, b in zip(keys, first, first[1:]))
+    from .verify_attention import choose_cta_rows, choose_num_splits, most_keys_a_cta, pool_first_ctas
 
     rows = []
     for s in shapes:
@@ -172,8 +169,8 @@ def pool_balance_table(shapes) -> pd.DataFrame:
             splits = choose_num_splits(s.batch, s.heads, s.q_len, spec["sms"], choose_cta_rows(s.batch, s.heads, s.q_len))
             rows.append({"batch": s.batch, "heads": s.heads, "q_len": s.q_len, "ctx": s.ctx, "short_ctx": s.short_ctx,
                          "gpu": gpu, "num_splits": splits, "even_split": sum(keys) / (s.batch * splits),
-                         "v19_rule": most(keys, pool_first_ctas(keys, splits, min_max=False)),
-                         "v20_min_max": most(keys, pool_first_ctas(keys, splits))})
+                         "v19_rule": most_keys_a_cta(keys, pool_first_ctas(keys, splits, min_max=False)),
+                         "v20_min_max": most_keys_a_cta(keys, pool_first_ctas(keys, splits))})
     t = pd.DataFrame(rows)
     t["v20_gain"] = 1 - t["v20_min_max"] / t["v19_rule"]
     return t.round({"even_split": 0, "v19_rule": 0, "v20_min_max": 0, "v20_gain": 3})

@@ -73,10 +73,8 @@ int64_t combine_ctas(int device) {
 
 // The most splits one request may have: num_splits, or in a pooled batch (BALANCED_SPLITS) its
 // own CTA plus every spare one, up to the kernels' bound.
-int most_splits_of_a_request(const sm120_mla::Params& prm, int device) {
-  const bool pooled = prm.balanced_splits == 1 ||
-                      (prm.balanced_splits == 2 && at::cuda::getDeviceProperties(device)->major >= 9);   // kWidePool
-  if (!pooled || prm.batch == 1) return prm.num_splits;
+int most_splits_of_a_request(const sm120_mla::Params& prm) {
+  if (prm.balanced_splits == 0 || prm.batch == 1) return prm.num_splits;
   return static_cast<int>(std::min<int64_t>(sm120_mla::kMaxSplits, 1 + int64_t(prm.batch) * (prm.num_splits - 1)));
 }
 
@@ -105,7 +103,7 @@ void launch_combine_for(const sm120_mla::Params& prm, int64_t rows, int device, 
   }
   int groups = sm120_mla::combine_groups(S);   // groups column slices
   if (COMBINE_POOL_GROUPS && groups < 16) {
-    const int most = sm120_mla::combine_groups(most_splits_of_a_request(prm, device));
+    const int most = sm120_mla::combine_groups(most_splits_of_a_request(prm));
     if (most >= 16 && rows * 16 <= combine_ctas<16, kBf16Partials, false>(device))
       groups = 16;
     else if (most >= 4 && groups < 4 && rows * 4 <= combine_ctas<4, kBf16Partials, false>(device))
@@ -166,8 +164,10 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.batch = static_cast<int>(B);
   prm.max_q_len = static_cast<int>(max_q_len);
   prm.num_splits = static_cast<int>(num_splits);
-  // the 64-row kernel's batch-1 build has no pool (mla_verify_wide_kernel<false>)
-  prm.balanced_splits = !BALANCED_SPLITS ? 0 : cta_rows != wide::kRows ? 1 : B > 1 ? 2 : 0;
+  // the 64-row kernel pools only in its batched build (mla_verify_wide_kernel<true>), and only
+  // from sm_90 on (kWidePool); 0 where it does not, so the combine step's launch reads it as is
+  const bool wide_pool = B > 1 && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  prm.balanced_splits = !BALANCED_SPLITS ? 0 : cta_rows != wide::kRows ? 1 : wide_pool ? 2 : 0;
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -299,9 +299,9 @@ struct Params {
   int mask_indptr_64;
   float scale_log2;                // sm_scale * log2(e)
   // BALANCED_SPLITS (requests share each row tile's CTAs by keys): 0 off, 1 on with the split
-  // kernel, 2 on with the 64-row kernel. One field, last, in what was padding: at 255 registers,
-  // a Params that grew or moved its fields changed what ptxas spilled in the 64-row kernel on
-  // sm_86/sm_89 (4 -> 12 bytes).
+  // kernel, 2 on with the 64-row kernel (batches, from sm_90 on). One field, last, in what was
+  // padding: at 255 registers, a Params that grew or moved its fields changed what ptxas spilled
+  // in the 64-row kernel on sm_86/sm_89 (4 -> 12 bytes).
   int balanced_splits;
 };
 
@@ -665,7 +665,7 @@ __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
 // Workspace slot of (token, head) row `gr` of a request (q_start: its first token) for its split
 // `split`, or -1 for a padding row past `rows`.
 // kBalanced (BALANCED_SPLITS): each pool CTA has max_q_len * H rows of slots, so a request may
-// have any number of splits; the combine step finds them from the same first_cta. Otherwise:
+// have any number of splits; the combine step finds them from the same pool (pool_span_of_request). Otherwise:
 // num_splits slots a row, row by row.
 template <bool kBalanced>
 __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, int rows, int gr, int split) {

@@ -124,6 +124,11 @@ def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
     return [sum(ctas[:r]) for r in range(batch + 1)]
 
 
+def most_keys_a_cta(keys, first_ctas) -> float:
+    """The most keys one CTA walks when `keys` are split as `first_ctas` says (pool_first_ctas)."""
+    return max(k / (b - a) for k, a, b in zip(keys, first_ctas, first_ctas[1:]))
+
+
 class MlaVerifyWorkspace:
     """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
 
