@@ -300,7 +300,7 @@ def test_compute_sanitizer_clean(tool):
     (("COMBINE_PRELOAD=0",), 32), (("COMBINE_PRELOAD=0",), 64), (("WIDE_Q_STAGGER=0",), 64),
     (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
     (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=0",), 32),
-    (("DECODE_ONE_MTILE=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32),
+    (("DECODE_ONE_MTILE=0",), 32), (("DECODE_ROWS_AS_N=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32),
     (("BALANCED_SPLITS=0",), 32), (("BALANCED_SPLITS=0",), 64), (("POOL_MIN_MAX=0",), 32), (("POOL_MIN_MAX=0",), 64)],
     ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
@@ -312,12 +312,12 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows):
     copied in the same order by every split, or by cp.async as up to v18h; splits of at least
     64 keys, as up to v18j; the split kernel's first tiles each after its own index load, as up
     to v18k, only the first of them or all four before tile 0's hand-over; decode on two m16 tiles,
-    as up to v18l; each value warp refilling its own columns right after its P.V; num_splits
+    as up to v18l, or with the rows as the mma's M, as up to v20; each value warp refilling its own columns right after its P.V; num_splits
     CTAs a request whatever its length, as up to v18n, or shared out by keys, as up to v19) compute the
     same attention."""
 
-    # verify shapes, and two that fit one m16 tile (decode, 16 rows with a tree)
-    for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:11]:
+    # verify shapes, and three that fit one m16 tile (decode, 16 rows with a tree, 8 rows with a tree)
+    for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:12]:
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
                                 with_k_extend=ext, seed=torch.randint(0, 2**31 - 1, ()).item(),
                                 device="cuda", pool_extra=257)

@@ -139,6 +139,10 @@ VARIANTS = {
     # (DECODE_ONE_MTILE=0), with and without its loads
     "two_mtiles": Variant(("DECODE_ONE_MTILE=0",)),
     "two_mtiles_no_loads": Variant(("DECODE_ONE_MTILE=0", "ABLATE_NO_LOADS")),
+    # decode at up to 8 heads on the one-tile build with the rows as the mma's M, padded to 16, as
+    # up to v20 (DECODE_ROWS_AS_N=0), with and without its loads
+    "rows_as_m": Variant(("DECODE_ROWS_AS_N=0",)),
+    "rows_as_m_no_loads": Variant(("DECODE_ROWS_AS_N=0", "ABLATE_NO_LOADS")),
     # each value warp refills its own columns of a stage right after its P.V (EARLY_REFILL, a
     # candidate: session 14), instead of after the next mid-tile round
     "early_refill": Variant(("EARLY_REFILL=1",)),

@@ -29,6 +29,7 @@ FIXED_CASES = [
     (2, 64, 16, [2048, 333], "tree", True),
     (5, 8, 1, [1, 2, 3, 64, 65], None, False),
     (2, 2, 8, [300, 4097], "tree", True),  # 16 rows: the split kernel's one-m16-tile build
+    (3, 4, 2, [70000, 1, 513], "tree", True),  # 8 rows: that build with the rows as the mma's N
 ]
 
 

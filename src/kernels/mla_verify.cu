@@ -16,16 +16,16 @@
 
 namespace {
 
-template <int KEYS, int MT = 2>
+template <int KEYS, int MT = 2, bool ROWS_AS_N = false>
 void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
   using Cfg = sm120_mla::TileConfig<KEYS>;
   // Above 48 KB a kernel must opt in to its dynamic shared memory, once per device.
   static std::once_flag flags[64];
   std::call_once(flags[device % 64], [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(sm120_mla::mla_verify_split_kernel<KEYS, MT>,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(sm120_mla::mla_verify_split_kernel<KEYS, MT, ROWS_AS_N>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   });
-  sm120_mla::mla_verify_split_kernel<KEYS, MT><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
+  sm120_mla::mla_verify_split_kernel<KEYS, MT, ROWS_AS_N><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
 }
 
 template <bool kBatched>
@@ -179,6 +179,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
     launch_wide<false>(prm, grid, stream, device);
   else if (tile_keys == 32)
     launch_split<32>(prm, grid, stream, device);
+  else if (DECODE_ONE_MTILE && DECODE_ROWS_AS_N && max_q_len * H <= 8)   // rows as the mma's N
+    launch_split<16, 1, true>(prm, grid, stream, device);
   else if (DECODE_ONE_MTILE && max_q_len * H <= 16)   // every CTA's rows 16-31 are padding
     launch_split<16, 1>(prm, grid, stream, device);
   else

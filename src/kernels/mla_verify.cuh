@@ -184,6 +184,15 @@ static_assert(!EARLY_REFILL || (!GROUP_BARRIERS && !PV_LAG && !LATE_REFILL && !S
 #ifndef DECODE_ONE_MTILE
 #define DECODE_ONE_MTILE 1
 #endif
+// DECODE_ROWS_AS_N (v21): where max_q_len * heads <= 8 (decode at up to 8 heads: Kimi K2 under
+// TP8), the one-tile build still pads 8 rows to the mma's M of 16. This build swaps the operands:
+// S^T = K . Q^T (the tile's 16 keys as M, the 8 rows as N) and O^T = V^T . P^T (16 output columns
+// as M, the rows as N), so each QK k-step and each P.V column pair is one mma.sync, not two. The
+// same ldmatrix fragments serve, in another register order; Q takes 18 registers, O 32. 0 runs
+// such batches on the one-tile build, as up to v20.
+#ifndef DECODE_ROWS_AS_N
+#define DECODE_ROWS_AS_N 1
+#endif
 
 // STAGES_16: the cp.async ring of 16-key tiles. Two stages are always being read (the score
 // warps on tile t+1, the value warps on tile t), so 4 stages keep 2 tiles in flight and 3
@@ -721,6 +730,33 @@ __device__ __forceinline__ void pv_16_keys(float (&o)[MT][kVColsPerWarp / 8][4],
   for (int np = 0; np < kVColsPerWarp / 16; ++np) pv_column_pair(o, pa, vbase, np);
 }
 
+// DECODE_ROWS_AS_N: one warp's O^T (fp32, its 128 columns x 8 rows). o[cp] is the m16n8 tile of
+// columns 16 cp .. +16: columns g and g+8, rows 2 t4 and 2 t4+1. A row's rescale is a column of
+// that tile: a0 scales row 2 t4, a1 row 2 t4+1 (skipped as in rescale_o).
+__device__ __forceinline__ void rescale_o_rows_as_n(float (&o)[kVColsPerWarp / 16][4], float a0, float a1) {
+  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+    for (int cp = 0; cp < kVColsPerWarp / 16; ++cp) {
+      o[cp][0] *= a0; o[cp][1] *= a1;
+      o[cp][2] *= a0; o[cp][3] *= a1;
+    }
+  }
+}
+// O^T += V^T . P^T over 16 keys: pb0, pb1 are P^T (the B operand: row g's keys 2 t4, +1 and 8 more
+// on), vbase is pv_16_keys'. Its ldmatrix.trans gives {keys 0-7, keys 8-15} x {columns 0-7, 8-15};
+// as the A operand (columns as M, keys as K) the middle two change places. One mma.sync a column
+// pair, where pv_column_pair runs two with half of each m16 tile padding.
+__device__ __forceinline__ void pv_16_keys_rows_as_n(float (&o)[kVColsPerWarp / 16][4], uint32_t pb0, uint32_t pb1,
+                                                     const __nv_bfloat16* vbase) {
+#pragma unroll
+  for (int cp = 0; cp < kVColsPerWarp / 16; ++cp) {
+    uint32_t vb[4];
+    ldmatrix_x4_trans(vb, vbase + cp * 16);
+    const uint32_t va[4] = {vb[0], vb[2], vb[1], vb[3]};
+    mma_16816(o[cp], va, pb0, pb1);
+  }
+}
+
 // Q fragments (the mma A operand) of MT * 16 rows from `first_row`, over the 144 dims of quarter
 // `dim_part`; rows past `rows` are 0. They stay in registers for the whole split.
 template <int MT>
@@ -757,9 +793,13 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[MT][kQkSteps][4]
 // MT: the m16 row tiles a CTA computes. 2 (its 32 rows), or 1 where the launcher knows that no
 // CTA has more than 16 rows (max_q_len * heads <= 16: decode at up to 16 heads), so the other
 // tile is all padding (DECODE_ONE_MTILE; see there).
-template <int KEYS, int MT = 2>
+// ROWS_AS_N: the rows are the mma's N and the keys (QK) or output columns (P.V) its M, where no
+// CTA has more than 8 rows (DECODE_ROWS_AS_N; see there). One m16 tile's registers and buffers.
+template <int KEYS, int MT = 2, bool ROWS_AS_N = false>
 __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
   static_assert(MT == 1 || MT == 2, "MT: one or two m16 row tiles");
+  static_assert(!ROWS_AS_N || MT == 1, "ROWS_AS_N: at most 8 rows, within one m16 tile's buffers");
+  constexpr int kComputedRows = ROWS_AS_N ? 8 : MT * 16;   // rows past it are padding
   using Cfg = TileConfig<KEYS>;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -990,29 +1030,51 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
           for (int kg = 0; kg < KEYS / 16; ++kg) {
             uint32_t kb[4];   // lanes 16-31 address keys 8-15 of the group: n-tile 2kg+1 in kb[2], kb[3]
             ldmatrix_x4(kb, kbase + kg * 16 * kKvRowStride + ks * 16);
+            if constexpr (ROWS_AS_N) {
+              // S^T (keys g, g+8 x rows 2 t4, +1) = K (A: kb as keys 0-7 / 8-15 x dims 0-7 / 8-15)
+              // . Q^T (B: row g's dims, qf's first 8 rows)
+              const uint32_t ka[4] = {kb[0], kb[2], kb[1], kb[3]};
+              mma_16816(sacc[ks % kQkSets][0][kg], ka, qf[0][ks][0], qf[0][ks][2]);
+            } else {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              mma_16816(sacc[ks % kQkSets][mt][2 * kg], qf[mt][ks], kb[0], kb[1]);
-              mma_16816(sacc[ks % kQkSets][mt][2 * kg + 1], qf[mt][ks], kb[2], kb[3]);
+              for (int mt = 0; mt < MT; ++mt) {
+                mma_16816(sacc[ks % kQkSets][mt][2 * kg], qf[mt][ks], kb[0], kb[1]);
+                mma_16816(sacc[ks % kQkSets][mt][2 * kg + 1], qf[mt][ks], kb[2], kb[3]);
+              }
             }
           }
         }
 #endif
+        if constexpr (ROWS_AS_N) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < Cfg::kQkNTiles; ++nt) {
-            float* dst = &sm.s_part[dim_part][mt * 16 + g][nt * 8 + 2 * t4];
+          for (int kg = 0; kg < KEYS / 16; ++kg) {
             float v[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              v[i] = sacc[0][mt][nt][i];
+              v[i] = sacc[0][0][kg][i];
 #pragma unroll
-              for (int set = 1; set < kQkSets; ++set) v[i] += sacc[set][mt][nt][i];
+              for (int set = 1; set < kQkSets; ++set) v[i] += sacc[set][0][kg][i];
             }
-            *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
-            *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(v[2], v[3]);
+            float* dst = &sm.s_part[dim_part][2 * t4][kg * 16 + g];
+            dst[0] = v[0]; dst[KEYS] = v[1]; dst[8] = v[2]; dst[KEYS + 8] = v[3];
           }
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < Cfg::kQkNTiles; ++nt) {
+              float* dst = &sm.s_part[dim_part][mt * 16 + g][nt * 8 + 2 * t4];
+              float v[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                v[i] = sacc[0][mt][nt][i];
+#pragma unroll
+                for (int set = 1; set < kQkSets; ++set) v[i] += sacc[set][mt][nt][i];
+              }
+              *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+              *reinterpret_cast<float2*>(dst + 8 * KEYS) = make_float2(v[2], v[3]);
+            }
+        }
       }
 #if GROUP_BARRIERS
       barrier_sync(kBarScore, kGroupThreads);
@@ -1022,9 +1084,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #endif
 
       // Online softmax over this tile, in the log2 domain. With one m16 tile (MT == 1) the rows
-      // from 16 on are padding that no value warp reads: their warps skip it.
+      // from 16 on (from 8 on, ROWS_AS_N) are padding that no value warp reads: they skip it.
 #ifndef ABLATE_NO_SOFTMAX
-      if (MT == 2 || sm_row < 16) {
+      if (sm_row < kComputedRows) {
         float sc[NK];
 #pragma unroll
         for (int j = 0; j < NK; j += 4) {
@@ -1153,27 +1215,45 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
+  float ot[kVColsPerWarp / 16][4];   // ROWS_AS_N: O^T (rescale_o_rows_as_n); o is then unused
+#pragma unroll
+  for (int cp = 0; cp < kVColsPerWarp / 16; ++cp)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ot[cp][i] = 0.f;
 
   const int pv_col0 = vwarp * kVColsPerWarp;
   // O = O * row_scale(tile) + P(tile) . V(tile), from the stage and the P buffer of `tile`.
   auto multiply = [&](int tile) {
     const int par = tile & 1;
     const __nv_bfloat16* kv = sm.kv[tile % kStages];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      rescale_o(o, mt, sm.row_scale[par][mt * 16 + g], sm.row_scale[par][mt * 16 + g + 8]);
-    }
+    if constexpr (ROWS_AS_N) {
+      rescale_o_rows_as_n(ot, sm.row_scale[par][2 * t4], sm.row_scale[par][2 * t4 + 1]);
 #ifndef ABLATE_NO_PV
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
-      uint32_t pa[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        ldmatrix_x4(pa[mt], &sm.p[par][mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + ((lane >> 4) & 1) * 8]);
-      pv_16_keys(o, pa, kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + pv_col0 +
-                            ((lane >> 4) & 1) * 8);
-    }
+      for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
+        uint32_t pb0, pb1;   // P^T: lanes 0-7 address rows 0-7 at keys 0-7, lanes 8-15 at keys 8-15
+        ldmatrix_x2(pb0, pb1, &sm.p[par][lane & 7][kk * 16 + ((lane >> 3) & 1) * 8]);
+        pv_16_keys_rows_as_n(ot, pb0, pb1, kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride +
+                                               pv_col0 + ((lane >> 4) & 1) * 8);
+      }
 #endif
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        rescale_o(o, mt, sm.row_scale[par][mt * 16 + g], sm.row_scale[par][mt * 16 + g + 8]);
+      }
+#ifndef ABLATE_NO_PV
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldmatrix_x4(pa[mt], &sm.p[par][mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + ((lane >> 4) & 1) * 8]);
+        pv_16_keys(o, pa, kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride + pv_col0 +
+                              ((lane >> 4) & 1) * 8);
+      }
+#endif
+    }
   };
 
   if constexpr (PV_LAG && kStages >= 3) {
@@ -1216,19 +1296,36 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   cta_sync();   // the score warps' final row sums are in smem
 
   // Normalised partial output of each row of this split.
+  if constexpr (ROWS_AS_N) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int r = mt * 16 + g + hi * 8;
+    for (int hi = 0; hi < 2; ++hi) {   // rows 2 t4 and 2 t4+1; a warp's store fills 32-byte sectors
+      const int r = 2 * t4 + hi;
       const int64_t pi = partial_index(r);
       if (pi < 0) continue;
       const float l = sm.row_sum[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      float* dst = prm.ws_o + pi * kDimV + pv_col0 + 2 * t4;
+      float* dst = prm.ws_o + pi * kDimV + pv_col0 + g;
 #pragma unroll
-      for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
-        *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+      for (int cp = 0; cp < kVColsPerWarp / 16; ++cp) {
+        dst[cp * 16] = ot[cp][hi] * inv;
+        dst[cp * 16 + 8] = ot[cp][2 + hi] * inv;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int r = mt * 16 + g + hi * 8;
+        const int64_t pi = partial_index(r);
+        if (pi < 0) continue;
+        const float l = sm.row_sum[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float* dst = prm.ws_o + pi * kDimV + pv_col0 + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
+          *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+      }
     }
   }
   timeline_stamp(0, kEvExit, kGroupThreads);   // the first value warp's partials are stored

@@ -43,11 +43,22 @@ COMBINE_INSTANCES = ((1, False, False), (4, False, False), (16, False, False), (
 _COMBINE = re.compile(r"mla_verify_combine_kernelILi(\d+)ELb(\d)ELb(\d)E")
 
 
+# Every attention kernel the launcher (mla_verify.cu) may run, as explicit instantiations.
+ATTENTION_INSTANCES = "".join(
+    f"template __global__ void sm120_mla::{kernel}(const sm120_mla::Params);\n"
+    for kernel in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16, 1>",
+                   "mla_verify_split_kernel<16, 1, true>", "mla_verify_split_kernel<32>",
+                   "wide::mla_verify_wide_kernel<false>", "wide::mla_verify_wide_kernel<true>"))
+
+
 def _kernel_label(mangled: str) -> str | None:
     """Readable names: mla_verify_split_kernel<16> (two m16 tiles) mangles to ...ILi16ELi2E...,
-    mla_verify_split_kernel<16, 1> (one m16 tile, decode) to ...ILi16ELi1E..."""
+    mla_verify_split_kernel<16, 1> (one m16 tile, decode) to ...ILi16ELi1ELb0E..., and
+    mla_verify_split_kernel<16, 1, true> (rows as the mma's N, decode at up to 8 heads) to ...ILb1E..."""
     if "mla_verify_split_kernel" in mangled:
         for keys in (16, 32):
+            if f"ILi{keys}ELi1ELb1E" in mangled:
+                return f"mla_verify_split_kernel<{keys}, 1, true>"
             if f"ILi{keys}ELi1E" in mangled:
                 return f"mla_verify_split_kernel<{keys}, 1>"
             if f"ILi{keys}E" in mangled:
@@ -68,12 +79,7 @@ def ptxas_report(arch: str) -> dict[str, dict]:
     """Per-kernel registers, spill bytes and static shared memory for one arch."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "resources.cu"
-        src.write_text('#include "mla_verify_wide.cuh"\n'
-                       'template __global__ void sm120_mla::mla_verify_split_kernel<16>(const sm120_mla::Params);\n'
-                       'template __global__ void sm120_mla::mla_verify_split_kernel<16, 1>(const sm120_mla::Params);\n'
-                       'template __global__ void sm120_mla::mla_verify_split_kernel<32>(const sm120_mla::Params);\n'
-                       + "".join(f'template __global__ void sm120_mla::wide::mla_verify_wide_kernel<{b}>'
-                                 '(const sm120_mla::Params);\n' for b in ("false", "true"))
+        src.write_text('#include "mla_verify_wide.cuh"\n' + ATTENTION_INSTANCES
                        + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
                                  f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
@@ -100,6 +106,7 @@ def ptxas_report(arch: str) -> dict[str, dict]:
 # TileConfig<KEYS> (its one-m16-tile build shares TileConfig<16>), the wide kernel's own.
 _SMEM_OF = {"mla_verify_split_kernel<16>": "TileConfig<16>::kSmemBytes",
             "mla_verify_split_kernel<16, 1>": "TileConfig<16>::kSmemBytes",
+            "mla_verify_split_kernel<16, 1, true>": "TileConfig<16>::kSmemBytes",
             "mla_verify_split_kernel<32>": "TileConfig<32>::kSmemBytes",
             "mla_verify_wide_kernel": "wide::kSmemBytes", "mla_verify_wide_kernel<batched>": "wide::kSmemBytes"}
 

@@ -34,7 +34,8 @@ BUILDS = {"default": (), "group_barriers": ("GROUP_BARRIERS=1",), "pv_lag": ("PV
           "unstaged_prologue": ("STAGED_PROLOGUE=0",),
           "early_stages1": ("PROLOGUE_EARLY_STAGES=1",),
           "two_mtiles": ("DECODE_ONE_MTILE=0",), "all_stages_first": ("PROLOGUE_EARLY_STAGES=0",),
-          "early_refill": ("EARLY_REFILL=1",), "unbalanced": ("BALANCED_SPLITS=0",)}
+          "early_refill": ("EARLY_REFILL=1",), "unbalanced": ("BALANCED_SPLITS=0",),
+          "rows_as_m": ("DECODE_ROWS_AS_N=0",)}
 _SUMMARY = re.compile(r"(ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)")
 
 
@@ -54,13 +55,15 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         "    mla_verify_attention(c['q'], c['kv_pool'], c['qo_indptr'], c['kv_indptr'], c['kv_indices'], out=o,"
         " lse=l, workspace=ws, sm_scale=c['sm_scale'], max_q_len=7, k_extend=c['k_extend'],"
         " custom_mask=c['custom_mask'], mask_indptr=c['mask_indptr'])\n"
-        "d = make_verify_case(batch=2, heads=8, q_len=1, ctx_lens=[129, 40], mask=None, with_k_extend=False,"
-        " device='cuda')  # decode: the split kernel's one-m16-tile build\n"
-        "o, l = torch.empty(2, 8, 512, device='cuda', dtype=torch.bfloat16), torch.empty(2, 8, device='cuda')\n"
-        "for splits in (1, 3, 8):\n"
-        "    ws = MlaVerifyWorkspace(2, 8, 'cuda', num_splits=splits, tile_keys=16, cta_rows=32,"
+        "for h, all_splits in ((8, (1, 3, 8)), (16, (3,))):  # decode: the split kernel's one-m16-tile builds,"
+        " rows as the mma's N (8 rows) and as its M (16)\n"
+        "    d = make_verify_case(batch=2, heads=h, q_len=1, ctx_lens=[129, 40], mask=None, with_k_extend=False,"
+        " device='cuda')\n"
+        "    o, l = torch.empty(2, h, 512, device='cuda', dtype=torch.bfloat16), torch.empty(2, h, device='cuda')\n"
+        "    for splits in all_splits:\n"
+        "        ws = MlaVerifyWorkspace(2, h, 'cuda', num_splits=splits, tile_keys=16, cta_rows=32,"
         f" kernel_defines={tuple(defines)!r})\n"
-        "    mla_verify_attention(d['q'], d['kv_pool'], d['qo_indptr'], d['kv_indptr'], d['kv_indices'], out=o,"
+        "        mla_verify_attention(d['q'], d['kv_pool'], d['qo_indptr'], d['kv_indptr'], d['kv_indices'], out=o,"
         " lse=l, workspace=ws, sm_scale=d['sm_scale'], max_q_len=1, k_extend=d['k_extend'])\n"
         "torch.cuda.synchronize(); print('ran')\n")
 

@@ -25,7 +25,8 @@ DEFAULT_TILE_KEYS = 16
 CTA_ROWS = (32, 64)
 ROWS_PER_CTA = 32           # the split kernel's, the default of choose_num_splits
 # (Where max_q_len * heads <= 16, decode at up to 16 heads, the launcher runs the split kernel on
-# one m16 tile of its 32 rows, since the other is padding: DECODE_ONE_MTILE, v18m.)
+# one m16 tile of its 32 rows, since the other is padding: DECODE_ONE_MTILE, v18m. Where it is
+# <= 8, with the rows as the mma's N: DECODE_ROWS_AS_N, v21.)
 
 
 def choose_cta_rows(batch: int, heads: int, max_q_len: int) -> int:
