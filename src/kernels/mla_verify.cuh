@@ -743,16 +743,16 @@ __device__ __forceinline__ void rescale_o_rows_as_n(float (&o)[kVColsPerWarp / 1
   }
 }
 // O^T += V^T . P^T over 16 keys: pb0, pb1 are P^T (the B operand: row g's keys 2 t4, +1 and 8 more
-// on), vbase is pv_16_keys'. Its ldmatrix.trans gives {keys 0-7, keys 8-15} x {columns 0-7, 8-15};
-// as the A operand (columns as M, keys as K) the middle two change places. One mma.sync a column
-// pair, where pv_column_pair runs two with half of each m16 tile padding.
+// on). vbase is this lane's ldmatrix.trans address in A order (columns as M, keys as K): lanes
+// 0-7 keys 0-7 / columns 0-7, lanes 8-15 the same keys / columns 8-15, lanes 16-31 keys 8-15
+// (pv_16_keys has the middle two the other way round, its B order). One mma.sync a column pair,
+// where pv_column_pair runs two with half of each m16 tile padding.
 __device__ __forceinline__ void pv_16_keys_rows_as_n(float (&o)[kVColsPerWarp / 16][4], uint32_t pb0, uint32_t pb1,
                                                      const __nv_bfloat16* vbase) {
 #pragma unroll
   for (int cp = 0; cp < kVColsPerWarp / 16; ++cp) {
-    uint32_t vb[4];
-    ldmatrix_x4_trans(vb, vbase + cp * 16);
-    const uint32_t va[4] = {vb[0], vb[2], vb[1], vb[3]};
+    uint32_t va[4];
+    ldmatrix_x4_trans(va, vbase + cp * 16);
     mma_16816(o[cp], va, pb0, pb1);
   }
 }
@@ -1004,8 +1004,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     if (prm.custom_mask) mask_row = load_index(prm.mask_indptr, b, prm.mask_indptr_64) + int64_t(sm_tok) * num_keys;
     float m_run = -INFINITY, l_run = 0.f;
 
-    const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + ((lane >> 4) & 1) * 8 * kKvRowStride +
-                                 dim_part * (kQkSteps * 16) + ((lane >> 3) & 1) * 8;
+    // ldmatrix.x4 lane addresses of a 16-key x 16-dim block: the four 8x8 matrices in B order
+    // (keys 0-7 / dims 0-7, 8-15, then keys 8-15), or with ROWS_AS_N in A order (keys 0-7 / dims
+    // 0-7, keys 8-15 / dims 0-7, then dims 8-15), so that the fragment is the mma's operand as loaded.
+    const int k_keys8 = ROWS_AS_N ? (lane >> 3) & 1 : (lane >> 4) & 1, k_dims8 = ROWS_AS_N ? (lane >> 4) & 1 : (lane >> 3) & 1;
+    const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + k_keys8 * 8 * kKvRowStride +
+                                 dim_part * (kQkSteps * 16) + k_dims8 * 8;
 #ifdef ABLATE_NO_SOFTMAX
     // No softmax writes row_scale: 1 keeps the value warps' O rescale skipped, as the lazy
     // rescale does in most rounds of the full kernel (uninitialised, it ran every round).
@@ -1029,12 +1033,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
           for (int kg = 0; kg < KEYS / 16; ++kg) {
             uint32_t kb[4];   // lanes 16-31 address keys 8-15 of the group: n-tile 2kg+1 in kb[2], kb[3]
-            ldmatrix_x4(kb, kbase + kg * 16 * kKvRowStride + ks * 16);
+            ldmatrix_x4(kb, kbase + kg * 16 * kKvRowStride + ks * 16);   // (ROWS_AS_N: the A operand)
             if constexpr (ROWS_AS_N) {
-              // S^T (keys g, g+8 x rows 2 t4, +1) = K (A: kb as keys 0-7 / 8-15 x dims 0-7 / 8-15)
-              // . Q^T (B: row g's dims, qf's first 8 rows)
-              const uint32_t ka[4] = {kb[0], kb[2], kb[1], kb[3]};
-              mma_16816(sacc[ks % kQkSets][0][kg], ka, qf[0][ks][0], qf[0][ks][2]);
+              // S^T (keys g, g+8 x rows 2 t4, +1) = K (A) . Q^T (B: row g's dims, qf's first 8 rows)
+              mma_16816(sacc[ks % kQkSets][0][kg], kb, qf[0][ks][0], qf[0][ks][2]);
             } else {
 #pragma unroll
               for (int mt = 0; mt < MT; ++mt) {
@@ -1233,8 +1235,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       for (int kk = 0; kk < Cfg::kPvKSteps; ++kk) {
         uint32_t pb0, pb1;   // P^T: lanes 0-7 address rows 0-7 at keys 0-7, lanes 8-15 at keys 8-15
         ldmatrix_x2(pb0, pb1, &sm.p[par][lane & 7][kk * 16 + ((lane >> 3) & 1) * 8]);
-        pv_16_keys_rows_as_n(ot, pb0, pb1, kv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKvRowStride +
-                                               pv_col0 + ((lane >> 4) & 1) * 8);
+        pv_16_keys_rows_as_n(ot, pb0, pb1, kv + (kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * kKvRowStride +
+                                               pv_col0 + ((lane >> 3) & 1) * 8);
       }
 #endif
     } else {
