@@ -14,7 +14,9 @@
 // The CTA's warps specialise: four score warps compute S = QK^T and the online softmax of
 // tile t+1 while four value warps issue the loads and accumulate P.V of tile t, handing
 // tiles over through named barriers. Where no CTA has more than 16 rows (decode at up to 16
-// heads) the launcher runs a build that computes one m16 tile instead of two (DECODE_ONE_MTILE).
+// heads) the launcher runs a build that computes one m16 tile instead of two (DECODE_ONE_MTILE),
+// and where none has more than 8 (decode at up to 8 heads) one with the rows as the mma's N
+// (DECODE_ROWS_AS_N).
 // Partial results per split go to a workspace, and a second kernel merges the splits by their
 // LSE and writes every row of `out` and `lse`.
 //
@@ -188,8 +190,11 @@ static_assert(!EARLY_REFILL || (!GROUP_BARRIERS && !PV_LAG && !LATE_REFILL && !S
 // TP8), the one-tile build still pads 8 rows to the mma's M of 16. This build swaps the operands:
 // S^T = K . Q^T (the tile's 16 keys as M, the 8 rows as N) and O^T = V^T . P^T (16 output columns
 // as M, the rows as N), so each QK k-step and each P.V column pair is one mma.sync, not two. The
-// same ldmatrix fragments serve, in another register order; Q takes 18 registers, O 32. 0 runs
-// such batches on the one-tile build, as up to v20.
+// same ldmatrix reads serve, their lanes addressing the 8x8 matrices in the A operand's order (in
+// B order, ptxas added 4 MOVs before every mma.sync); Q takes 18 registers, O 32. Measured
+// (NOTES.md, session 17): decode h8 b8 64k 178.4 -> 169.5 us and b32 16k 178.1 -> 169.7 (-5%),
+// b1 128k 58.4 -> 56.5, within 0.1 us at 1k. On sm_120, where decode is memory-bound, it should
+// gain little. 0 runs such batches on the one-tile build, as up to v20.
 #ifndef DECODE_ROWS_AS_N
 #define DECODE_ROWS_AS_N 1
 #endif
