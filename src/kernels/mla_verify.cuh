@@ -1012,7 +1012,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     // ldmatrix.x4 lane addresses of a 16-key x 16-dim block: the four 8x8 matrices in B order
     // (keys 0-7 / dims 0-7, 8-15, then keys 8-15), or with ROWS_AS_N in A order (keys 0-7 / dims
     // 0-7, keys 8-15 / dims 0-7, then dims 8-15), so that the fragment is the mma's operand as loaded.
-    const int k_keys8 = ROWS_AS_N ? (lane >> 3) & 1 : (lane >> 4) & 1, k_dims8 = ROWS_AS_N ? (lane >> 4) & 1 : (lane >> 3) & 1;
+    const int k_keys8 = ROWS_AS_N ? (lane >> 3) & 1 : (lane >> 4) & 1;
+    const int k_dims8 = ROWS_AS_N ? (lane >> 4) & 1 : (lane >> 3) & 1;
     const __nv_bfloat16* klane = &sm.kv[0][0] + (lane & 7) * kKvRowStride + k_keys8 * 8 * kKvRowStride +
                                  dim_part * (kQkSteps * 16) + k_dims8 * 8;
 #ifdef ABLATE_NO_SOFTMAX
