@@ -230,15 +230,15 @@ def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
 
 
 def test_batched_decode_is_timed_and_tabled_apart_from_batch_one():
-    """A busy server's decode step (8 and 32 requests) is in the grid for sm120_mla and the decode
-    kernels a user has, and its table keeps it apart from batch 1 and from verify shapes."""
+    """A busy server's decode step (8 and 32 requests, at 8 and 16 heads) is in the grid for
+    sm120_mla and the decode kernels a user has, and its table keeps it apart from batch 1 and from verify shapes."""
     from sm120_workbook.kernels import bench
 
     grid = bench.default_grid()
     decode_libs = ("sm120_mla", "triton_decode", "flashmla", "flashinfer_mla_fa2")
-    batched = {(impl, s.batch, s.ctx, s.short_ctx) for impl, s, _ in grid if s.q_len == 1 and s.batch > 1}
-    assert batched == ({(impl, b, c, 0) for impl in decode_libs for b, c in ((8, 65536), (32, 16384))}
-                       | {(impl, b, 65536, short) for impl in decode_libs for b, short in ((8, 1024), (32, 2048))})
+    batched = {(impl, s.batch, s.heads, s.ctx, s.short_ctx) for impl, s, _ in grid if s.q_len == 1 and s.batch > 1}
+    assert batched == ({(impl, b, h, c, 0) for impl in decode_libs for b, c in ((8, 65536), (32, 16384)) for h in (8, 16)}
+                       | {(impl, b, 8, 65536, short) for impl in decode_libs for b, short in ((8, 1024), (32, 2048))})
     skewed_verify = {(impl, s.batch, s.q_len) for impl, s, _ in grid if s.short_ctx and s.q_len > 1}
     assert skewed_verify == {(impl, 8, 16) for impl in ("sm120_mla", "flashmla", "flashinfer_mla_fa2")}
     df = pd.DataFrame([dict(_rec("r", "v", "sm120_mla", 40.0, q_len=1)),

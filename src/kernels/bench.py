@@ -281,9 +281,12 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
         b32 = Shape(32, heads, 16, 16384)
         grid += [("sm120_mla", b32, kw) for kw in SM120_KERNELS]
         grid += [(impl, b32, {}) for impl in VERIFY_LIBRARIES]
-    for b, ctx in ((8, 65536), (32, 16384)):   # batched decode: a busy server's step, every SM at work
-        d = Shape(b, 8, 1, ctx)
-        grid += [("sm120_mla", d, {})] + [(impl, d, {}) for impl in DECODE_LIBRARIES]
+    # batched decode: a busy server's step, every SM at work; 8 heads (Kimi K2 under TP8) and 16
+    # (the DeepSeek-V3 family under TP8), which run different builds (DECODE_ROWS_AS_N)
+    for heads in (8, 16):
+        for b, ctx in ((8, 65536), (32, 16384)):
+            d = Shape(b, heads, 1, ctx)
+            grid += [("sm120_mla", d, {})] + [(impl, d, {}) for impl in DECODE_LIBRARIES]
     for b, q in ((2, 16), (4, 8)):   # small batches: where the kernel choice switches (choose_cta_rows)
         m = Shape(b, 8, q, 65536)
         grid += [("sm120_mla", m, kw) for kw in ({}, {"cta_rows": 32}, {"cta_rows": 64})]
