@@ -159,7 +159,9 @@ VARIANTS = {
     "linear_pool": Variant(("POOL_MIN_MAX=0",)),
     "wide_linear_pool": Variant(("POOL_MIN_MAX=0",), cta_rows=64),
 }
-SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536))
+# verify (q16) and decode (q1) at 8 and 16 heads; decode at 16 heads runs another build (16 rows a
+# CTA: the rows as the mma's M) than at 8 (DECODE_ROWS_AS_N)
+SHAPES = (Shape(1, 8, 16, 65536), Shape(1, 8, 1, 65536), Shape(1, 16, 16, 65536), Shape(1, 16, 1, 65536))
 
 
 def shapes_at(contexts, batch: int = 1, short_ctx: int = 0) -> tuple[Shape, ...]:
@@ -169,7 +171,7 @@ def shapes_at(contexts, batch: int = 1, short_ctx: int = 0) -> tuple[Shape, ...]
     return tuple(Shape(batch, s.heads, s.q_len, c, short_ctx) for c in contexts for s in SHAPES)
 
 
-SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16")
+SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16", "q1 h16")
 
 
 def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None, batch: int = 1,
