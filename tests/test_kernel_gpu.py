@@ -80,7 +80,7 @@ def test_pool_matches_its_python_mirror(batch, heads, q_len, cta_rows, num_split
     and b64 put two requests on a lane of the search; b130 is past it, on v19's rule)."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
     from sm120_workbook.kernels.build import load_kernel_module
-    from sm120_workbook.kernels.verify_attention import pool_first_ctas
+    from sm120_workbook.kernels.verify_attention import MAX_SPLITS, pool_first_ctas
 
     if cta_rows == 64 and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the 64-row kernel shares its CTAs by length from sm_90 on (kWidePool); this GPU is older")
@@ -104,7 +104,7 @@ def test_pool_matches_its_python_mirror(batch, heads, q_len, cta_rows, num_split
     first = pool_first_ctas(keys, splits)
     assert first[-1] == batch * splits
     for r in range(batch):
-        count = min(first[r + 1] - first[r], 128)
+        count = min(first[r + 1] - first[r], MAX_SPLITS)   # the kernels' kMaxSplits
         for c in range(first[r], first[r + 1]):
             assert ctas[c].tolist() == [r, c - first[r], count], (c, r, ctx)
         for row in range(r * q_len * H, (r + 1) * q_len * H):
@@ -312,9 +312,9 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows):
     copied in the same order by every split, or by cp.async as up to v18h; splits of at least
     64 keys, as up to v18j; the split kernel's first tiles each after its own index load, as up
     to v18k, only the first of them or all four before tile 0's hand-over; decode on two m16 tiles,
-    as up to v18l, or with the rows as the mma's M, as up to v20; each value warp refilling its own columns right after its P.V; num_splits
-    CTAs a request whatever its length, as up to v18n, or shared out by keys, as up to v19) compute the
-    same attention."""
+    as up to v18l, or with the rows as the mma's M, as up to v20; each value warp refilling its own
+    columns right after its P.V; num_splits CTAs a request whatever its length, as up to v18n, or
+    shared out by keys, as up to v19) compute the same attention."""
 
     # verify shapes, and three that fit one m16 tile (decode, 16 rows with a tree, 8 rows with a tree)
     for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:12]:

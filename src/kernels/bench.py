@@ -51,6 +51,11 @@ class Shape:
         """Each request's committed context."""
         return [self.ctx] + [self.short_ctx or self.ctx] * (self.batch - 1)
 
+    @property
+    def keys(self) -> list[int]:
+        """Each request's keys: its context and the step's own q_len tokens."""
+        return [c + self.q_len for c in self.contexts]
+
 
 def add_shape_args(ap) -> None:
     """--batch, --heads, --q-len and --ctx for a one-shape tool (profile, phase_trace); the
@@ -73,7 +78,7 @@ class Inputs:
         self.shape = s
         T = s.batch * s.q_len
         ctxs = s.contexts
-        self.keys = [c + s.q_len for c in ctxs]     # per request, draft included
+        self.keys = s.keys                          # per request, draft included
         self.q = torch.randn(T, s.heads, DIM_QK, device=device, generator=g).to(torch.bfloat16)
         # The pool holds every request's context and draft rows back to back (a sorted,
         # defragmented allocator); notebook 04 measures what scattering costs.

@@ -164,7 +164,7 @@ def pool_balance_table(shapes) -> pd.DataFrame:
 
     rows = []
     for s in shapes:
-        keys = [c + s.q_len for c in s.contexts]   # as bench.Inputs: the step's own tokens too
+        keys = s.keys
         for gpu, spec in TARGET_GPUS.items():
             splits = choose_num_splits(s.batch, s.heads, s.q_len, spec["sms"], choose_cta_rows(s.batch, s.heads, s.q_len))
             rows.append({"batch": s.batch, "heads": s.heads, "q_len": s.q_len, "ctx": s.ctx, "short_ctx": s.short_ctx,

@@ -661,6 +661,15 @@ __device__ __forceinline__ void pool_trace_cta(const SplitOf& w) {
   }
 #endif
 }
+// The combine step's side: where combine row `row` found its splits.
+__device__ __forceinline__ void pool_trace_row(int64_t row, int first_split, int splits) {
+#ifdef POOL_TRACE
+  if (threadIdx.x == 0 && blockIdx.y == 0 && row < kPoolTraceSlots) {
+    pool_trace_rows[row][0] = first_split;
+    pool_trace_rows[row][1] = splits;
+  }
+#endif
+}
 __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
   if (pool_min_max(prm)) {
     const PoolSpan span = pool_span_min_max<true>(prm, c);
@@ -1429,12 +1438,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const PoolSpan span = pool_span_of_request(prm, request);
   const int first_split = span.first;
   const int S = min(span.next - first_split, kMaxSplits);
-#ifdef POOL_TRACE
-  if (tid == 0 && blockIdx.y == 0 && row < kPoolTraceSlots) {
-    pool_trace_rows[row][0] = first_split;
-    pool_trace_rows[row][1] = S;
-  }
-#endif
+  pool_trace_row(row, first_split, S);
   const int64_t split_stride = pooled(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
   const int64_t slot0 = pooled(prm)
                             ? first_split * split_stride + (row - static_cast<int64_t>(prm.qo_indptr[request]) * prm.heads)
