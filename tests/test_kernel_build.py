@@ -35,6 +35,68 @@ def test_resource_budget_sm120a_and_sm90():
             assert k["spill_store_bytes"] == 0 and k["stack_bytes"] == 0, f"{arch} {variant}: spills"
 
 
+# mma.sync a round in each loop body, from the tile shapes (warps of a kernel, m16 x n8 x k16 each):
+# the split kernel's value warps run P.V, M row tiles x 16 n8 tiles of their 128 columns x KEYS/16
+# k-steps (rows as N: 8 column pairs, one n8 tile of rows); its score warps QK, M x KEYS/8 x 9
+# k-steps of their 144 dims. The 64-row kernel's body holds both of a round's paths (ping-pong:
+# the pair that lags and the one that leads), each 2 x 2 x 9 QK + 2 x 16 P.V.
+LOOP_MMA = {"mla_verify_split_kernel<16>": [32, 36], "mla_verify_split_kernel<16, 1>": [16, 18],
+            "mla_verify_split_kernel<16, 1, true>": [8, 9], "mla_verify_split_kernel<32>": [64, 72],
+            "mla_verify_wide_kernel": [136], "mla_verify_wide_kernel<batched>": [136]}
+
+
+@pytest.mark.nvcc
+def test_mma_loops_per_arch():
+    """Each attention kernel's loops issue the mma.sync its tiles call for on sm_120a and sm_90
+    alike, and no MOV feeds an mma.sync operand (v21: four MOVs before each mma.sync of a fragment
+    in the wrong register order cost 3% of batched decode, NOTES.md session 17)."""
+    from sm120_workbook.kernels.sass_loops import loop_table
+
+    rep = resource_report_once()
+    if rep["nvdisasm"] is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm, in the `test` extra): no loop counts")
+    print(loop_table(rep).to_string(index=False))
+    for arch in ("sm_120a", "sm_90"):
+        for kernel, mma in LOOP_MMA.items():
+            loops = rep["archs"][arch][kernel]["loops"]
+            assert [loop["hmma"] for loop in loops] == mma, f"{arch} {kernel}"
+            assert all(loop["movs_into_mma"] == 0 for loop in loops), f"{arch} {kernel}: MOVs feed mma.sync operands"
+
+
+def test_sass_loop_counts_from_a_listing():
+    """The reader on a hand-made nvdisasm listing: a loop (a conditional backward branch to a
+    label) whose ldmatrix result is read at once, a MOV into an mma.sync's A operand, and an
+    unconditional backward jump, which is not a loop."""
+    from sm120_workbook.kernels.sass_loops import loop_stats, mma_loops, parse_sass
+
+    listing = """
+.text._Z6kernelv:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDSM.16.M88.4 R12, [R3+0x400] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R20, R12, R16, R20 ;
+        /*0030*/                   MOV R9, R17 ;
+        /*0040*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0050*/                   HMMA.16816.F32.BF16 R24, R8, R14, R24 ;
+        /*0060*/                   NOP ;
+        /*0070*/                   LDSM.16.MT88.2 R30, [R3] ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0090*/                   LDGSTS.E.BYPASS.LTC128B.128 [R4], desc[UR6][R6.64] ;
+        /*00a0*/                   ISETP.GE.AND P0, PT, R2, R5, PT ;
+        /*00b0*/              @!P0 BRA `(.L_x_1) ;
+        /*00c0*/                   BRA `(.L_x_1) ;
+        /*00d0*/                   EXIT ;
+"""
+    instrs = parse_sass(listing)["_Z6kernelv"]
+    assert len(instrs) == 14 and instrs[11].target == 0x10 and instrs[11].predicate == "@!P0"
+    loops = mma_loops(instrs)
+    assert len(loops) == 1 and loops[0][0].address == 0x10 and loops[0][-1].address == 0xb0
+    st = loop_stats(loops[0])
+    assert (st.instructions, st.hmma, st.ldsm, st.ldgsts, st.barriers, st.nops) == (11, 2, 2, 1, 1, 1)
+    assert st.ldsm_read_next == 1      # R12 at 0x20; R30 (0x70) is not read by the barrier
+    assert st.movs_into_mma == 1       # R9 is the second register of the A operand R8..R11
+
+
 def test_split_policy_fills_the_gpu_from_static_shapes():
     assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=132) == 33   # 4 row CTAs
     assert choose_num_splits(batch=1, heads=8, max_q_len=16, num_sms=188) == 47

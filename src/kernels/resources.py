@@ -6,11 +6,16 @@ size comes from a tiny host program that prints sizeof(TileConfig<KEYS>::Shared)
 wide kernel's Shared.
 
     python -m sm120_workbook.kernels.resources [--write]
+
+With nvdisasm (the `test` extra installs it) the report also counts what each kernel's mma.sync
+loops issue, per arch (sass_loops.py): the H200 times the sm_90 loop, an RTX PRO 6000 runs the
+sm_120a one.
 """
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import re
 import shutil
 import subprocess
@@ -18,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from .build import KERNEL_DIR
+from .sass_loops import cubin_loops, loop_table, nvdisasm_version
 
 ARCHS = ("sm_120a", "sm_90")
 SM120_SMEM_LIMIT = 101_376   # 99 KB opt-in per block on sm_120
@@ -75,18 +81,20 @@ def combine_label(groups: int, bf16: bool, preload: bool) -> str:
     return f"mla_verify_combine_kernel<{groups}{', bf16' if bf16 else ''}{', preload' if preload else ''}>"
 
 
-def ptxas_report(arch: str) -> dict[str, dict]:
-    """Per-kernel registers, spill bytes and static shared memory for one arch."""
+def ptxas_report(arch: str, loops: bool = False) -> dict[str, dict]:
+    """Per-kernel registers, spill bytes and static shared memory for one arch; with `loops`,
+    also each mma.sync loop's SASS counts (sass_loops.py, which needs nvdisasm)."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "resources.cu"
+        src, cubin = Path(tmp) / "resources.cu", Path(tmp) / "k.cubin"
         src.write_text('#include "mla_verify_wide.cuh"\n' + ATTENTION_INSTANCES
                        + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
                                  f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
         proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
-                               f"-I{KERNEL_DIR}", "-o", str(Path(tmp) / "k.cubin"), str(src)],
+                               f"-I{KERNEL_DIR}", "-o", str(cubin), str(src)],
                               capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-4000:]}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-4000:]}")
+        sass = cubin_loops(cubin) if loops else {}
     report, current = {}, None
     for line in proc.stderr.splitlines():
         if m := _FUNC.search(line):
@@ -99,6 +107,9 @@ def ptxas_report(arch: str) -> dict[str, dict]:
             report[current]["registers"] = int(m[1])
             s = _SMEM.search(line)
             report[current]["static_smem_bytes"] = int(s[1]) if s else 0
+    for mangled, stats in sass.items():
+        if stats and (name := _kernel_label(mangled)):
+            report[name]["loops"] = [asdict(st) for st in stats]
     return report
 
 
@@ -127,13 +138,14 @@ def dynamic_smem_bytes() -> dict[str, int]:
 
 
 def resource_report(archs=ARCHS) -> dict:
-    """{arch: {kernel: {registers, spill bytes, smem bytes}}} plus the budget verdict."""
+    """{arch: {kernel: {registers, spill bytes, smem bytes, and where nvdisasm is found, its
+    mma.sync loops' SASS counts}}} plus the budget verdict."""
     from ..provenance import nvcc_version
 
     smem = dynamic_smem_bytes()
-    out = {"nvcc": nvcc_version(), "smem_limit_sm120": SM120_SMEM_LIMIT, "archs": {}}
+    out = {"nvcc": nvcc_version(), "nvdisasm": nvdisasm_version(), "smem_limit_sm120": SM120_SMEM_LIMIT, "archs": {}}
     for arch in archs:
-        rep = ptxas_report(arch)
+        rep = ptxas_report(arch, loops=out["nvdisasm"] is not None)
         for name, nbytes in smem.items():
             rep[name]["dynamic_smem_bytes"] = nbytes
         for k in rep.values():
@@ -152,6 +164,11 @@ def main(argv=None):
         for name, k in kernels.items():
             print(f"{arch:8s} {name:44s} regs={k['registers']:3d} smem={k['smem_bytes']:6d} B "
                   f"spill={k['spill_store_bytes'] + k['spill_load_bytes']} B")
+    if rep["nvdisasm"]:
+        print(f"mma.sync loops (nvdisasm {rep['nvdisasm']}):")
+        print(loop_table(rep).to_string(index=False))
+    else:
+        print("no nvdisasm, so no loop counts: pip install nvidia-cuda-nvdisasm (the `test` extra)")
     if args.write:
         from ..provenance import provenance
         from ..results import results_dir
