@@ -65,8 +65,8 @@ def test_mma_loops_per_arch():
 
 def test_sass_loop_counts_from_a_listing():
     """The reader on a hand-made nvdisasm listing: a loop (a conditional backward branch to a
-    label) whose ldmatrix result is read at once, a MOV into an mma.sync's A operand, and an
-    unconditional backward jump, which is not a loop."""
+    label) whose ldmatrix result is read at once, a MOV into an mma.sync's A operand, an
+    unconditional backward jump, which is not a loop, and a loop closed by a uniform predicate."""
     from sm120_workbook.kernels.sass_loops import loop_stats, mma_loops, parse_sass
 
     listing = """
@@ -85,12 +85,15 @@ def test_sass_loop_counts_from_a_listing():
         /*00a0*/                   ISETP.GE.AND P0, PT, R2, R5, PT ;
         /*00b0*/              @!P0 BRA `(.L_x_1) ;
         /*00c0*/                   BRA `(.L_x_1) ;
-        /*00d0*/                   EXIT ;
+.L_x_2:
+        /*00d0*/                   HMMA.16816.F32.BF16 R20, R12, R16, R20 ;
+        /*00e0*/                   BRA.U !UP0, `(.L_x_2) ;
+        /*00f0*/                   EXIT ;
 """
     instrs = parse_sass(listing)["_Z6kernelv"]
-    assert len(instrs) == 14 and instrs[11].target == 0x10 and instrs[11].predicate == "@!P0"
+    assert len(instrs) == 16 and instrs[11].target == 0x10 and instrs[11].predicate == "@!P0"
     loops = mma_loops(instrs)
-    assert len(loops) == 1 and loops[0][0].address == 0x10 and loops[0][-1].address == 0xb0
+    assert [(b[0].address, b[-1].address) for b in loops] == [(0x10, 0xb0), (0xd0, 0xe0)]
     st = loop_stats(loops[0])
     assert (st.instructions, st.hmma, st.ldsm, st.ldgsts, st.barriers, st.nops) == (11, 2, 2, 1, 1, 1)
     assert st.ldsm_read_next == 1      # R12 at 0x20; R30 (0x70) is not read by the barrier

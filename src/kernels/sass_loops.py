@@ -82,7 +82,9 @@ def mma_loops(instrs: list[Instruction]) -> list[list[Instruction]]:
     index = {ins.address: i for i, ins in enumerate(instrs)}
     loops = []
     for i, ins in enumerate(instrs):
-        if ins.predicate and ins.target is not None and ins.target < ins.address and ins.target in index:
+        # conditional: a guard (@P0 BRA) or a uniform predicate operand (BRA.U !UP0, target)
+        conditional = ins.predicate or (ins.operands and re.fullmatch(r"!?U?P\d", ins.operands[0]))
+        if conditional and ins.target is not None and ins.target < ins.address and ins.target in index:
             body = instrs[index[ins.target]:i + 1]
             if any(b.opcode.startswith("HMMA") for b in body):
                 loops.append(body)
