@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from .build import KERNEL_DIR
