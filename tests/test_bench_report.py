@@ -52,6 +52,51 @@ def test_baselines_missing_from_the_latest_run_come_from_the_newest_run_that_has
     assert t.loc["q16 h8 64k: >= 100x Triton verify", "met"]   # 12238.2 / 107.8 = 113.5
 
 
+H200, RTX_GPU = "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
+
+
+def test_missing_baselines_come_only_from_runs_on_the_same_gpu():
+    """An RTX PRO 6000 run has no FlashMLA (Hopper-only): the H200's FlashMLA times are no
+    baseline for it, while an older RTX run's Triton times are."""
+    df = pd.DataFrame([
+        dict(_rec("20261129T120000Z", "v20", "flashmla", 57.0), gpu=H200),
+        dict(_rec("20261129T120000Z", "v20", "triton_verify", 12000.0), gpu=H200),
+        dict(_rec("20261201T090000Z", "v21", "triton_verify", 30000.0), gpu=RTX_GPU),
+        dict(_rec("20261201T100000Z", "v21", "sm120_mla", 70.0), gpu=RTX_GPU),
+    ])
+    table = br.with_missing_baselines(br.latest_run(df), df)
+    assert sorted(table["impl"]) == ["sm120_mla", "triton_verify"]
+    assert table.loc[table.impl == "triton_verify", "time_us"].tolist() == [30000.0]
+
+
+def test_an_rtx_run_is_measured_beside_the_projection_not_projected():
+    import pytest
+
+    h200 = _linear_run().assign(roofline_us=lambda d: d["roofline_mma_us"] * 0.8, gpu=H200, run_id="a", tile_keys=16)
+    source = br.rtx_projection(h200)
+    assert set(source["source_gpu"]) == {H200} and "rtx_measured_us" not in source
+    ours = source.set_index("ctx")
+    # measured on an RTX PRO 6000: 16k inside the range, 64k above it, 128k not timed
+    times = {16384: (ours.loc[16384, "rtx_bound_us"] + ours.loc[16384, "rtx_projected_us"]) / 2,
+             32768: ours.loc[32768, "rtx_bound_us"] + 0.1, 65536: ours.loc[65536, "rtx_projected_us"] * 1.5}
+    rtx = pd.DataFrame([dict(impl="sm120_mla", batch=1, heads=8, q_len=16, ctx=c, time_us=t, roofline_us=1.0,
+                             gpu=RTX_GPU, run_id="b", tile_keys=16) for c, t in times.items()]
+                       + [dict(impl="triton_verify", batch=1, heads=8, q_len=16, ctx=16384, time_us=9e3,
+                               roofline_us=1.0, gpu=RTX_GPU, run_id="b")])
+    with pytest.raises(ValueError, match="df: records measured on an RTX PRO 6000"):
+        br.rtx_projection(rtx)
+    p = br.rtx_projection(h200, measured=rtx).set_index("ctx")
+    assert p["in_range"].tolist() == [True, True, False, None]
+    assert pd.isna(p.loc[131072, "rtx_measured_us"])
+    # the notebook's pairing: from whichever side it starts, project the H200 run, measure the RTX one
+    all_runs = pd.concat([h200, rtx], ignore_index=True)
+    for table in (br.default_rows(rtx), br.default_rows(h200)):
+        src, measured = br.projection_runs(table, all_runs)
+        assert set(src.loc[src.impl == "sm120_mla", "gpu"]) == {H200}
+        assert set(measured["gpu"]) == {RTX_GPU} and (measured.impl == "sm120_mla").sum() == 3
+    assert br.projection_runs(br.default_rows(h200), h200)[1] is None
+
+
 def test_a_target_without_a_baseline_is_not_measured_rather_than_missed():
     df = pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0, q_len=1, ctx=32768)])
     row = br.targets_table(df).set_index("target").loc["decode h8 32k: >= 1x Triton decode"]

@@ -61,10 +61,14 @@ def comparison_run(df: pd.DataFrame, run_id: str = "") -> pd.DataFrame:
 
 def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
     """`run` plus, for each baseline impl it lacks (e.g. a run made without SGLang's Triton
-    kernels installed), that impl's rows from the newest run that has it. Their `run_id`
-    says where they come from; ratios against them are across runs (baselines_from)."""
+    kernels installed), that impl's rows from the newest run on the same GPU that has it.
+    Their `run_id` says where they come from; ratios against them are across runs
+    (baselines_from). An impl that cannot run on that GPU (FlashMLA on an RTX PRO 6000) stays
+    missing: another GPU's times are no baseline."""
     if run.empty:
         return run
+    if "gpu" in run and "gpu" in all_runs:
+        all_runs = all_runs[all_runs["gpu"].isin(set(run["gpu"]))]
     parts = [run]
     for impl in IMPL_ORDER:
         if impl == "sm120_mla" or (run["impl"] == impl).any():
@@ -200,13 +204,41 @@ def bandwidth_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFram
     return t
 
 
-def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.DataFrame:
-    """sm120_mla's projected time on an RTX PRO 6000, as a range (projections, not measurements).
+def on_rtx(df: pd.DataFrame) -> pd.Series:
+    """Which records were measured on an RTX PRO 6000 (the GPU the projection is for)."""
+    if "gpu" not in df:
+        return pd.Series(False, index=df.index)
+    return df["gpu"].fillna("").str.contains("RTX PRO 6000", regex=False)
+
+
+def projection_runs(table: pd.DataFrame, all_runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """(the default rows to project from, the default rows of an RTX PRO 6000 run to set beside
+    the projection, or None). `table` is what the notebook shows (default_rows of a run). A run
+    on an RTX PRO 6000 is not projected but measured: the projection then comes from the newest
+    recorded comparison run on another GPU. Otherwise the measured side is the newest recorded
+    RTX PRO 6000 run, if any."""
+    if on_rtx(table).any():
+        others = all_runs[~on_rtx(all_runs)]
+        source = default_rows(comparison_run(others), tile_keys=_tile_keys(table)) if len(others) else others
+        return source, table[on_rtx(table)]
+    rtx_runs = all_runs[on_rtx(all_runs)]
+    return table, default_rows(comparison_run(rtx_runs), tile_keys=_tile_keys(table)) if len(rtx_runs) else None
+
+
+def _tile_keys(table: pd.DataFrame) -> int | None:
+    tiles = table.loc[table["impl"] == "sm120_mla", "tile_keys"].dropna().unique() if "tile_keys" in table else []
+    return int(tiles[0]) if len(tiles) == 1 else None
+
+
+def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None,
+                   measured: pd.DataFrame | None = None) -> pd.DataFrame:
+    """sm120_mla's projected time on an RTX PRO 6000, as a range (projections, not measurements),
+    from its records `df` on another GPU (`source_gpu`, the H200 here).
 
     `rtx_projected_us`, the high end: its roofline there, divided by the fraction of the
     roofline the kernel reached on the measured GPU (same code, same efficiency assumed).
-    Where the run measured the mma.sync rate, the fraction is taken against the H200's
-    mma.sync roofline (`roofline_mma_us`): the kernel may use no faster instruction, and
+    Where the run measured the mma.sync rate, the fraction is taken against that GPU's
+    mma.sync roofline (`source_mma_roofline_us`): the kernel may use no faster instruction, and
     mma.sync is the RTX PRO 6000's native tensor path, so that is the like-for-like fraction.
     Without it, the cuBLAS-rate roofline is used (which makes the projection pessimistic).
 
@@ -217,7 +249,14 @@ def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.Data
     per-warp latency chains that bind them on the H200 (NOTES.md, session 9: an sm_120 SMSP
     issues an mma.sync about every 20 cycles against the H200's ~6, so the same round's 136
     mma.sync an SMSP take longer than its chains). None where the shape has fewer than three
-    contexts."""
+    contexts.
+
+    `measured`: records of a run on an RTX PRO 6000 (projection_runs finds one). Its sm120_mla
+    time of each shape joins the row as `rtx_measured_us`, and `in_range` says whether it falls
+    in [rtx_bound_us, rtx_projected_us] (where a shape has no bound, from its roofline up)."""
+    if on_rtx(df).any():
+        raise ValueError("df: records measured on an RTX PRO 6000 are not projected; pass them as `measured`, "
+                         "beside a projection from another GPU's run (projection_runs)")
     g = TARGET_GPUS[RTX]
     tflops = rtx_tflops or g["bf16_tflops"]
     ours = df[df["impl"] == "sm120_mla"]
@@ -225,6 +264,10 @@ def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.Data
     for key, sel in ours.groupby(["batch", "heads", "q_len"]):
         if sel["ctx"].nunique() >= 3:
             fixed[key] = _fixed_and_per_key(sel)[0]
+    rtx_us = {}
+    if measured is not None and len(measured):
+        m = measured[measured["impl"] == "sm120_mla"]
+        rtx_us = {k: t for k, t in zip(zip(m["batch"], m["heads"], m["q_len"], m["ctx"]), m["time_us"])}
     rows = []
     for r in ours.itertuples():
         cost = verify_cost(int(r.heads), int(r.q_len), int(r.ctx) + int(r.q_len), batch=int(r.batch))
@@ -233,13 +276,20 @@ def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None) -> pd.Data
         has_mma = mma_roof == mma_roof   # not NaN
         eff = (mma_roof if has_mma else r.roofline_us) / r.time_us
         f = fixed.get((r.batch, r.heads, r.q_len))
-        rows.append({"batch": r.batch, "heads": r.heads, "q_len": r.q_len, "ctx": r.ctx,
-                     "h200_us": round(r.time_us, 1), "h200_roofline_us": round(r.roofline_us, 1),
-                     "h200_mma_roofline_us": round(mma_roof, 1) if has_mma else None,
-                     "efficiency": round(eff, 3), "efficiency_vs": "mma.sync" if has_mma else "cuBLAS",
-                     "rtx_roofline_us": round(rtx_roof, 1),
-                     "rtx_bound_us": round(max(f, 0.0) + rtx_roof, 1) if f is not None else None,
-                     "rtx_projected_us": round(rtx_roof / eff, 1)})
+        row = {"batch": r.batch, "heads": r.heads, "q_len": r.q_len, "ctx": r.ctx,
+               "source_gpu": getattr(r, "gpu", None), "source_us": round(r.time_us, 1),
+               "source_roofline_us": round(r.roofline_us, 1),
+               "source_mma_roofline_us": round(mma_roof, 1) if has_mma else None,
+               "efficiency": round(eff, 3), "efficiency_vs": "mma.sync" if has_mma else "cuBLAS",
+               "rtx_roofline_us": round(rtx_roof, 1),
+               "rtx_bound_us": round(max(f, 0.0) + rtx_roof, 1) if f is not None else None,
+               "rtx_projected_us": round(rtx_roof / eff, 1)}
+        if rtx_us:
+            t = rtx_us.get((r.batch, r.heads, r.q_len, r.ctx))
+            row["rtx_measured_us"] = round(t, 1) if t is not None else None
+            low = row["rtx_bound_us"] if row["rtx_bound_us"] is not None else row["rtx_roofline_us"]
+            row["in_range"] = None if t is None else bool(low <= t <= row["rtx_projected_us"])
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
