@@ -69,6 +69,14 @@ def test_missing_baselines_come_only_from_runs_on_the_same_gpu():
     assert table.loc[table.impl == "triton_verify", "time_us"].tolist() == [30000.0]
 
 
+def test_version_history_is_one_gpus():
+    df = pd.DataFrame([dict(_rec("a", "v20", "sm120_mla", 85.0), gpu=H200), dict(_rec("a", "v20", "flashmla", 57.0), gpu=H200),
+                       dict(_rec("b", "v21", "sm120_mla", 110.0), gpu=RTX_GPU)])
+    assert br.version_history(df, gpu="H200")["run_id"].tolist() == ["a"]
+    assert br.version_history(df, gpu="RTX PRO 6000")["flashmla_us"].isna().all()
+    assert len(br.version_history(df)) == 2
+
+
 def test_an_rtx_run_is_measured_beside_the_projection_not_projected():
     import pytest
 

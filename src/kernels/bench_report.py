@@ -453,9 +453,13 @@ def nsplit_chart(df: pd.DataFrame):
     ).properties(title="NSPLIT at batch 1, 8 heads, q_len 16, 64k context", width=420, height=240)
 
 
-def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536) -> pd.DataFrame:
+def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu: str | None = None) -> pd.DataFrame:
     """One row per recorded benchmark run at one shape: the kernel version, its time and
-    FlashMLA's time in the same run (so runs on different days compare through the ratio)."""
+    FlashMLA's time in the same run (so runs on different days compare through the ratio).
+    `gpu` keeps the runs on GPUs whose name contains it (a history is one GPU's: an RTX PRO
+    6000 run has no FlashMLA to compare through)."""
+    if gpu is not None and len(df):
+        df = df[df["gpu"].fillna("").str.contains(gpu, regex=False)] if "gpu" in df else df.iloc[:0]
     rows = []
     for run_id, run in df.groupby("run_id"):
         sel = default_rows(run)
