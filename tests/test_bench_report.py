@@ -103,6 +103,7 @@ def test_an_rtx_run_is_measured_beside_the_projection_not_projected():
         assert set(src.loc[src.impl == "sm120_mla", "gpu"]) == {H200}
         assert set(measured["gpu"]) == {RTX_GPU} and (measured.impl == "sm120_mla").sum() == 3
     assert br.projection_runs(br.default_rows(h200), h200)[1] is None
+    assert br.run_label(rtx) == f"{RTX_GPU} (run b)" and br.run_label(None) == ""
 
 
 def test_a_target_without_a_baseline_is_not_measured_rather_than_missed():

@@ -225,6 +225,14 @@ def projection_runs(table: pd.DataFrame, all_runs: pd.DataFrame) -> tuple[pd.Dat
     return table, default_rows(comparison_run(rtx_runs), tile_keys=_tile_keys(table)) if len(rtx_runs) else None
 
 
+def run_label(df: pd.DataFrame | None) -> str:
+    """'NVIDIA H200 (run 20261130T103353Z)' for each GPU and run of the records; "" for none."""
+    if df is None or df.empty or "run_id" not in df:
+        return ""
+    gpus = df["gpu"].fillna("unknown GPU") if "gpu" in df else pd.Series("unknown GPU", index=df.index)
+    return ", ".join(f"{gpu} (run {run})" for gpu, run in sorted(set(zip(gpus, df["run_id"]))))
+
+
 def _tile_keys(table: pd.DataFrame) -> int | None:
     tiles = table.loc[table["impl"] == "sm120_mla", "tile_keys"].dropna().unique() if "tile_keys" in table else []
     return int(tiles[0]) if len(tiles) == 1 else None
