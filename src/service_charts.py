@@ -248,8 +248,10 @@ def select_point(df, point: dict):
     return df[m]
 
 
-def load_service_results(model: str | None = None) -> dict:
-    """Recorded live-service results from data/results/ as DataFrames, filtered to `model`.
+def load_service_results(model: str | None = None, gpu: str | None = None) -> dict:
+    """Recorded live-service results from data/results/ as DataFrames, filtered to `model` and
+    to the GPUs whose name contains `gpu` (an H200 point and an RTX PRO 6000 one share a
+    configuration label, so one view is one GPU's).
 
     Keys: decode, nvml, expert, failures, profiles (empty frames where nothing is recorded).
     """
@@ -262,6 +264,9 @@ def load_service_results(model: str | None = None) -> dict:
         df = load_records(name)
         if model is not None and len(df) and "model" in df.columns:
             df = df[df["model"] == model].reset_index(drop=True)
+        if gpu is not None and len(df):
+            df = (df[df["gpu"].fillna("").str.contains(gpu, regex=False)] if "gpu" in df.columns
+                  else df.iloc[:0]).reset_index(drop=True)
         out[key] = df
     return out
 

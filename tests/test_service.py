@@ -498,6 +498,23 @@ def test_decode_points_keep_the_newest_commit_of_a_point():
     assert set(pts.loc[("triton", "ngram"), "commit"]) == {"aaaaaaa"}
 
 
+def test_recorded_service_results_are_one_gpus(monkeypatch):
+    """An H200 point and an RTX PRO 6000 point of one configuration share a label: a recorded
+    view keeps one GPU's records (notebook 05's recorded_gpu)."""
+    import pandas as pd
+
+    from sm120_workbook import results, service_charts as sc
+
+    frames = {"service_decode": pd.DataFrame([{"model": "m", "gpu": "NVIDIA H200", "tok_s": 1.0},
+                                              {"model": "m", "gpu": "NVIDIA RTX PRO 6000 Blackwell", "tok_s": 2.0},
+                                              {"model": "other", "gpu": "NVIDIA H200", "tok_s": 3.0}]),
+              "service_nvml": pd.DataFrame([{"model": "m", "metric": "power_w"}])}   # no gpu column: not any GPU's
+    monkeypatch.setattr(results, "load_records", lambda name, path=None: frames.get(name, pd.DataFrame()))
+    got = sc.load_service_results("m", gpu="RTX PRO 6000")
+    assert got["decode"]["tok_s"].tolist() == [2.0] and got["nvml"].empty and got["expert"].empty
+    assert sc.load_service_results("m")["decode"]["tok_s"].tolist() == [1.0, 2.0]
+
+
 def test_nvml_records_round_trip_and_pick_point():
     import pandas as pd
 
