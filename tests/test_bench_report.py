@@ -84,7 +84,7 @@ def test_an_rtx_run_is_measured_beside_the_projection_not_projected():
     source = br.rtx_projection(h200)
     assert set(source["source_gpu"]) == {H200} and "rtx_measured_us" not in source
     ours = source.set_index("ctx")
-    # measured on an RTX PRO 6000: 16k inside the range, 64k above it, 128k not timed
+    # measured on an RTX PRO 6000: 16k and 32k inside the range, 64k above it, 128k not timed
     times = {16384: (ours.loc[16384, "rtx_bound_us"] + ours.loc[16384, "rtx_projected_us"]) / 2,
              32768: ours.loc[32768, "rtx_bound_us"] + 0.1, 65536: ours.loc[65536, "rtx_projected_us"] * 1.5}
     rtx = pd.DataFrame([dict(impl="sm120_mla", batch=1, heads=8, q_len=16, ctx=c, time_us=t, roofline_us=1.0,

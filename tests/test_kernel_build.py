@@ -35,7 +35,7 @@ def test_resource_budget_sm120a_and_sm90():
             assert k["spill_store_bytes"] == 0 and k["stack_bytes"] == 0, f"{arch} {variant}: spills"
 
 
-# mma.sync a round in each loop body, from the tile shapes (warps of a kernel, m16 x n8 x k16 each):
+# The mma.sync in each loop body, from the tile shapes (one mma.sync is m16 x n8 x k16):
 # the split kernel's value warps run P.V, M row tiles x 16 n8 tiles of their 128 columns x KEYS/16
 # k-steps (rows as N: 8 column pairs, one n8 tile of rows); its score warps QK, M x KEYS/8 x 9
 # k-steps of their 144 dims. The 64-row kernel's body holds both of a round's paths (ping-pong:
