@@ -55,6 +55,16 @@ def load_records(name: str, path: Path | None = None):
     return pd.DataFrame(rows)
 
 
+def on_gpu(df, name: str):
+    """Which records were measured on a GPU whose name contains `name` (none, where the records
+    name no GPU)."""
+    import pandas as pd
+
+    if "gpu" not in df:
+        return pd.Series(False, index=df.index)
+    return df["gpu"].fillna("").astype(str).str.contains(name, regex=False)
+
+
 def describe_provenance(df) -> str:
     """One line naming where recorded results came from, for a notebook to print."""
     if df is None or len(df) == 0:

@@ -256,7 +256,7 @@ def load_service_results(model: str | None = None, gpu: str | None = None) -> di
     Keys: decode, nvml, expert, failures, profiles (empty frames where nothing is recorded).
     """
     from .decode_bench import DECODE_RESULTS, EXPERT_RESULTS, FAILURE_RESULTS, NVML_RESULTS, PROFILE_RESULTS
-    from .results import load_records
+    from .results import load_records, on_gpu
 
     out = {}
     for key, name in (("decode", DECODE_RESULTS), ("nvml", NVML_RESULTS), ("expert", EXPERT_RESULTS),
@@ -264,9 +264,8 @@ def load_service_results(model: str | None = None, gpu: str | None = None) -> di
         df = load_records(name)
         if model is not None and len(df) and "model" in df.columns:
             df = df[df["model"] == model].reset_index(drop=True)
-        if gpu is not None and len(df):
-            df = (df[df["gpu"].fillna("").str.contains(gpu, regex=False)] if "gpu" in df.columns
-                  else df.iloc[:0]).reset_index(drop=True)
+        if gpu is not None:
+            df = df[on_gpu(df, gpu)].reset_index(drop=True)
         out[key] = df
     return out
 

@@ -17,13 +17,21 @@ from sm120_workbook.kernels.resources import ATTENTION_INSTANCES, SM120_SMEM_LIM
 resource_report_once = functools.cache(resource_report)
 
 
+# The mma.sync in each loop body, from the tile shapes (one mma.sync is m16 x n8 x k16):
+# the split kernel's value warps run P.V, M row tiles x 16 n8 tiles of their 128 columns x KEYS/16
+# k-steps (rows as N: 8 column pairs, one n8 tile of rows); its score warps QK, M x KEYS/8 x 9
+# k-steps of their 144 dims. The 64-row kernel's body holds both of a round's paths (ping-pong:
+# the pair that lags and the one that leads), each 2 x 2 x 9 QK + 2 x 16 P.V.
+LOOP_MMA = {"mla_verify_split_kernel<16>": [32, 36], "mla_verify_split_kernel<16, 1>": [16, 18],
+            "mla_verify_split_kernel<16, 1, true>": [8, 9], "mla_verify_split_kernel<32>": [64, 72],
+            "mla_verify_wide_kernel": [136], "mla_verify_wide_kernel<batched>": [136]}
+
+
 @pytest.mark.nvcc
 def test_resource_budget_sm120a_and_sm90():
     rep = resource_report_once()
     for arch in ("sm_120a", "sm_90"):
-        for variant in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16, 1>",
-                        "mla_verify_split_kernel<16, 1, true>", "mla_verify_split_kernel<32>",
-                        "mla_verify_wide_kernel", "mla_verify_wide_kernel<batched>"):
+        for variant in LOOP_MMA:   # every attention kernel the launcher may run
             k = rep["archs"][arch][variant]
             print(arch, variant, k)
             assert k["smem_bytes"] <= SM120_SMEM_LIMIT, f"{arch} {variant}: {k['smem_bytes']} B of shared memory"
@@ -33,16 +41,6 @@ def test_resource_budget_sm120a_and_sm90():
             assert k["registers"] <= 255
         for variant, k in rep["archs"][arch].items():   # the combine step's instantiations too
             assert k["spill_store_bytes"] == 0 and k["stack_bytes"] == 0, f"{arch} {variant}: spills"
-
-
-# The mma.sync in each loop body, from the tile shapes (one mma.sync is m16 x n8 x k16):
-# the split kernel's value warps run P.V, M row tiles x 16 n8 tiles of their 128 columns x KEYS/16
-# k-steps (rows as N: 8 column pairs, one n8 tile of rows); its score warps QK, M x KEYS/8 x 9
-# k-steps of their 144 dims. The 64-row kernel's body holds both of a round's paths (ping-pong:
-# the pair that lags and the one that leads), each 2 x 2 x 9 QK + 2 x 16 P.V.
-LOOP_MMA = {"mla_verify_split_kernel<16>": [32, 36], "mla_verify_split_kernel<16, 1>": [16, 18],
-            "mla_verify_split_kernel<16, 1, true>": [8, 9], "mla_verify_split_kernel<32>": [64, 72],
-            "mla_verify_wide_kernel": [136], "mla_verify_wide_kernel<batched>": [136]}
 
 
 @pytest.mark.nvcc

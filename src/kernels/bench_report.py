@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..results import load_records
+from ..results import load_records, on_gpu
 from ..roofline import TARGET_GPUS, roofline_time_us, verify_cost
 
 IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "flashinfer_mla_fa2", "triton_verify", "triton_decode"]
@@ -206,9 +206,7 @@ def bandwidth_table(df: pd.DataFrame, batch=1, heads=8, q_len=16) -> pd.DataFram
 
 def on_rtx(df: pd.DataFrame) -> pd.Series:
     """Which records were measured on an RTX PRO 6000 (the GPU the projection is for)."""
-    if "gpu" not in df:
-        return pd.Series(False, index=df.index)
-    return df["gpu"].fillna("").str.contains("RTX PRO 6000", regex=False)
+    return on_gpu(df, "RTX PRO 6000")
 
 
 def projection_runs(table: pd.DataFrame, all_runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame | None]:
@@ -466,8 +464,8 @@ def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu
     FlashMLA's time in the same run (so runs on different days compare through the ratio).
     `gpu` keeps the runs on GPUs whose name contains it (a history is one GPU's: an RTX PRO
     6000 run has no FlashMLA to compare through)."""
-    if gpu is not None and len(df):
-        df = df[df["gpu"].fillna("").str.contains(gpu, regex=False)] if "gpu" in df else df.iloc[:0]
+    if gpu is not None:
+        df = df[on_gpu(df, gpu)]
     rows = []
     for run_id, run in df.groupby("run_id"):
         sel = default_rows(run)

@@ -7,6 +7,7 @@ only, never tensor values, so a call costs no host sync and can be captured in a
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -106,7 +107,8 @@ def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
     pool, total = batch * num_splits, sum(keys)
     spare = pool - batch
     if batch > 128 or (not min_max and batch > 1):
-        return [r + spare * sum(keys[:r]) // total if total else r * num_splits for r in range(batch + 1)]
+        before = [0, *itertools.accumulate(keys)]   # each request's keys before it, and the total last
+        return [r + spare * before[r] // total if total else r * num_splits for r in range(batch + 1)]
     if batch == 1 or spare == 0 or len(set(keys)) == 1:
         ctas = [num_splits] * batch
     else:
@@ -122,7 +124,7 @@ def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
                 lo = mid
         ctas = needs(hi)
         ctas[-1] += pool - sum(ctas)
-    return [sum(ctas[:r]) for r in range(batch + 1)]
+    return [0, *itertools.accumulate(ctas)]
 
 
 def most_keys_a_cta(keys, first_ctas) -> float:
