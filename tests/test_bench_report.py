@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from sm120_workbook.kernels import bench_report as br
 
@@ -350,3 +351,49 @@ def test_pool_balance_table_reads_the_kernels_schedule():
     equal = t[t["batch"] == 4]
     assert (equal["v20_gain"] == 0).all() and (equal["v19_rule"] == equal["even_split"]).all()
     assert set(t["gpu"]) == {"H200", "RTX PRO 6000 Blackwell"}
+
+
+def _round_records(rounds_fm, ours=50.0, ctx=32768):
+    """q16 h8 at ctx: sm120_mla at `ours` µs beside FlashMLA's time in each round."""
+    return [dict(_rec("r", "v", impl, t, ctx=ctx), round=i)
+            for i, fm in enumerate(rounds_fm) for impl, t in (("sm120_mla", ours), ("flashmla", fm))]
+
+
+def test_the_target_grid_measures_every_target_once_a_round():
+    from sm120_workbook.kernels.targets import target_grid
+
+    grid = target_grid()
+    assert all(kw == {} for _, _, kw in grid)   # sm120_mla as the workspace runs it by default
+    assert len(set((impl, s) for impl, s, _ in grid)) == len(grid)
+    df = pd.DataFrame([{"impl": impl, **s.__dict__, "time_us": 1.0 if impl == "sm120_mla" else 2.0,
+                        "roofline_us": 1.0, "run_id": "r", "round": 0} for impl, s, _ in grid])
+    t = br.targets_table(df)
+    # per head count: 4 contexts against FlashMLA, Triton verify, 2 rooflines, batch 32; decode at 7 contexts
+    assert len(t) == 2 * (4 + 1 + 2 + 1) + 2 * 7 and t["met"].notna().all()
+
+
+def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
+    df = pd.DataFrame(_round_records([49.0, 51.0, 50.5]) + _round_records([57.0, 57.5, 56.8], ours=85.0, ctx=65536)
+                      + _round_records([43.0, 43.5, 44.0], ours=33.5, ctx=16384))
+    t = br.targets_over_rounds(df).set_index("target")
+    row = t.loc["q16 h8 32k: <= FlashMLA"]
+    assert row["rounds"] == 3 and row["verdict"] == "mixed: met in 2 of 3 rounds"
+    assert (row["ratio_min"], row["ratio"], row["ratio_max"]) == (0.98, 1.01, 1.02)
+    assert t.loc["q16 h8 64k: <= FlashMLA", "verdict"] == "missed in every round"
+    assert t.loc["q16 h8 16k: <= FlashMLA", "verdict"] == "met in every round"
+    assert "q16 h8 64k: >= 100x Triton verify" not in t.index   # not timed: no verdict, not "missed"
+    assert br.targets_over_rounds(pd.DataFrame()).empty
+    with pytest.raises(ValueError, match="df: records without a `round`"):
+        br.targets_over_rounds(pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0)]))
+
+
+def test_targets_cli_asks_for_two_rounds_and_a_gpu():
+    from sm120_workbook.kernels.targets import main
+
+    with pytest.raises(SystemExit, match="--rounds: 1; a spread needs at least 2 rounds"):
+        main(["--rounds", "1", "--no-record"])
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the CLI would time the targets (the GPU machine's scripts do)")
+    with pytest.raises(SystemExit, match="need a CUDA GPU"):
+        main(["--rounds", "2", "--no-record"])

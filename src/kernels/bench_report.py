@@ -367,6 +367,29 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
+    """The targets of a run timed in rounds (`python -m sm120_workbook.kernels.targets`): each
+    round's `targets_table`, then per target the rounds that measured it, the median ratio and
+    its range over the rounds, and a verdict. A target met in some rounds and missed in others
+    is within the noise of this GPU, not met."""
+    cols = ["target", "rounds", "ratio", "ratio_min", "ratio_max", "verdict", "note"]
+    if df.empty:
+        return pd.DataFrame(columns=cols)
+    if "round" not in df:
+        raise ValueError("df: records without a `round` column; targets_over_rounds reads the records of "
+                         "`python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl)")
+    per_round = pd.concat([targets_table(g).assign(round=r) for r, g in df.groupby("round")], ignore_index=True)
+    measured = per_round[per_round["met"].notna()].astype({"met": bool})
+    out = (measured.groupby("target", sort=False)
+           .agg(rounds=("round", "nunique"), ratio=("ratio", "median"), ratio_min=("ratio", "min"),
+                ratio_max=("ratio", "max"), met_rounds=("met", "sum"), note=("note", "first"))
+           .reset_index())
+    out["verdict"] = [("met in every round" if met == n else "missed in every round" if met == 0
+                       else f"mixed: met in {met} of {n} rounds")
+                      for met, n in zip(out["met_rounds"], out["rounds"])]
+    return out[cols]
+
+
 def _fixed_and_per_key(sel: pd.DataFrame, col: str = "time_us") -> tuple[float, float, float]:
     """Least squares over the contexts of one shape: `col` = fixed + per_64k × (ctx / 65,536).
     Returns (fixed, per_64k, worst miss in % of the time)."""

@@ -3,8 +3,8 @@
 Device time is scarce (minutes per session), so the checks that a kernel change needs run
 side by side: the correctness tests, the three compute-sanitizer tools, the SGLang backend
 tests (where SGLang imports), the benchmark, the ablation, the 64-row kernel's phase trace,
-its CTA timeline at 4k and, with --ncu, an Nsight Compute profile of the headline shape read
-by sass_profile. Timing jobs get a GPU of their own where there are enough GPUs; otherwise
+its CTA timeline at 4k, the issue's targets in interleaved rounds and, with --ncu, an Nsight
+Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their own where there are enough GPUs; otherwise
 jobs share GPUs in turn. The records land in --out, and the jobs' logs end up in one file,
 gpu_check.log (the device machine returns at most 8 files: records and the profile CSV are at
 most seven more), with a summary of which passed.
@@ -51,6 +51,9 @@ def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, 
         # the call around the loop at 4k, CTA by CTA (%globaltimer stamps of a CTA_TIMELINE build)
         ("cta_timeline", [py, "-m", "sm120_workbook.kernels.cta_timeline", "--ctx", "4096",
                           "--out", str(out / "kernel_timeline.jsonl")] + tag_args, True),
+        # the issue's targets timed in interleaved rounds: each ratio with its spread
+        ("targets", [py, "-m", "sm120_workbook.kernels.targets", "--out", str(out / "kernel_targets.jsonl")]
+         + tag_args, True),
     ]
     if importlib.util.find_spec("sglang") is not None:
         out_jobs.insert(2, ("backend", pytest + ["tests/test_backend_gpu.py"], False))
