@@ -100,7 +100,9 @@ def test_pool_matches_its_python_mirror(batch, heads, q_len, cta_rows, num_split
                          k_extend=case["k_extend"], custom_mask=case["custom_mask"], mask_indptr=case["mask_indptr"])
     ctas, rows = (t.numpy() for t in module.pool_trace())
     splits = ws.num_splits_for(batch, q_len)
-    keys = [k + (q_len if case["k_extend"] is not None else 0) for k in ctx]
+    # every request attends over ctx + q_len keys: the drafts' KV in k_extend (verify) or as the
+    # last q_len entries of its kv_indices (decode), and the kernels count both
+    keys = [k + q_len for k in ctx]
     first = pool_first_ctas(keys, splits)
     assert first[-1] == batch * splits
     for r in range(batch):
