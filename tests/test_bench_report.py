@@ -377,11 +377,15 @@ def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
                       + _round_records([43.0, 43.5, 44.0], ours=33.5, ctx=16384))
     t = br.targets_over_rounds(df).set_index("target")
     row = t.loc["q16 h8 32k: <= FlashMLA"]
-    assert row["rounds"] == 3 and row["verdict"] == "mixed: met in 2 of 3 rounds"
+    assert (row["runs"], row["rounds"]) == (1, 3) and row["verdict"] == "mixed: met in 2 of 3 rounds"
     assert (row["ratio_min"], row["ratio"], row["ratio_max"]) == (0.98, 1.01, 1.02)
     assert t.loc["q16 h8 64k: <= FlashMLA", "verdict"] == "missed in every round"
     assert t.loc["q16 h8 16k: <= FlashMLA", "verdict"] == "met in every round"
     assert "q16 h8 64k: >= 100x Triton verify" not in t.index   # not timed: no verdict, not "missed"
+    # two processes (runs) pool their rounds; round numbers repeat from run to run
+    second = pd.DataFrame(_round_records([50.2, 49.5], ctx=32768)).assign(run_id="r2")
+    row = br.targets_over_rounds(pd.concat([df, second])).set_index("target").loc["q16 h8 32k: <= FlashMLA"]
+    assert (row["runs"], row["rounds"], row["verdict"]) == (2, 5, "mixed: met in 3 of 5 rounds")
     assert br.targets_over_rounds(pd.DataFrame()).empty
     with pytest.raises(ValueError, match="df: records without a `round`"):
         br.targets_over_rounds(pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0)]))
@@ -397,3 +401,12 @@ def test_targets_cli_asks_for_two_rounds_and_a_gpu():
         pytest.skip("a GPU is present: the CLI would time the targets (the GPU machine's scripts do)")
     with pytest.raises(SystemExit, match="need a CUDA GPU"):
         main(["--rounds", "2", "--no-record"])
+
+
+def test_latest_rounds_are_the_newest_commits_runs_on_its_gpu():
+    rec = lambda run, commit, gpu: {"run_id": run, "commit": commit, "gpu": gpu, "round": 0}
+    df = pd.DataFrame([rec("20261130T1", "aaa", "NVIDIA H200"), rec("20261130T2", "bbb", "NVIDIA H200"),
+                       rec("20261130T3", "bbb", "NVIDIA H200"), rec("20261130T4", "bbb", "NVIDIA RTX PRO 6000"),
+                       rec("20261130T5", "bbb", "NVIDIA H200")])
+    assert list(br.latest_rounds(df)["run_id"]) == ["20261130T2", "20261130T3", "20261130T5"]
+    assert br.latest_rounds(pd.DataFrame()).empty

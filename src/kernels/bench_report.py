@@ -367,22 +367,34 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
+    """Of the records of `python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl), the
+    runs made at the newest run's commit on its GPU: rounds of one build on one GPU, pooled."""
+    if df.empty:
+        return df
+    newest = df[df["run_id"] == df["run_id"].max()].iloc[0]
+    return df[(df["commit"] == newest["commit"]) & (df["gpu"] == newest["gpu"])].copy()
+
+
 def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
-    """The targets of a run timed in rounds (`python -m sm120_workbook.kernels.targets`): each
-    round's `targets_table`, then per target the rounds that measured it, the median ratio and
-    its range over the rounds, and a verdict. A target met in some rounds and missed in others
-    is within the noise of this GPU, not met."""
-    cols = ["target", "rounds", "ratio", "ratio_min", "ratio_max", "verdict", "note"]
+    """The targets of runs timed in rounds (`python -m sm120_workbook.kernels.targets`): each
+    round's `targets_table`, then per target the runs (processes) and rounds that measured it,
+    the median ratio and its range over the rounds, and a verdict. A target met in some rounds
+    and missed in others is within the noise of this GPU, not met."""
+    cols = ["target", "runs", "rounds", "ratio", "ratio_min", "ratio_max", "verdict", "note"]
     if df.empty:
         return pd.DataFrame(columns=cols)
     if "round" not in df:
         raise ValueError("df: records without a `round` column; targets_over_rounds reads the records of "
                          "`python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl)")
-    per_round = pd.concat([targets_table(g).assign(round=r) for r, g in df.groupby("round")], ignore_index=True)
+    df = df.assign(run_id=df["run_id"]) if "run_id" in df else df.assign(run_id="")
+    per_round = pd.concat([targets_table(g).assign(run_id=run, round=f"{run}/{r}")
+                           for (run, r), g in df.groupby(["run_id", "round"])], ignore_index=True)
     measured = per_round[per_round["met"].notna()].astype({"met": bool})
     out = (measured.groupby("target", sort=False)
-           .agg(rounds=("round", "nunique"), ratio=("ratio", "median"), ratio_min=("ratio", "min"),
-                ratio_max=("ratio", "max"), met_rounds=("met", "sum"), note=("note", "first"))
+           .agg(runs=("run_id", "nunique"), rounds=("round", "nunique"), ratio=("ratio", "median"),
+                ratio_min=("ratio", "min"), ratio_max=("ratio", "max"), met_rounds=("met", "sum"),
+                note=("note", "first"))
            .reset_index())
     out["verdict"] = [("met in every round" if met == n else "missed in every round" if met == 0
                        else f"mixed: met in {met} of {n} rounds")
