@@ -381,6 +381,7 @@ def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
     assert (row["ratio_min"], row["ratio"], row["ratio_max"]) == (0.98, 1.01, 1.02)
     assert t.loc["q16 h8 64k: <= FlashMLA", "verdict"] == "missed in every round"
     assert t.loc["q16 h8 16k: <= FlashMLA", "verdict"] == "met in every round"
+    assert br.targets_over_rounds(df.drop(columns="run_id")).equals(br.targets_over_rounds(df))   # one unnamed run
     assert "q16 h8 64k: >= 100x Triton verify" not in t.index   # not timed: no verdict, not "missed"
     # two processes (runs) pool their rounds; round numbers repeat from run to run
     second = pd.DataFrame(_round_records([50.2, 49.5], ctx=32768)).assign(run_id="r2")

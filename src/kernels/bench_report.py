@@ -387,7 +387,8 @@ def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
     if "round" not in df:
         raise ValueError("df: records without a `round` column; targets_over_rounds reads the records of "
                          "`python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl)")
-    df = df.assign(run_id=df["run_id"]) if "run_id" in df else df.assign(run_id="")
+    if "run_id" not in df:
+        df = df.assign(run_id="")
     per_round = pd.concat([targets_table(g).assign(run_id=run, round=f"{run}/{r}")
                            for (run, r), g in df.groupby(["run_id", "round"])], ignore_index=True)
     measured = per_round[per_round["met"].notna()].astype({"met": bool})
