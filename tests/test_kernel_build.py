@@ -343,6 +343,29 @@ def test_gpu_check_profile_job_is_timed_and_reads_its_own_export(tmp_path):
     assert "regex:wide_kernel" in script and "--kernel wide_kernel" in script   # the headline shape's kernel
 
 
+def test_gpu_check_prebuilds_every_variant_the_tests_and_the_ablation_build():
+    from sm120_workbook.kernels.ablation import VARIANTS
+    from sm120_workbook.kernels.checks import SCHEDULE_VARIANTS
+    from sm120_workbook.kernels.gpu_check import prebuild_defines
+
+    builds = prebuild_defines()
+    assert len(builds) == len(set(builds)) and () in builds
+    assert {tuple(sorted(d)) for d, _ in SCHEDULE_VARIANTS} | {tuple(sorted(v.defines)) for v in VARIANTS.values()} == set(builds)
+
+
+def test_build_in_parallel_names_the_builds_that_failed(monkeypatch):
+    import sys
+
+    from sm120_workbook.kernels import build
+
+    ran = []
+    monkeypatch.setattr(build, "build_command", lambda d: ran.append(d) or
+                        [sys.executable, "-c", f"raise SystemExit({int('BAD=1' in d)})"])
+    with pytest.raises(RuntimeError, match=r"variant build failed: \[\('BAD=1', 'X=1'\)\]"):
+        build.build_in_parallel([("X=1", "BAD=1"), ("BAD=1", "X=1"), (), ("Y=1",)])
+    assert sorted(ran) == [(), ("BAD=1", "X=1"), ("Y=1",)]   # one build a set, whatever the order of its defines
+
+
 def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):
     from sm120_workbook.kernels.gpu_check import assign, jobs
 

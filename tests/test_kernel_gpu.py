@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from sm120_workbook.kernels.checks import FIXED_CASES, LAYOUTS, compare, random_shapes, run_kernel
+from sm120_workbook.kernels.checks import FIXED_CASES, LAYOUTS, SCHEDULE_VARIANTS, compare, random_shapes, run_kernel
 from sm120_workbook.reference import make_verify_case
 
 pytestmark = pytest.mark.gpu
@@ -291,20 +291,8 @@ def test_compute_sanitizer_clean(tool):
     assert r["clean"], f"{tool}: {r['summary']}; first lines:\n" + "\n".join(r["first_lines"])
 
 
-@pytest.mark.parametrize("defines,cta_rows", [
-    (("GROUP_BARRIERS=1",), 32), (("PV_LAG=1",), 32), (("PV_LAG=1", "STAGES_16=3"), 32), (("STAGES_16=3",), 32),
-    (("TILE_STAGGER=3",), 32), (("SPLIT_LOADS=1",), 32), (("SPLIT_LOADS=1", "STAGES_16=3"), 32),
-    (("WIDE_STAGES=3",), 64), (("WIDE_REFILL_IN_QK=0",), 64), (("WIDE_PINGPONG=0",), 64),
-    (("WIDE_PINGPONG=0", "WIDE_STAGES=2"), 64), (("WIDE_PINGPONG=0", "WIDE_REFILL_IN_QK=0"), 64),
-    (("WIDE_FUSED=1",), 64), (("WIDE_FUSED=1", "WIDE_PINGPONG=0"), 64), (("WIDE_FUSED=1", "WIDE_STAGES=3"), 64),
-    (("COMBINE_PDL=0",), 32), (("COMBINE_PDL=0",), 64), (("CTA_TIMELINE",), 64),
-    (("WIDE_Q_SMEM=0",), 64), (("WIDE_BF16_PARTIALS=0",), 64), (("WIDE_PREFETCH_FIRST_TILES=0",), 64),
-    (("COMBINE_PRELOAD=0",), 32), (("COMBINE_PRELOAD=0",), 64), (("WIDE_Q_STAGGER=0",), 64),
-    (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
-    (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=0",), 32),
-    (("DECODE_ONE_MTILE=0",), 32), (("DECODE_ROWS_AS_N=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32),
-    (("BALANCED_SPLITS=0",), 32), (("BALANCED_SPLITS=0",), 64), (("POOL_MIN_MAX=0",), 32), (("POOL_MIN_MAX=0",), 64)],
-    ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
+@pytest.mark.parametrize("defines,cta_rows", SCHEDULE_VARIANTS,
+                         ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
 def test_schedule_variant_build_matches_reference(defines, cta_rows):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part

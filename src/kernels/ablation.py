@@ -11,14 +11,13 @@ Timed like the benchmark (CUDA-graph replay, L2 flushed, median), in one run.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
-from .build import build_command
+from .build import build_in_parallel
 
 
 @dataclass(frozen=True)
@@ -227,12 +226,8 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
 
 
 def build_all(variants=VARIANTS) -> None:
-    """Compile every variant at once, one process each (nvcc is single-threaded)."""
-    defines = sorted({v.defines for v in variants.values()})
-    procs = [subprocess.Popen(build_command(d)) for d in defines]
-    failed = [d for d, p in zip(defines, procs) if p.wait() != 0]
-    if failed:
-        raise RuntimeError(f"variant build failed: {failed}")
+    """Compile every variant's build before timing any (build_in_parallel)."""
+    build_in_parallel(v.defines for v in variants.values())
 
 
 def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:

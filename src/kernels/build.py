@@ -83,6 +83,21 @@ def build_command(defines: tuple[str, ...] = ()) -> list[str]:
             f"l(defines={tuple(defines)!r})"]
 
 
+def build_in_parallel(define_sets) -> None:
+    """Compile (or find cached) each build of `define_sets`, as many at once as there are CPUs
+    (nvcc is single-threaded, and one build holds ~1-2 GB): 34 builds took 249 s on 16 cores
+    (H200 machine, session 19), ~35 minutes one after another."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    sets = sorted({tuple(sorted(d)) for d in define_sets})   # the build key ignores the order
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        codes = list(pool.map(lambda d: subprocess.run(build_command(d)).returncode, sets))
+    failed = [d for d, rc in zip(sets, codes) if rc != 0]
+    if failed:
+        raise RuntimeError(f"variant build failed: {failed}")
+
+
 @functools.lru_cache(maxsize=None)
 def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ...] = ()):
     from torch.utils.cpp_extension import load_inline

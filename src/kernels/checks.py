@@ -33,6 +33,25 @@ FIXED_CASES = [
 ]
 
 
+# (defines, cta_rows): the schedules still in the source beside the shipped one, each a build that
+# must compute the same attention (tests/test_kernel_gpu.py; gpu_check builds them in parallel
+# before the tests, which would otherwise build them one after another).
+SCHEDULE_VARIANTS = [
+    (("GROUP_BARRIERS=1",), 32), (("PV_LAG=1",), 32), (("PV_LAG=1", "STAGES_16=3"), 32), (("STAGES_16=3",), 32),
+    (("TILE_STAGGER=3",), 32), (("SPLIT_LOADS=1",), 32), (("SPLIT_LOADS=1", "STAGES_16=3"), 32),
+    (("WIDE_STAGES=3",), 64), (("WIDE_REFILL_IN_QK=0",), 64), (("WIDE_PINGPONG=0",), 64),
+    (("WIDE_PINGPONG=0", "WIDE_STAGES=2"), 64), (("WIDE_PINGPONG=0", "WIDE_REFILL_IN_QK=0"), 64),
+    (("WIDE_FUSED=1",), 64), (("WIDE_FUSED=1", "WIDE_PINGPONG=0"), 64), (("WIDE_FUSED=1", "WIDE_STAGES=3"), 64),
+    (("COMBINE_PDL=0",), 32), (("COMBINE_PDL=0",), 64), (("CTA_TIMELINE",), 64),
+    (("WIDE_Q_SMEM=0",), 64), (("WIDE_BF16_PARTIALS=0",), 64), (("WIDE_PREFETCH_FIRST_TILES=0",), 64),
+    (("COMBINE_PRELOAD=0",), 32), (("COMBINE_PRELOAD=0",), 64), (("WIDE_Q_STAGGER=0",), 64),
+    (("WIDE_Q_LDG=0",), 64), (("MIN_KEYS_PER_SPLIT=64",), 32), (("MIN_KEYS_PER_SPLIT=64",), 64),
+    (("STAGED_PROLOGUE=0",), 32), (("PROLOGUE_EARLY_STAGES=1",), 32), (("PROLOGUE_EARLY_STAGES=0",), 32),
+    (("DECODE_ONE_MTILE=0",), 32), (("DECODE_ROWS_AS_N=0",), 32), (("EARLY_REFILL=1",), 32), (("EARLY_REFILL=1", "DECODE_ONE_MTILE=0"), 32),
+    (("BALANCED_SPLITS=0",), 32), (("BALANCED_SPLITS=0",), 64), (("POOL_MIN_MAX=0",), 32), (("POOL_MIN_MAX=0",), 64),
+]
+
+
 def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
                tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
                cta_rows: int | None = None):

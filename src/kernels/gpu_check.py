@@ -85,11 +85,21 @@ def assign(job_list, num_gpus: int) -> list[list[tuple[str, list[str], bool]]]:
     return queues
 
 
+def prebuild_defines() -> list[tuple[str, ...]]:
+    """The builds the jobs would otherwise make one at a time: the ablation's variants and the
+    tests' schedule variants."""
+    from .ablation import VARIANTS
+    from .checks import SCHEDULE_VARIANTS
+
+    return sorted({tuple(sorted(v.defines)) for v in VARIANTS.values()}
+                  | {tuple(sorted(d)) for d, _ in SCHEDULE_VARIANTS})
+
+
 def start_prebuild() -> subprocess.Popen:
-    """The ablation's variant builds (CPU only, a minute or two) overlap the correctness jobs
-    instead of delaying the ablation, which then finds them cached."""
-    return subprocess.Popen([sys.executable, "-c", "from sm120_workbook.kernels.ablation import build_all; build_all()"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """The variant builds (CPU only, a few minutes in parallel) overlap the jobs that need none
+    instead of delaying those that do, which then find them cached."""
+    code = f"from sm120_workbook.kernels.build import build_in_parallel; build_in_parallel({prebuild_defines()!r})"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def main(argv=None) -> int:
