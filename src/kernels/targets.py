@@ -66,7 +66,7 @@ def main(argv=None):
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
     if args.rounds < 2:
-        sys.exit(f"--rounds: {args.rounds}; a spread needs at least 2 rounds")
+        ap.error(f"--rounds: {args.rounds}; a spread needs at least 2 rounds")
     import torch
 
     if not torch.cuda.is_available():
