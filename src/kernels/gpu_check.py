@@ -5,9 +5,9 @@ side by side: the correctness tests, the three compute-sanitizer tools, the SGLa
 tests (where SGLang imports), the benchmark, the ablation, the 64-row kernel's phase trace,
 its CTA timeline at 4k, the issue's targets in interleaved rounds and, with --ncu, an Nsight
 Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their own
-where there are enough GPUs; otherwise jobs share GPUs in turn. The records land in --out, and the jobs' logs end up in one file,
-gpu_check.log (the device machine returns at most 8 files: records and the profile CSV are at
-most seven more), with a summary of which passed.
+where there are enough GPUs; otherwise jobs share GPUs in turn. The records land in --out,
+and the jobs' logs end up in one file, gpu_check.log (the device machine returns at most 8
+files: records and the profile CSV are at most seven more), with a summary of which passed.
 
     python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu]
 """
