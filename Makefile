@@ -24,7 +24,7 @@ help:
 	@echo "make lab      JupyterLab with widgets"
 	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
 	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1 .. .whl4)"
-	@echo "make gpu-check OUT=dir [TAG=vN] [NCU=1]   on the GPU machine: every kernel check, over all GPUs"
+	@echo "make gpu-check OUT=dir [TAG=vN] [NCU=1] [JOBS=\"tests targets\"]   on the GPU machine: every kernel check (or those named), over all GPUs"
 
 setup: $(STAMP)
 
@@ -74,7 +74,7 @@ wheelhouse:
 GPU_PY ?= python3
 gpu-check:
 	@test -n "$(OUT)" || { echo "error: set OUT=<folder> for the logs and records"; exit 1; }
-	$(GPU_PY) -m sm120_workbook.kernels.gpu_check --out $(OUT) $(if $(TAG),--tag $(TAG)) $(if $(NCU),--ncu)
+	$(GPU_PY) -m sm120_workbook.kernels.gpu_check --out $(OUT) $(if $(TAG),--tag $(TAG)) $(if $(NCU),--ncu) $(if $(JOBS),--jobs $(JOBS))
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

@@ -409,6 +409,31 @@ def test_gpu_check_runs_the_queues_and_merges_the_logs(tmp_path, monkeypatch):
     assert "===== ok (exit 0) =====\ngpu 5\nfine" in log and "===== bad (exit 3) =====\ngpu 7" in log
 
 
+def test_gpu_check_runs_only_the_jobs_named(tmp_path, monkeypatch, capsys):
+    # --jobs: the named jobs alone, without the variant prebuild unless a named job builds variants
+    import subprocess
+
+    from sm120_workbook.kernels import gpu_check as gc
+
+    monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gc, "load_kernel_module", lambda: None)
+    prebuilds = []
+    monkeypatch.setattr(gc, "start_prebuild", lambda: prebuilds.append(1) or subprocess.Popen(["true"]))
+    monkeypatch.setattr(gc, "jobs", lambda out, tag, ncu=None: [
+        (name, ["bash", "-c", f"echo {name} ran"], timed)
+        for name, timed in (("tests", False), ("bench", True), ("targets", True))])
+    assert gc.main(["--out", str(tmp_path / "a"), "--jobs", "targets"]) == 0
+    log = (tmp_path / "a" / "gpu_check.log").read_text()
+    assert "PASS targets" in log and "tests" not in log and "bench" not in log and not prebuilds
+    assert gc.main(["--out", str(tmp_path / "b"), "--jobs", "targets", "tests"]) == 0
+    assert prebuilds == [1]   # the tests build the schedule variants
+    with pytest.raises(SystemExit):   # a misspelt name: an error naming it, before anything is built
+        gc.main(["--out", str(tmp_path / "c"), "--jobs", "target"])
+    assert "no job named target here (jobs: tests, bench, targets)" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 def test_recorded_ablation_table_is_one_version_in_variant_order():
     import pandas as pd
 

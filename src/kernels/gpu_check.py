@@ -9,7 +9,7 @@ where there are enough GPUs; otherwise jobs share GPUs in turn. The records land
 and the jobs' logs end up in one file, gpu_check.log (the device machine returns at most 8
 files: records and the profile CSV are at most seven more), with a summary of which passed.
 
-    python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu]
+    python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu] [--jobs tests targets]
 """
 from __future__ import annotations
 
@@ -95,6 +95,21 @@ def prebuild_defines() -> list[tuple[str, ...]]:
                   | {tuple(sorted(d)) for d, _ in SCHEDULE_VARIANTS})
 
 
+# the jobs that build the variants prebuild_defines lists
+NEEDS_PREBUILD = {"tests", "ablation"}
+
+
+def select(job_list, names: list[str] | None):
+    """The jobs named (all when names is None), in their usual order; an unknown name raises."""
+    if names is None:
+        return job_list
+    unknown = sorted(set(names) - {j[0] for j in job_list})
+    if unknown:
+        raise ValueError(f"--jobs: no job named {', '.join(unknown)} here "
+                         f"(jobs: {', '.join(j[0] for j in job_list)})")
+    return [j for j in job_list if j[0] in names]
+
+
 def start_prebuild() -> subprocess.Popen:
     """The variant builds (CPU only, a few minutes in parallel) overlap the jobs that need none
     instead of delaying those that do, which then find them cached."""
@@ -107,18 +122,25 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for logs and records")
     ap.add_argument("--tag", default=None, help="kernel version label for the records (NOTES.md)")
     ap.add_argument("--ncu", action="store_true", help="also profile the headline shape with Nsight Compute")
+    ap.add_argument("--jobs", nargs="+", metavar="NAME",
+                    help="run only these jobs (tests sanitizer backend bench ablation phase_trace cta_timeline "
+                         "targets, profile with --ncu); default: all")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU; none is visible to torch")
     ncu = ncu_path() if a.ncu else None
     if a.ncu and not ncu:
         sys.exit("--ncu: Nsight Compute (ncu) is not on PATH nor in /usr/local/cuda*/bin")
+    try:   # before anything is built: a misspelt name should cost no device time
+        job_list = select(jobs(a.out, a.tag, ncu), a.jobs)
+    except ValueError as e:
+        ap.error(str(e))
     a.out.mkdir(parents=True, exist_ok=True)
     logs = a.out / "logs"   # one per job while they run; merged into gpu_check.log at the end
     logs.mkdir(exist_ok=True)
     load_kernel_module()   # build once here, so the jobs find it cached instead of queueing on the lock
-    prebuild = start_prebuild()
-    queues = assign(jobs(a.out, a.tag, ncu), torch.cuda.device_count())
+    prebuild = start_prebuild() if NEEDS_PREBUILD & {j[0] for j in job_list} else None
+    queues = assign(job_list, torch.cuda.device_count())
     # GPU i of this process is the i-th entry of an existing CUDA_VISIBLE_DEVICES, if any
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     results: dict[str, int] = {}
@@ -136,7 +158,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     for r in runners:
         r.wait()
-    prebuild.wait()
+    if prebuild is not None:
+        prebuild.wait()
     for line in (logs / "status").read_text().splitlines():
         name, rc = line.split()
         results[name] = int(rc)
