@@ -1,13 +1,15 @@
 """Every GPU check of the kernel in one command, spread over the visible GPUs.
 
 Device time is scarce (minutes per session), so the checks that a kernel change needs run
-side by side: the correctness tests, the three compute-sanitizer tools, the SGLang backend
-tests (where SGLang imports), the benchmark, the ablation, the 64-row kernel's phase trace,
-its CTA timeline at 4k, the issue's targets in interleaved rounds and, with --ncu, an Nsight
-Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their own
+side by side: the correctness tests, the three compute-sanitizer tools on the shipped build,
+the SGLang backend tests (where SGLang imports), the benchmark, the ablation, the 64-row
+kernel's phase trace, its CTA timeline at 4k, the issue's targets in interleaved rounds and,
+with --ncu, an Nsight Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their own
 where there are enough GPUs; otherwise jobs share GPUs in turn. The records land in --out,
 and the jobs' logs end up in one file, gpu_check.log (the device machine returns at most 8
-files: records and the profile CSV are at most seven more), with a summary of which passed.
+files: the records and the bench's ceilings are seven more), with a summary of which passed and
+how long each took. On two H200s the whole set takes longer than one 10-minute device call
+allows; `--jobs` runs a part of it.
 
     python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu] [--jobs tests targets]
 """
@@ -38,9 +40,10 @@ def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, 
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
     out_jobs = [
         ("tests", pytest + ["tests/test_kernel_gpu.py", "-k", "not sanitizer"], False),
-        # the three tools on every build sanitize.BUILDS names (the shipped one must be clean), recorded
+        # the three tools on the shipped build, recorded. All of sanitize.BUILDS (the shelved schedules
+        # too) took ~8 minutes on an H200, most of a device call: `python -m ...sanitize` runs them.
         ("sanitizer", [py, "-m", "sm120_workbook.kernels.sanitize", "--tools", "memcheck", "racecheck", "synccheck",
-                       "--out", str(out / "kernel_sanitizer.jsonl")] + tag_args, False),
+                       "--builds", "default", "--out", str(out / "kernel_sanitizer.jsonl")] + tag_args, False),
         ("bench", [py, "-m", "sm120_workbook.kernels.bench", "--quick", "--out", str(out / "kernel_bench.jsonl")]
          + tag_args, True),
         ("ablation", [py, "-m", "sm120_workbook.kernels.ablation", "--out", str(out / "kernel_ablation.jsonl")]
@@ -61,7 +64,9 @@ def jobs(out: Path, tag: str | None, ncu: str | None = None) -> list[tuple[str, 
         from .verify_attention import choose_cta_rows
 
         kernel = "wide_kernel" if choose_cta_rows(1, 8, 16) == 64 else "split_kernel"
-        rep, csv = "/tmp/sm120_prof", str(out / "prof_sass.csv")
+        # the CSV stays on the machine (sass_profile's table is in the log): the machine returns 8 files,
+        # and the log, the bench's ceilings and six records are 8
+        rep, csv = "/tmp/sm120_prof", "/tmp/sm120_prof_sass.csv"
         script = (f"{shlex.quote(ncu)} --profile-from-start off --set full --import-source yes -k regex:{kernel} "
                   f"-o {rep} -f {shlex.quote(py)} -m sm120_workbook.kernels.profile && "
                   f"{shlex.quote(ncu)} --import {rep}.ncu-rep --page source --csv --print-source sass > {shlex.quote(csv)} && "
@@ -144,13 +149,15 @@ def main(argv=None) -> int:
     # GPU i of this process is the i-th entry of an existing CUDA_VISIBLE_DEVICES, if any
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     results: dict[str, int] = {}
+    seconds: dict[str, str] = {}
     runners = []
     for gpu, queue in enumerate(queues):
         if not queue:
             continue
         # one line per job, in turn: its log, then its exit status for the summary
-        script = "\n".join(f"{shlex.join(cmd)} > {shlex.quote(str(logs / (name + '.log')))} 2>&1; "
-                           f"echo {name} $? >> {shlex.quote(str(logs / 'status'))}" for name, cmd, _ in queue)
+        script = "\n".join(f"start=$SECONDS; {shlex.join(cmd)} > {shlex.quote(str(logs / (name + '.log')))} 2>&1; "
+                           f"echo {name} $? $((SECONDS - start)) >> {shlex.quote(str(logs / 'status'))}"
+                           for name, cmd, _ in queue)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[gpu] if gpu < len(visible) else str(gpu),
                    PYTHONUNBUFFERED="1")
         runners.append(subprocess.Popen(["bash", "-c", script], env=env))
@@ -161,12 +168,12 @@ def main(argv=None) -> int:
     if prebuild is not None:
         prebuild.wait()
     for line in (logs / "status").read_text().splitlines():
-        name, rc = line.split()
+        name, rc, seconds[name] = line.split()
         results[name] = int(rc)
     summary = [f"all jobs done in {time.monotonic() - t0:.0f} s"]
     for name, rc in results.items():
         tail = (logs / f"{name}.log").read_text().strip().splitlines()[-1:] or [""]
-        summary.append(f"{'PASS' if rc == 0 else 'FAIL'} {name:10s} {tail[0][:150]}")
+        summary.append(f"{'PASS' if rc == 0 else 'FAIL'} {name:12s} {seconds[name]:>4s} s  {tail[0][:150]}")
     with open(a.out / "gpu_check.log", "w") as f:
         f.write("\n".join(summary) + "\n")
         for name, rc in results.items():
