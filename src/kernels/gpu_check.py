@@ -4,12 +4,12 @@ Device time is scarce (minutes per session), so the checks that a kernel change 
 side by side: the correctness tests, the three compute-sanitizer tools on the shipped build,
 the SGLang backend tests (where SGLang imports), the benchmark, the ablation, the 64-row
 kernel's phase trace, its CTA timeline at 4k, the issue's targets in interleaved rounds and,
-with --ncu, an Nsight Compute profile of the headline shape read by sass_profile. Timing jobs get a GPU of their own
-where there are enough GPUs; otherwise jobs share GPUs in turn. The records land in --out,
-and the jobs' logs end up in one file, gpu_check.log (the device machine returns at most 8
-files: the records and the bench's ceilings are seven more), with a summary of which passed and
-how long each took. On two H200s the whole set takes longer than one 10-minute device call
-allows; `--jobs` runs a part of it.
+with --ncu, an Nsight Compute profile of the headline shape read by sass_profile. Timing jobs
+get a GPU of their own where there are enough GPUs; otherwise jobs share GPUs in turn. The
+records land in --out, and the jobs' logs end up in one file, gpu_check.log (the device machine
+returns at most 8 files: the records and the bench's ceilings are seven more), with a summary
+of which passed and how long each took. On two H200s the whole set takes longer than one
+10-minute device call allows; `--jobs` runs a part of it.
 
     python -m sm120_workbook.kernels.gpu_check --out $OUT --tag v14 [--ncu] [--jobs tests targets]
 """
