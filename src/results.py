@@ -44,6 +44,16 @@ def append_cli_records(name: str, records: Iterable[dict], module: str, argv=Non
     return append_records(name, records, command=cli_command(module, argv), path=Path(out) if out else None)
 
 
+def add_record_args(ap, name: str, no_record: bool = True) -> None:
+    """The flags of a tool whose records go to data/results/<name>.jsonl: --out (another jsonl),
+    --tag (the kernel version label each record carries) and, unless no_record is False,
+    --no-record."""
+    ap.add_argument("--out", default=None, help=f"jsonl to append to (default data/results/{name}.jsonl)")
+    ap.add_argument("--tag", default=None, help="kernel version label stored in each record (see NOTES.md)")
+    if no_record:
+        ap.add_argument("--no-record", action="store_true", help="print the results; append nothing")
+
+
 def load_records(name: str, path: Path | None = None):
     """The records of data/results/<name>.jsonl as a pandas DataFrame (empty if none)."""
     import pandas as pd

@@ -110,3 +110,18 @@ def test_cli_records_take_the_tools_command_and_its_out(tmp_path):
     rec = json.loads(out.read_text())
     assert path == out and rec["a"] == 1
     assert rec["command"] == "python -m sm120_workbook.kernels.phase_trace --ctx 4096"
+
+
+def test_record_args_are_every_tools_out_tag_and_no_record():
+    import argparse
+
+    from sm120_workbook.results import add_record_args
+
+    ap = argparse.ArgumentParser()
+    add_record_args(ap, "kernel_phase_trace")
+    a = ap.parse_args(["--out", "x.jsonl", "--tag", "v21", "--no-record"])
+    assert (a.out, a.tag, a.no_record) == ("x.jsonl", "v21", True)
+    assert "data/results/kernel_phase_trace.jsonl" in ap.format_help()
+    ap = argparse.ArgumentParser()
+    add_record_args(ap, "kernel_ablation", no_record=False)   # the ablation always records
+    assert vars(ap.parse_args([])) == {"out": None, "tag": None}

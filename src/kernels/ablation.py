@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..results import add_record_args
 from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
 from .build import build_in_parallel
 
@@ -248,8 +249,7 @@ def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_ablation.jsonl)")
-    ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
+    add_record_args(ap, "kernel_ablation", no_record=False)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                     help="run only these (default: all)")

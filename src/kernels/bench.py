@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mla import DIM_QK, DIM_V, SM_SCALE
+from ..results import add_record_args
 from ..roofline import verify_cost
 from .verify_attention import MlaVerifyWorkspace, mla_verify_attention
 
@@ -380,10 +381,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Benchmark sm120_mla against SGLang's attention paths")
     ap.add_argument("--quick", action="store_true", help="fewer contexts")
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_bench.jsonl)")
     ap.add_argument("--impls", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
-    ap.add_argument("--tag", default=None, help="kernel version label stored in each record (see NOTES.md)")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_args(ap, "kernel_bench")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("kernel bench needs a CUDA GPU; none is visible to torch")

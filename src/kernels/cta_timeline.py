@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import pandas as pd
 
+from ..results import add_record_args
+
 TIMELINE_DEFINE = "CTA_TIMELINE"
 # Event slots (TimelineEvent in mla_verify.cuh) and what each kernel stamps in them.
 # In the order they fall. Slots 6 and 7 split the prologue (session 12; absent from older records).
@@ -184,9 +186,7 @@ def main(argv=None) -> None:
     ap.add_argument("--cta-rows", type=int, choices=(32, 64), default=64,
                     help="the attention kernel: 64 (the 64-row kernel, default) or 32 (the split kernel, decode's)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays, each after an L2 flush (default 20)")
-    ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
-    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_timeline.jsonl)")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_args(ap, "kernel_timeline")
     a = ap.parse_args(argv)
     if a.replays < 1:
         ap.error("--replays must be at least 1")

@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pandas as pd
 
+from ..results import add_record_args
+
 TRACE_DEFINE = "WIDE_TRACE"
 # Phase names of each event slot after "arrive A" (slot 0), in program order (mla_verify_wide.cuh).
 IN_STEP_PHASES = ("A wait", "QK", "B wait", "softmax", "C wait", "P.V")
@@ -105,9 +107,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(ap)
     ap.add_argument("--define", action="append", default=[], help="another build define, e.g. WIDE_PINGPONG=0")
-    ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
-    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_phase_trace.jsonl)")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_args(ap, "kernel_phase_trace")
     a = ap.parse_args(argv)
     import torch
 

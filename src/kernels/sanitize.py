@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 
+from ..results import add_record_args
 from .build import build_command
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
@@ -125,9 +126,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=["racecheck"])
     ap.add_argument("--builds", nargs="+", choices=sorted(BUILDS), default=sorted(BUILDS))
-    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_sanitizer.jsonl)")
-    ap.add_argument("--tag", default=None, help="kernel version label (see NOTES.md)")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_args(ap, "kernel_sanitizer")
     args = ap.parse_args(argv)
     records = []
     for name in args.builds:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..results import add_record_args
 from .bench import Shape
 
 VERIFY_CTXS = (16384, 32768, 65536, 131072)   # "at least as fast as FlashMLA at every context from 16k to 128k"
@@ -61,9 +62,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Time the kernel issue's target shapes in interleaved rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50, help="graph replays a timing (Triton verify: a fifth)")
-    ap.add_argument("--out", default=None, help="jsonl to append to (default data/results/kernel_targets.jsonl)")
-    ap.add_argument("--tag", default=None, help="kernel version label stored in each record (see NOTES.md)")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_args(ap, "kernel_targets")
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error(f"--rounds: {args.rounds}; a spread needs at least 2 rounds")
