@@ -13,7 +13,9 @@ STAMP  := $(VENV)/.installed
 SGLANG_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print(next(r for r in d['project']['optional-dependencies']['gpu'] if r.startswith('sglang')))")
 # torch is held at the `cpu` extra's version while the rest installs.
 TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print('\n'.join(d['project']['optional-dependencies']['cpu']))")
-RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
+# `:=` takes the time once: a recursive variable would call `date` at each use, and a second
+# boundary between them would split one run over two folders.
+RUN_DIR := $(or $(RUN_DIR),runs/$(shell date +%Y%m%d-%H%M%S))
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
 .PHONY: help setup run test test-cpu lab kernel-resources wheelhouse gpu-check clean

@@ -148,11 +148,34 @@ def target_hardware_table():
     return pd.DataFrame(rows).set_index("gpu")
 
 
-def ceilings_frame(records=None):
-    """Tidy frame of ceilings: the target table's numbers plus any measured records.
+def target_name(gpu: str) -> str:
+    """The target table's name for a GPU as torch names it ("NVIDIA H200" -> "H200"), else as given."""
+    return next((name for name in TARGET_GPUS if name in str(gpu)), str(gpu))
 
-    `records` is `results.load_records("ceilings")` (or None): columns gpu, copy_gbps,
-    bf16_tflops, date. Returns columns gpu, metric, value, source.
+
+def recorded_ceilings(records):
+    """Per GPU (named as in the target table): how many ceilings runs were recorded, when, and
+    their median and range. Many runs are recorded (every benchmark measures its own), and a
+    chart of each would stack them."""
+    import pandas as pd
+
+    cols = ["gpu", "runs", "first", "last", "copy_gbps", "copy_gbps_min", "copy_gbps_max",
+            "bf16_tflops", "bf16_tflops_min", "bf16_tflops_max"]
+    if records is None or not len(records):
+        return pd.DataFrame(columns=cols)
+    r = records.assign(gpu=records["gpu"].map(target_name), day=records["date"].astype(str).str[:10])
+    g = r.groupby("gpu")
+    out = pd.DataFrame({"runs": g.size(), "first": g["day"].min(), "last": g["day"].max()})
+    for m in ("copy_gbps", "bf16_tflops"):
+        out[m], out[f"{m}_min"], out[f"{m}_max"] = g[m].median(), g[m].min(), g[m].max()
+    return out.reset_index()[cols]
+
+
+def ceilings_frame(records=None):
+    """Tidy frame of ceilings: the target table's numbers, and per GPU the median of its
+    measured records (`results.load_records("ceilings")`, or None).
+
+    Returns columns gpu, metric, value, source; a GPU's measured rows say how many runs.
     """
     import pandas as pd
 
@@ -160,11 +183,10 @@ def ceilings_frame(records=None):
     for name, g in TARGET_GPUS.items():
         rows.append({"gpu": name, "metric": "memory GB/s", "value": g["mem_gbps"], "source": "target table"})
         rows.append({"gpu": name, "metric": "bf16 TFLOP/s", "value": g["bf16_tflops"], "source": "target table"})
-    if records is not None and len(records):
-        for _, r in records.iterrows():
-            src = f"measured {str(r.get('date', ''))[:10]}".strip()
-            rows.append({"gpu": r["gpu"], "metric": "memory GB/s", "value": r["copy_gbps"], "source": src})
-            rows.append({"gpu": r["gpu"], "metric": "bf16 TFLOP/s", "value": r["bf16_tflops"], "source": src})
+    for r in recorded_ceilings(records).itertuples():
+        src = f"measured (median of {r.runs} runs)"
+        rows.append({"gpu": r.gpu, "metric": "memory GB/s", "value": r.copy_gbps, "source": src})
+        rows.append({"gpu": r.gpu, "metric": "bf16 TFLOP/s", "value": r.bf16_tflops, "source": src})
     return pd.DataFrame(rows)
 
 

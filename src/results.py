@@ -83,7 +83,10 @@ def describe_provenance(df) -> str:
     for key in ("gpu", "driver", "torch", "sglang", "triton", "commit"):
         if key in df:
             vals = sorted({str(v) for v in df[key].dropna()})
-            if vals:
+            if key == "commit" and len(vals) > 3:   # many runs: their count and the newest
+                newest = str(df.sort_values("date")["commit"].dropna().iloc[-1]) if "date" in df else vals[-1]
+                parts.append(f"commits={len(vals)} (newest {newest[:12]})")
+            elif vals:
                 parts.append(f"{key}={','.join(vals)}")
     dates = sorted(str(v)[:10] for v in df.get("date", []))
     if dates:

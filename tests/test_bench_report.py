@@ -200,6 +200,8 @@ def test_flashmla_reach_splits_fixed_and_per_key_time_and_bounds_any_mma_sync_ke
     # at 100%: 20 + 30x = 40 + 20x -> x = 2 (128k); at 70%: 20 + 42.86x = 40 + 20x -> x = 0.875 (56k)
     assert r["at 100% of the ceiling, matches FlashMLA up to"] == "128k"
     assert r["at 70% of the ceiling, matches FlashMLA up to"] == "56k"
+    # a tie at 128k (x = 2) at exactly 100%: 30 / (20 + (40 - 20) / 2) = 1.0
+    assert r["share of the ceiling that ties FlashMLA at 128k"] == "100%"
     assert r["fit miss %"] == 0.0
 
 
@@ -412,3 +414,14 @@ def test_latest_rounds_are_the_newest_commits_runs_on_its_gpu():
                        rec("20261130T5", "bbb", "NVIDIA H200")])
     assert list(br.latest_rounds(df)["run_id"]) == ["20261130T2", "20261130T3", "20261130T5"]
     assert br.latest_rounds(pd.DataFrame()).empty
+
+
+def test_latest_rounds_pool_a_kernel_version_across_commits():
+    """Two processes of one tagged kernel made at two commits (a change outside the device code
+    between them) are one kernel's rounds; an untagged newest run falls back to its commit."""
+    rec = lambda run, commit, tag: {"run_id": run, "commit": commit, "gpu": "NVIDIA H200", "kernel_version": tag}
+    df = pd.DataFrame([rec("20261130T1", "aaa", "v20"), rec("20261130T2", "bbb", "v21"),
+                       rec("20261130T3", "ccc", "v21")])
+    assert list(br.latest_rounds(df)["run_id"]) == ["20261130T2", "20261130T3"]
+    untagged = pd.concat([df, pd.DataFrame([rec("20261130T4", "ccc", None)])], ignore_index=True)
+    assert list(br.latest_rounds(untagged)["run_id"]) == ["20261130T3", "20261130T4"]

@@ -71,3 +71,38 @@ def test_provenance_names_the_visible_gpus_when_set(monkeypatch):
     assert provenance("x")["cuda_visible_devices"] == "1"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert "cuda_visible_devices" not in provenance("x")
+
+
+def test_recorded_ceilings_one_median_per_gpu():
+    """Many recorded runs of one GPU give one measured bar (their median), under the target
+    table's name for it, so the chart neither stacks runs nor splits "NVIDIA H200" from "H200"."""
+    import pandas as pd
+
+    from sm120_workbook.hardware import ceilings_frame, recorded_ceilings
+
+    rec = pd.DataFrame({"gpu": ["NVIDIA H200"] * 3 + ["NVIDIA A100-SXM4-80GB"],
+                        "date": ["2026-11-29T10:00", "2026-11-30T09:00", "2026-11-29T11:00", "2026-11-29"],
+                        "copy_gbps": [4100.0, 4200.0, 4150.0, 1500.0],
+                        "bf16_tflops": [770.0, 790.0, 780.0, 280.0]})
+    t = recorded_ceilings(rec).set_index("gpu")
+    assert t.loc["H200", "runs"] == 3 and t.loc["H200", "copy_gbps"] == 4150.0
+    assert (t.loc["H200", "first"], t.loc["H200", "last"]) == ("2026-11-29", "2026-11-30")
+    assert t.loc["H200", "bf16_tflops_min"] == 770.0 and "NVIDIA A100-SXM4-80GB" in t.index
+    f = ceilings_frame(rec)
+    measured = f[f["source"].str.startswith("measured")]
+    assert len(measured) == 4 and set(measured["gpu"]) == {"H200", "NVIDIA A100-SXM4-80GB"}
+    assert measured[(measured["gpu"] == "H200") & (measured["metric"] == "memory GB/s")]["value"].item() == 4150.0
+    assert len(recorded_ceilings(None)) == 0 and len(ceilings_frame(None)) == 2 * 2
+
+
+def test_describe_provenance_counts_many_commits():
+    """Thirty recorded runs name their commit count and the newest commit, not thirty hashes."""
+    import pandas as pd
+
+    from sm120_workbook.results import describe_provenance
+
+    df = pd.DataFrame({"gpu": ["NVIDIA H200"] * 5, "commit": [c * 40 for c in "abcde"],
+                       "date": [f"2026-11-2{i}" for i in (5, 9, 6, 7, 8)]})
+    line = describe_provenance(df)
+    assert "commits=5 (newest bbbbbbbbbbbb)" in line and "dates=2026-11-25..2026-11-29" in line
+    assert f"commit={'a' * 40},{'b' * 40};" in describe_provenance(df.iloc[:2])

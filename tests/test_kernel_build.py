@@ -484,3 +484,21 @@ def test_ablation_rejects_a_bad_argument_before_any_build(capsys, monkeypatch, a
     with pytest.raises(SystemExit) as e:
         ablation.main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_recorded_resources_render_without_nvcc():
+    """Notebook 02 on a machine without nvcc: the recorded report gives the same frame, budget
+    verdicts and per-arch loop table that a live report gives."""
+    from sm120_workbook.kernels.resources import budget_lines, recorded_report, resources_frame
+    from sm120_workbook.kernels.sass_loops import loop_table, loops_by_arch
+
+    rep = recorded_report()
+    frame = resources_frame(rep)
+    assert set(frame.arch) == {"sm_120a", "sm_90"} and (frame.registers > 0).all()
+    lines = budget_lines(frame)
+    attention = frame.kernel.str.startswith(("mla_verify_split", "mla_verify_wide"))
+    assert len(lines) == attention.sum() and all(line.endswith(": OK") for line in lines)
+    table = loops_by_arch(loop_table(rep), ["sm_120a"])
+    assert "nops sm_120a" in table and not any(c.endswith("sm_90") for c in table.columns)
+    over = frame.assign(smem_bytes=frame.smem_bytes.where(~attention, SM120_SMEM_LIMIT + 1))
+    assert all(line.endswith("OVER BUDGET") for line in budget_lines(over))

@@ -325,10 +325,13 @@ def measure_mma_sync_tflops(threads_per_block: int = 256, blocks_per_sm: int = 4
 
 
 def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
-    """Time every (impl, shape) of the grid; returns (records, ceilings)."""
+    """Time every (impl, shape) of the grid; returns (records, ceilings). Each record carries
+    its provenance (GPU, driver, versions, commit, date) from the start, so that a live run,
+    before or without being recorded, says what it was measured on."""
     from tqdm.auto import tqdm
 
     from ..hardware import measure_bf16_matmul_tflops, measure_copy_bandwidth
+    from ..provenance import provenance
     from ..roofline import roofline_time_us
 
     copy = measure_copy_bandwidth(1 << 30)
@@ -337,9 +340,10 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
                 "mma_sync_tflops": measure_mma_sync_tflops(),
                 "mma_sync_tflops_8warps": measure_mma_sync_tflops(blocks_per_sm=1)}
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    measured_on = {k: v for k, v in provenance().items() if k != "command"}   # the writer names the command
     records, cache = [], {}
     for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
-        rec = {"impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"), "run_id": run_id,
+        rec = {**measured_on, "impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"), "run_id": run_id,
                "num_splits_forced": "num_splits" in kw, "kernel_forced": "cta_rows" in kw or "tile_keys" in kw}
         try:
             if shape not in cache:

@@ -369,11 +369,14 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     """Of the records of `python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl), the
-    runs made at the newest run's commit on its GPU: rounds of one build on one GPU, pooled."""
+    runs of the newest run's kernel on its GPU, pooled: the same kernel version (its `--tag`;
+    commits that change no device code keep it), else, untagged, the same commit."""
     if df.empty:
         return df
     newest = df[df["run_id"] == df["run_id"].max()].iloc[0]
-    return df[(df["commit"] == newest["commit"]) & (df["gpu"] == newest["gpu"])].copy()
+    tagged = "kernel_version" in df and pd.notna(newest["kernel_version"])
+    key = "kernel_version" if tagged else "commit"
+    return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"])].copy()
 
 
 def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
@@ -450,6 +453,12 @@ def flashmla_reach(df: pd.DataFrame, batch: int = 1, q_len: int = 16, min_ctx: i
             reach = float("inf") if gap <= 0 else 65536 * (f_fm - f_ours) / gap
             row[f"at {e:.0%} of the ceiling, matches FlashMLA up to"] = (
                 "every context" if reach == float("inf") else "no context" if reach <= 0 else f"{reach / 1024:.0f}k")
+        # the share e of the ceiling at which a kernel with our fixed part ties FlashMLA at the
+        # longest context: fixed_ours + x k_mma / e = fixed_fm + x k_fm, x = ctx / 64k
+        x = ours["ctx"].max() / 65536
+        need = k_fm + (f_fm - f_ours) / x
+        row[f"share of the ceiling that ties FlashMLA at {ours['ctx'].max() // 1024}k"] = (
+            "no share (FlashMLA's fixed part is smaller)" if need <= 0 else f"{k_mma / need:.0%}")
         row["fit miss %"] = round(max(miss_ours, miss_fm), 1)
         rows.append(row)
     return pd.DataFrame(rows)

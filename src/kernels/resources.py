@@ -155,6 +155,35 @@ def resource_report(archs=ARCHS) -> dict:
     return out
 
 
+def recorded_report() -> dict:
+    """The report as `make kernel-resources` last wrote it (data/results/kernel_resources.json),
+    for a machine without nvcc."""
+    from ..results import results_dir
+
+    return json.loads((results_dir() / "kernel_resources.json").read_text())
+
+
+def resources_frame(report: dict):
+    """One row per (arch, kernel): registers, shared memory, spill stores and stack bytes."""
+    import pandas as pd
+
+    cols = ("registers", "smem_bytes", "spill_store_bytes", "stack_bytes")
+    return pd.DataFrame([{"arch": arch, "kernel": name, **{c: k[c] for c in cols}}
+                         for arch, kernels in report["archs"].items() for name, k in kernels.items()])
+
+
+def budget_lines(frame) -> list[str]:
+    """For each attention kernel (split and wide) on each arch: within sm_120's shared memory,
+    with no spills and no stack, "OK", else "OVER BUDGET". Only source-fixed quantities, so the
+    lines are the same from any nvcc that builds the kernel."""
+    out = []
+    for r in frame[frame.kernel.str.startswith(("mla_verify_split", "mla_verify_wide"))].itertuples():
+        ok = r.smem_bytes <= SM120_SMEM_LIMIT and r.spill_store_bytes == 0 and r.stack_bytes == 0
+        out.append(f"{r.arch:8s} {r.kernel:28s} smem {r.smem_bytes:6d} B <= {SM120_SMEM_LIMIT} B, spills 0: "
+                   f"{'OK' if ok else 'OVER BUDGET'}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="write data/results/kernel_resources.json")

@@ -203,3 +203,13 @@ def loop_table(report: dict):
             for arch, kernels in report["archs"].items() for name, k in kernels.items()
             for loop in k.get("loops") or []]
     return pd.DataFrame(rows)
+
+
+def loops_by_arch(loops, archs, metrics=("instructions", "nops", "ldsm_read_next", "movs_into_mma")):
+    """`loop_table`'s rows side by side per arch: one row per (kernel, warps, hmma), a column per
+    metric and arch, for the archs asked for that the report holds."""
+    t = loops.pivot_table(index=["kernel", "warps", "hmma"], columns="arch", values=list(metrics),
+                          aggfunc="first", sort=False)
+    t = t[[(m, a) for m in metrics for a in archs if (m, a) in t.columns]]
+    t.columns = [f"{m} {a}" for m, a in t.columns]
+    return t.reset_index()
