@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -41,8 +42,9 @@ import numpy as np
 
 from .dummy_models import (heads_per_rank, materialize_draft, materialize_model, max_context,
                            weight_format)
+from .patches import kv_sort
 from .service import (SGLangServer, ServerConfig, ServerError, ServerStartError, check_attention_backend,
-                      resolve_tp, spec_metrics)
+                      log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -88,6 +90,7 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
         raise ValueError(f"contexts: must be positive ints, got {list(contexts)}")
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens: must be >= 2 (one token comes from prefill), got {decode_tokens}")
+    check_draft_tokens(backends, spec, draft_tokens, ngram_draft_tokens)
     plans = []
     for backend in dict.fromkeys(backends):
         for s in dict.fromkeys(spec):
@@ -98,6 +101,27 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
             if ctxs:
                 plans.append(ServerPlan(backend, s, dt, tuple(ctxs)))
     return plans
+
+
+SPEC_FALLBACKS = ("", "ngram", "none")   # what may run when a DFlash server fails to start
+
+
+def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_tokens, ngram_draft_tokens) -> None:
+    """The draft counts the planned servers will use, checked before any server starts: a DFlash
+    block of at least 2, at least 1 NGRAM draft token, and for sm120_mla at most the kernel's
+    queries per request."""
+    from .kernels.verify_attention import MAX_Q_LEN
+
+    counts = {"dflash": ("draft_tokens", draft_tokens, 2), "ngram": ("ngram_draft_tokens", ngram_draft_tokens, 1)}
+    for s in dict.fromkeys(spec):
+        if s not in counts:
+            continue
+        name, n, least = counts[s]
+        if isinstance(n, bool) or not isinstance(n, int) or n < least:
+            raise ValueError(f"{name}: {s} needs an int >= {least}, got {n!r}")
+        if "sm120_mla" in backends and n > MAX_Q_LEN:
+            raise ValueError(f"{name}: {n} {s} draft tokens exceed the sm120_mla kernel's {MAX_Q_LEN} "
+                             "queries per request")
 
 
 def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
@@ -111,7 +135,7 @@ def decode_stats(completion_tokens: int, ttft_s: float, latency_s: float, meta_i
                  spec: str) -> dict:
     """tok/s, accept length and step time from one timed request (see the module docstring)."""
     decode_s = latency_s - ttft_s
-    if completion_tokens < 2 or decode_s <= 0:
+    if completion_tokens < 2 or not math.isfinite(decode_s) or decode_s <= 0:
         raise ValueError(f"completion_tokens={completion_tokens}, decode time {decode_s:.3f} s: "
                          "nothing to time after the first token")
     steps = completion_tokens - 1
@@ -215,6 +239,13 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     t_start = time.monotonic()
     for b in backends:  # before any launch: a typo should not cost a server start
         check_attention_backend(b)
+    if (spec_fallback or "") not in SPEC_FALLBACKS:
+        raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
+    if spec_fallback:
+        check_draft_tokens(backends, [spec_fallback], draft_tokens, ngram_draft_tokens)
+    if profile_contexts is not None and not set(profile_contexts) <= set(contexts):
+        raise ValueError(f"profile_contexts: {sorted(set(profile_contexts) - set(contexts))} are not among "
+                         f"the measured contexts {sorted(set(contexts))}")
     tp = resolve_tp(tp)
     if not (isinstance(ep_size, int) and ep_size >= 1 and tp % ep_size == 0):
         raise ValueError(f"ep_size: must be a positive divisor of tp={tp}, got {ep_size!r}")
@@ -230,7 +261,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
     # default; the same for every backend, so the comparison stands.
     fusion = allreduce_fusion and tp > 1
+    # $SM120_KV_SORT passes through to the servers: the records say whether it was on
     common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
+              "kv_sort": kv_sort.requested(),
               "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
               "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
     if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
@@ -291,12 +324,14 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens)
                               if plan.spec == "dflash" else None))
         log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
+        server_log = None
         try:
             log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
             env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0"}
             with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
                               progress=progress, launcher=launcher, env=env) as srv:
                 started.add((plan.backend, plan.spec))
+                server_log = srv.log_path
                 log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
                 warm = min(512, max(1, min(plan.contexts) // 2))
                 srv.generate(random_input_ids(warm, model_cfg["vocab_size"], seed + 999), 16)  # warm-up
@@ -316,6 +351,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                 "expert_record": expert, "nvml_sampled": bool(nv),
                                 "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                 "context_length": srv.config.context_length,
+                                # what SGLang resolved: it falls back from a draft backend it refuses
+                                "draft_attention_backend": (srv.server_info or {}).get(
+                                    "speculative_draft_attention_backend") if plan.spec == "dflash" else None,
                                 "startup_s": round(srv.startup_s, 1)}
                         emit(DECODE_RESULTS, [{**base, **row}])
                         emit(NVML_RESULTS, [{**base, **r} for r in nv])
@@ -348,7 +386,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                         f"{100 * (prof['busy_share'] or 0):.0f}%: "
                         + ", ".join(f"{k} {v:.2f}" for k, v in list(prof["gpu_ms_per_step"].items())[:4]))
         except ServerStartError as e:
-            log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}")
+            log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}\n"
+                f"  its log ends:\n{_indent(e.log_tail, 15)}")
             emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
                                     "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)}])
             if plan.spec == "dflash" and spec_fallback and (plan.backend, spec_fallback) not in started:
@@ -356,8 +395,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 queue.insert(0, ServerPlan(plan.backend, spec_fallback, dt, plan.contexts))
                 log(f"  falling back to {spec_fallback} for {plan.backend}")
         except Exception as e:  # noqa: BLE001 - a request failed mid-run: keep what was measured
-            log(f"FAILED during {plan.backend}/{plan.spec}: {e!r}")
-            emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": repr(e)[:2000]}])
+            tail = log_tail(server_log) if server_log else ""   # what the server said as it failed
+            log(f"FAILED during {plan.backend}/{plan.spec}: {e!r}\n  its log ends:\n{_indent(tail, 15)}")
+            emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": repr(e)[:2000],
+                                    "log_tail": tail[-4000:], "log_path": str(server_log)}])
     bar.close()
     return out
 
@@ -394,6 +435,10 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
     stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, srv.config.spec)
     return {**summary, "request_step_ms": round(stats["verify_step_ms"], 4),
             "accept_len": stats["accept_len"], "trace_file": rank0.name, "trace_path": str(rank0)}
+
+
+def _indent(text: str, lines: int) -> str:
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
 
 def _results_path(results_dir: Path | None, name: str) -> Path | None:
@@ -492,7 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", default=["triton", "sm120_mla", "flashmla"])
     p.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
     p.add_argument("--spec", nargs="+", default=["none", "dflash"], choices=list(SPEC_MODES))
-    p.add_argument("--spec-fallback", default="ngram", help="run this when DFlash fails to start ('' for none)")
+    p.add_argument("--spec-fallback", default="ngram", choices=SPEC_FALLBACKS,
+                   help="run this when DFlash fails to start ('' for none)")
     p.add_argument("--draft-tokens", type=int, default=16)
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=256)

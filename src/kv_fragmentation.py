@@ -398,11 +398,13 @@ def layouts_frame(layouts: dict[str, np.ndarray], row_bytes: int = KV_BYTES_PER_
 
 
 def kernel_layout_timing(layouts: dict[str, np.ndarray], batch: int = 8, heads: int = 16,
-                         q_len: int = 4, reps: int = 50) -> pd.DataFrame:
+                         q_len: int = 4, reps: int = 50, row_bytes: int = KV_BYTES_PER_TOKEN,
+                         page_bytes: int = 4096) -> pd.DataFrame:
     """Median µs of one verify step of `mla_verify_attention` (CUDA-graph replays) per layout.
 
     Each of the `batch` requests has the same layout, shifted into its own region of the pool
-    so requests do not share rows; the draft tokens' KV comes as k_extend. GPU only.
+    so requests do not share rows; the draft tokens' KV comes as k_extend. GPU only. The
+    `runs` and `pages_touched` columns count as `index_layout(idx, row_bytes, page_bytes)` does.
     """
     import torch
 
@@ -441,7 +443,7 @@ def kernel_layout_timing(layouts: dict[str, np.ndarray], batch: int = 8, heads: 
                                  k_extend=k_extend)
 
         timing = time_graph_us(step, reps=reps)
-        layout = index_layout(idx)
+        layout = index_layout(idx, row_bytes, page_bytes)
         rows.append(dict(layout=name, batch=batch, heads=heads, q_len=q_len, keys_per_request=n,
                          runs=layout["runs"], pages_touched=layout["pages_touched"],
                          time_us=timing["time_us"], time_us_min=timing["time_us_min"],

@@ -421,6 +421,7 @@ class SGLangServer:
         self.pid: int | None = None   # kept after teardown, for logs and checks
         self.expert_dump_dir: Path | None = None
         self.startup_s: float | None = None
+        self.server_info: dict | None = None   # /server_info once healthy: SGLang's resolved arguments
         self._finalizer = None
         self._log_file = None
 
@@ -496,6 +497,7 @@ class SGLangServer:
                         tail, self.log_path)
                 try:
                     if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                        self._check_identity()
                         return
                 except requests.RequestException:
                     pass
@@ -510,6 +512,25 @@ class SGLangServer:
                 bar.set_postfix_str(last[-80:], refresh=True)
                 time.sleep(pause)
                 pause = min(1.0, pause * 1.5)
+
+    def _check_identity(self) -> None:
+        """The server that answered is this one. The port was free at launch, but SGLang opens
+        it only once the model has loaded, minutes later; a server started meanwhile on the same
+        port would otherwise take every measurement under this one's name."""
+        import requests
+
+        info = requests.get(self.url + "/server_info", timeout=30).json()
+        self.server_info = info   # SGLang's resolved arguments, e.g. the DFlash draft's backend
+        cfg = self.config
+        ours = {"attention_backend": cfg.attention_backend, "model_path": os.path.realpath(cfg.model_path),
+                "tp_size": cfg.tp}
+        theirs = {"attention_backend": info.get("attention_backend"),
+                  "model_path": os.path.realpath(str(info.get("model_path", ""))), "tp_size": info.get("tp_size")}
+        differ = {k: (ours[k], theirs[k]) for k in ours if theirs[k] != ours[k]}
+        if differ:
+            raise ServerStartError(
+                f"port {cfg.port} is answered by another SGLang server ({'; '.join(f'{k} {t!r}, ours {o!r}' for k, (o, t) in differ.items())}); "
+                f"this one (log: {self.log_path}) is stopped", log_tail(self.log_path), self.log_path)
 
     def stop(self) -> list[int]:
         """Tear the server down (idempotent). Returns pids that refused to die (normally [])."""

@@ -277,3 +277,22 @@ def live_results(result) -> dict:
     return {"decode": pd.DataFrame(result.decode), "nvml": pd.DataFrame(result.nvml),
             "expert": pd.DataFrame(result.expert), "failures": pd.DataFrame(result.failures),
             "profiles": pd.DataFrame(result.profiles)}
+
+
+def failure_cause(log_tail) -> str:
+    """The line of a server's log tail that names why it failed: the last one that names an
+    error (an OOM, a CUDA fault), else the last line; "" without a tail."""
+    lines = [ln.strip() for ln in str(log_tail or "").splitlines() if ln.strip()] if isinstance(log_tail, str) else []
+    named = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (named or lines or [""])[-1][:120]
+
+
+def failures_table(failures):
+    """Recorded configurations that did not run: backend, spec, status, the client's error and,
+    where the server's log was kept, the line of it that names the cause."""
+    cols = [c for c in ("backend", "spec", "layers", "status", "error") if c in failures.columns]
+    t = failures[cols].copy()
+    if "error" in t:   # the first line: the log path and tail follow in the record
+        t["error"] = t["error"].astype(str).str.split("\n").str[0].str.replace(r" \(log: .*\)$", "", regex=True)
+    t["cause in the server log"] = [failure_cause(x) for x in failures.get("log_tail", [None] * len(failures))]
+    return t

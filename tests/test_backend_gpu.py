@@ -257,6 +257,18 @@ def _cpu_wiring_checks() -> dict:
             graph="replay")
     out["graph_qo_indptr_dtype"] = str(sm120.qo_indptr.dtype)
 
+    # A layer the parent would run without a causal mask is refused, not masked causally.
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    encoder = make_layer(heads)
+    encoder.attn_type = AttentionType.ENCODER_ONLY
+    fb, q, k, v = verify_batch(runner, [5, 9], ndt, gen, tree_mask=False)
+    try:
+        run_eager(sm120, encoder, fb, q, k, v)
+        out["encoder_layer_error"] = None
+    except ValueError as e:
+        out["encoder_layer_error"] = str(e)
+
     # Without an injected kernel, the registered factory must refuse here (no CUDA GPU).
     plugin.register_backend()
     try:
@@ -285,6 +297,7 @@ def test_cpu_wiring_against_triton_in_interpreter():
     assert out["extend_stays_on_triton"] == {"max_abs_diff": 0.0, "kernel_calls": 0,
                                              "shape_ok": True}
     assert out["graph_qo_indptr_dtype"] == "torch.int64"  # so the int32 copy was exercised
+    assert "ENCODER_ONLY; the kernel runs causal decoder self-attention only" in (out["encoder_layer_error"] or "")
     assert out["factory_error"] and "no CUDA GPU" in out["factory_error"], out["factory_error"]
 
 

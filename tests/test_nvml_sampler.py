@@ -35,6 +35,7 @@ def _fake_nvml(n_gpus=2):
     m.nvmlDeviceGetCount = lambda: n_gpus
     m.nvmlDeviceGetHandleByIndex = lambda i: ("h", i)
     m.nvmlDeviceGetHandleByUUID = lambda u: ("h", int(u.split("-")[-1]))
+    m.nvmlDeviceGetName = lambda h: "NVIDIA H200"
     m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=10 * h[1] + 5, memory=3)
     m.nvmlDeviceGetPowerUsage = lambda h: 250_500
     def pcie(h, counter):
@@ -55,6 +56,22 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-abc")
     with pytest.raises(ns.NvmlUnavailableError, match="MIG-abc"):
         ns.visible_gpus(nv)
+
+
+def test_mixed_gpu_models_need_pci_bus_order(monkeypatch):
+    """CUDA's default order (fastest first) and NVML's (PCI bus) differ once models mix: an index
+    in CUDA_VISIBLE_DEVICES would sample the wrong GPU, so it is refused unless the order is PCI's."""
+    nv = _fake_nvml(2)
+    nv.nvmlDeviceGetName = lambda h: ["NVIDIA RTX PRO 6000 Blackwell", "NVIDIA RTX A4000"][h[1]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    with pytest.raises(ns.NvmlUnavailableError, match="CUDA_DEVICE_ORDER=PCI_BUS_ID"):
+        ns.visible_gpus(nv)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert ns.visible_gpus(nv) == [(0, ("h", 1))]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-x-1")   # a UUID names one GPU in any order
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    assert ns.visible_gpus(nv) == [(0, ("h", 1))]
 
 
 def test_sample_once_units_and_unsupported_metrics():

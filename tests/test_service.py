@@ -68,6 +68,11 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
             return self._reply(200)
+        if self.path == "/server_info":   # "imposter": another server's answer on our port
+            backend = "imposter_backend" if mode == "imposter" else arg("--attention-backend")
+            info = {"attention_backend": backend, "model_path": arg("--model-path"), "tp_size": tp,
+                    "speculative_draft_attention_backend": arg("--speculative-draft-attention-backend")}
+            return self._reply(200, json.dumps(info).encode(), "application/json")
         if self.path == "/metrics":
             return self._reply(200, b'# TYPE x counter\nsglang:spec_verify_calls_total{model_name="m"} 7\n'
                                     b'sglang:generation_tokens_total{a="1"} 5\nsglang:generation_tokens_total{a="2"} 6\n')
@@ -76,6 +81,9 @@ class H(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length", 0))
         body = json.loads(self.rfile.read(n) or b"{}")
         if self.path == "/generate":
+            if mode == "crash_on_generate" and len(body["input_ids"]) > 32:   # after the warm-up
+                print("fake CUDA error: an illegal memory access was encountered", flush=True)
+                os._exit(5)
             ids, sp = body["input_ids"], body["sampling_params"]
             assert sp["ignore_eos"] is True
             new = sp["max_new_tokens"]
@@ -255,6 +263,14 @@ def test_server_dying_during_start_reports_log_tail(model_dir, fake, tmp_path, m
     assert "fake log line 99" in msg and "fake log line 40" in msg
     assert "fake log line 39\n" not in msg  # only the last 60 lines
     assert service.live_group_members(srv.pid) == []  # the orphaned child went too
+
+
+def test_another_server_on_the_port_is_refused(model_dir, fake, tmp_path, monkeypatch):
+    """Healthy, but /server_info names another backend: not ours, so the start fails and ours stops."""
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "imposter", grace_s=2)
+    with pytest.raises(ServerStartError, match="answered by another SGLang server .*imposter_backend"):
+        srv.start()
+    assert srv.pid is not None and _gone(srv.pid)
 
 
 def test_never_healthy_times_out_and_leaves_nothing(model_dir, fake, tmp_path, monkeypatch):
@@ -620,7 +636,68 @@ def test_service_targets_measured_not_asserted():
     assert sc.service_targets(other).set_index("target").loc["ngram 4k: sm120_mla >= 3x triton", "met"] is None
 
 
+def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
+    """A server that dies under a measured request: the failure record and the run's log carry
+    what the server said last, not only the client's connection error; $SM120_KV_SORT is recorded."""
+    monkeypatch.setenv("FAKE_MODE", "crash_on_generate")
+    monkeypatch.setenv("SM120_KV_SORT", "1")
+    lines = []
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                  spec=["none"], decode_tokens=12, tp=1, nvml=False, expert=False,
+                                  progress=False, launcher=fake, log_dir=tmp_path / "logs", log=lines.append)
+    (fail,) = res.failures
+    assert fail["status"] == "run_failed" and fail["kv_sort"] is True
+    assert "illegal memory access" in fail["log_tail"] and fail["log_path"].endswith(".log")
+    assert any("its log ends" in line and "illegal memory access" in line for line in lines)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(spec=["dflash"], draft_tokens=1), "draft_tokens: dflash needs an int >= 2, got 1"),
+    (dict(spec=["ngram"], ngram_draft_tokens=0), "ngram_draft_tokens: ngram needs an int >= 1"),
+    (dict(spec=["ngram"], ngram_draft_tokens=17, backends=["sm120_mla"]), "exceed the sm120_mla kernel's 16"),
+    (dict(spec=["dflash"], spec_fallback="dflash"), "spec_fallback: one of"),
+    (dict(spec=["none"], profile_steps=2, profile_contexts=[65]), r"profile_contexts: \[65\] are not among"),
+])
+def test_run_matrix_refuses_bad_plans_before_any_launch(fake, tmp_path, kw, match):
+    kw = {"backends": ["triton"], "contexts": [64], "decode_tokens": 40, **kw}
+    with pytest.raises(ValueError, match=match):
+        decode_bench.run_matrix(tp=1, launcher=fake, log_dir=tmp_path / "logs", log=lambda s: None, **kw)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_decode_stats_refuses_a_missing_first_token_time():
+    with pytest.raises(ValueError, match="nothing to time"):
+        decode_bench.decode_stats(100, float("nan"), 2.0, {}, "none")
+
+
 def test_profile_steps_need_enough_decode_tokens(fake, tmp_path):
     with pytest.raises(ValueError, match="profile_steps"):
         decode_bench.run_matrix(backends=["triton"], contexts=[64], spec=["ngram"], decode_tokens=40, tp=1,
                                 profile_steps=5, launcher=fake, log=lambda s: None)   # 8 drafts: 9 tokens a step
+
+
+def test_failures_table_names_the_cause_from_the_server_log():
+    import pandas as pd
+
+    from sm120_workbook.service_charts import failure_cause, failures_table
+
+    tail = "loading\ntorch.OutOfMemoryError: CUDA out of memory.\n\n[x] Received sigquit from a child process.\n"
+    assert failure_cause(tail) == "torch.OutOfMemoryError: CUDA out of memory."
+    assert failure_cause("just stopped\n") == "just stopped" and failure_cause(float("nan")) == ""
+    f = pd.DataFrame([{"backend": "triton", "spec": "dflash", "status": "start_failed", "log_tail": tail,
+                       "error": "SGLang server exited with code -9 during start-up (log: /x.log)"},
+                      {"backend": "triton", "spec": "ngram", "status": "skipped", "error": "time budget"}])
+    t = failures_table(f)
+    assert list(t["error"]) == ["SGLang server exited with code -9 during start-up", "time budget"]
+    assert list(t["cause in the server log"]) == ["torch.OutOfMemoryError: CUDA out of memory.", ""]
+
+
+def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkeypatch):
+    """The DFlash draft's attention backend is read back from /server_info (SGLang replaces one it
+    refuses), and recorded; other specs record none."""
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                  spec=["dflash", "none"], draft_tokens=4, decode_tokens=12, tp=1, nvml=False,
+                                  expert=False, progress=False, launcher=fake, log_dir=tmp_path / "logs",
+                                  log=lambda s: None)
+    assert {(r["spec"], r["draft_attention_backend"]) for r in res.decode} == {("dflash", "triton"), ("none", None)}

@@ -31,6 +31,7 @@ import os
 
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..mla import DIM_QK, DIM_V
@@ -162,6 +163,11 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         if layer.tp_q_head_num != self.kernel_heads:
             raise ValueError(f"sm120_mla: layer {layer.layer_id} has {layer.tp_q_head_num} "
                              f"heads, the workspace {self.kernel_heads}")
+        if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+            # the parent runs these without a causal mask; the kernel masks every call causally
+            raise ValueError(f"sm120_mla: layer {layer.layer_id} is {layer.attn_type.name}"
+                             f"{' cross-attention' if layer.is_cross_attention else ''}; the kernel "
+                             "runs causal decoder self-attention only")
         if sinks is not None or score_mod is not None:
             raise ValueError("sm120_mla: attention sinks and score_mod are not supported")
         if layer.logit_cap and layer.logit_cap > 0:
