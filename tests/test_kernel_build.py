@@ -502,3 +502,23 @@ def test_recorded_resources_render_without_nvcc():
     assert "nops sm_120a" in table and not any(c.endswith("sm_90") for c in table.columns)
     over = frame.assign(smem_bytes=frame.smem_bytes.where(~attention, SM120_SMEM_LIMIT + 1))
     assert all(line.endswith("OVER BUDGET") for line in budget_lines(over))
+
+
+def test_ablation_tables_by_run_keep_each_runs_own_full():
+    """A tag timed in two runs (two commits) gives two tables, each with the shipped build of its
+    own run, not one table whose `full` comes from the newer run only."""
+    import pandas as pd
+
+    from sm120_workbook.kernels.ablation import recorded_tables_by_run
+
+    rec = lambda commit, date, variant, t: {"kernel_version": "s6", "commit": commit, "date": date, "variant": variant,
+                                            "ctx": 65536, "batch": 1, "q_len": 16, "heads": 8, "time_us": t,
+                                            "defines": [], "short_ctx": 0}
+    df = pd.DataFrame([rec("aaa1111", "2026-11-29T18:06", "full", 109.4), rec("aaa1111", "2026-11-29T18:06", "pv_lag", 120.1),
+                       rec("bbb2222", "2026-11-29T18:23", "full", 109.1), rec("bbb2222", "2026-11-29T18:23", "stagger1", 111.7)])
+    (l1, t1), (l2, t2) = recorded_tables_by_run("s6", df)
+    assert l1 == "s6 at aaa1111, 2026-11-29T18:06" and l2.startswith("s6 at bbb2222")
+    assert dict(zip(t1["variant"], t1["q16 h8"])) == {"full": 109.4, "pv_lag": 120.1}
+    assert dict(zip(t2["variant"], t2["q16 h8"])) == {"full": 109.1, "stagger1": 111.7}
+    with pytest.raises(ValueError, match="versions: no ablation recorded as 'zz'"):
+        recorded_tables_by_run(["zz"], df)

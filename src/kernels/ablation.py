@@ -226,6 +226,24 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     return pd.DataFrame(t).reset_index()
 
 
+def recorded_tables_by_run(versions, df=None, **kw) -> list[tuple[str, "pd.DataFrame"]]:
+    """`recorded_table` of each run (one commit) of the tags in `versions`, labelled "tag at
+    commit, date": a tag re-run after a fix holds several runs, and each variant compares only
+    with the `full` of its own run."""
+    from ..results import load_records
+
+    df = load_records("kernel_ablation") if df is None else df
+    out = []
+    for tag in [versions] if isinstance(versions, str) else versions:
+        runs = df[df["kernel_version"] == tag].sort_values("date")
+        if runs.empty:
+            raise ValueError(f"versions: no ablation recorded as {tag!r}")
+        for commit, run in runs.groupby("commit", sort=False):
+            out.append((f"{tag} at {str(commit)[:7]}, {str(run['date'].iloc[0])[:16]}",
+                        recorded_table(run, version=tag, **kw)))
+    return out
+
+
 def build_all(variants=VARIANTS) -> None:
     """Compile every variant's build before timing any (build_in_parallel)."""
     build_in_parallel(v.defines for v in variants.values())

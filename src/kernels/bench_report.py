@@ -464,7 +464,15 @@ def flashmla_reach(df: pd.DataFrame, batch: int = 1, q_len: int = 16, min_ctx: i
     return pd.DataFrame(rows)
 
 
-def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: int = 1):
+def _title(text: str, source: str = ""):
+    """A chart title with where its numbers come from (e.g. "recorded: NVIDIA H200 (run ...)")
+    as its subtitle, so that a saved chart says it too."""
+    import altair as alt
+
+    return alt.TitleParams(text, subtitle=source) if source else text
+
+
+def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: int = 1, source: str = ""):
     import altair as alt
 
     sel = df[(df["batch"] == batch) & (df["heads"] == heads) & (df["q_len"] == q_len)]
@@ -474,10 +482,11 @@ def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: 
         y=alt.Y("time_us:Q", scale=alt.Scale(type="log"), title="time per layer call (µs)"),
         color=alt.Color("impl:N", sort=IMPL_ORDER),
         tooltip=["impl", "ctx", alt.Tooltip("time_us:Q", format=".1f")],
-    ).properties(title=f"MLA attention, batch {batch}, {heads} heads, q_len {q_len}", width=420, height=280)
+    ).properties(title=_title(f"MLA attention, batch {batch}, {heads} heads, q_len {q_len}", source),
+                 width=420, height=280)
 
 
-def speedup_chart(df: pd.DataFrame, baseline: str, heads: int = 8, q_len: int = 16):
+def speedup_chart(df: pd.DataFrame, baseline: str, heads: int = 8, q_len: int = 16, source: str = ""):
     import altair as alt
 
     sel = df[(df["batch"] == 1) & (df["heads"] == heads) & (df["q_len"] == q_len)]
@@ -488,20 +497,27 @@ def speedup_chart(df: pd.DataFrame, baseline: str, heads: int = 8, q_len: int = 
     return alt.Chart(sp).mark_bar().encode(
         x=alt.X("ctx:O", title="context (tokens)"), y=alt.Y("speedup:Q", title=f"{baseline} time / sm120_mla time"),
         tooltip=["ctx", alt.Tooltip("speedup:Q", format=".1f")],
-    ).properties(title=f"sm120_mla speed-up over {baseline} ({heads} heads, q_len {q_len})", width=420, height=240)
+    ).properties(title=_title(f"sm120_mla speed-up over {baseline} ({heads} heads, q_len {q_len})", source),
+                 width=420, height=240)
 
 
-def nsplit_chart(df: pd.DataFrame):
+def nsplit_chart(df: pd.DataFrame, source: str = ""):
+    """The NSPLIT sweep at q16 h8 64k: one line per kernel and tile, from the rows that fixed the
+    split count (the workspace's own choice is another kernel at that shape in older runs)."""
     import altair as alt
 
     sel = df[(df["impl"] == "sm120_mla") & (df["batch"] == 1) & (df["heads"] == 8) & (df["q_len"] == 16)
              & (df["ctx"] == 65536)]
-    sel = sel.groupby(["num_splits", "tile_keys"], as_index=False)["time_us"].min()
+    if "num_splits_forced" in sel and sel["num_splits_forced"].fillna(False).astype(bool).any():
+        sel = sel[sel["num_splits_forced"].fillna(False).astype(bool)]
+    rows = sel["cta_rows"].fillna(32).astype(int) if "cta_rows" in sel else pd.Series(32, index=sel.index)
+    sel = sel.assign(kernel=[f"{r}-row kernel, {t}-key tiles" for r, t in zip(rows, sel["tile_keys"].astype(int))])
+    sel = sel.groupby(["num_splits", "kernel"], as_index=False)["time_us"].min()
     return alt.Chart(sel).mark_line(point=True).encode(
         x=alt.X("num_splits:Q", scale=alt.Scale(type="log", base=2), title="KV splits per request"),
-        y=alt.Y("time_us:Q", title="time (µs)"), color="tile_keys:N",
-        tooltip=["num_splits", "tile_keys", alt.Tooltip("time_us:Q", format=".1f")],
-    ).properties(title="NSPLIT at batch 1, 8 heads, q_len 16, 64k context", width=420, height=240)
+        y=alt.Y("time_us:Q", title="time (µs)"), color="kernel:N",
+        tooltip=["num_splits", "kernel", alt.Tooltip("time_us:Q", format=".1f")],
+    ).properties(title=_title("NSPLIT at batch 1, 8 heads, q_len 16, 64k context", source), width=420, height=240)
 
 
 def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu: str | None = None) -> pd.DataFrame:

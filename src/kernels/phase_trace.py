@@ -94,7 +94,10 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536) -
     df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx)].copy()
     df["build"] = [", ".join(d) if len(d) else "(shipped build)" for d in df["defines"]]
     df = df.sort_values("date").groupby(["build", "row pair"]).tail(1)
-    cols = ["build", "row pair", "schedule", *[n for n in ALL_PHASES if n in df.columns], "round", "untraced_us"]
+    # each build's newest trace, whatever version it was taken at: the column says which
+    df["version"] = df["kernel_version"] if "kernel_version" in df else None
+    cols = ["build", "version", "row pair", "schedule", *[n for n in ALL_PHASES if n in df.columns], "round",
+            "untraced_us"]
     builds = list(df.drop_duplicates("build")["build"])   # the shipped build first, the others as recorded
     order = {b: (b != "(shipped build)", i) for i, b in enumerate(builds)}
     return (df.assign(_o=df["build"].map(order)).sort_values(["_o", "row pair"]).reindex(columns=cols)
