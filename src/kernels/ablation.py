@@ -226,7 +226,7 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     return pd.DataFrame(t).reset_index()
 
 
-def recorded_tables_by_run(versions, df=None, **kw) -> list[tuple[str, "pd.DataFrame"]]:
+def recorded_tables_by_run(versions, df=None, **kw) -> list[tuple[str, object]]:
     """`recorded_table` of each run (one commit) of the tags in `versions`, labelled "tag at
     commit, date": a tag re-run after a fix holds several runs, and each variant compares only
     with the `full` of its own run."""
