@@ -165,12 +165,18 @@ def request_rows(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, b: int,
     """Request b's full [q_len, prefix_len + q_len] mask rows (prefix columns included)."""
     if custom_mask.dim() != 1:
         raise ValueError(f"custom_mask: expected 1-D, got shape {tuple(custom_mask.shape)}")
-    start = int(mask_indptr[b])
+    requests = mask_indptr.numel() - 1
+    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < requests:
+        raise ValueError(f"b: a request index in 0..{requests - 1}, got {b!r}")
+    start, end = int(mask_indptr[b]), int(mask_indptr[b + 1])
     width = prefix_len + q_len
-    if start + q_len * width > custom_mask.numel():
-        raise ValueError(f"custom_mask: request {b} needs elements up to {start + q_len * width}, "
-                         f"mask has {custom_mask.numel()}")
-    return custom_mask[start:start + q_len * width].view(q_len, width)
+    if q_len < 1 or prefix_len < 0 or end - start != q_len * width:
+        # a wrong length would reshape the flat mask into shifted, meaningless rows
+        raise ValueError(f"prefix_len, q_len: request {b} holds {end - start} mask elements, not q_len x "
+                         f"(prefix_len + q_len) = {q_len} x {width}")
+    if end > custom_mask.numel():
+        raise ValueError(f"custom_mask: request {b} needs elements up to {end}, mask has {custom_mask.numel()}")
+    return custom_mask[start:end].view(q_len, width)
 
 
 def mask_heatmap(rows_by_name: dict[str, torch.Tensor], prefix_len: int):

@@ -278,7 +278,12 @@ def mla_verify_loop(q, kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale,
 
 
 def _per_request(name: str, value, batch: int) -> list[int]:
-    vals = [value] * batch if isinstance(value, int) else list(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        vals = [value] * batch
+    elif isinstance(value, (list, tuple, range)):
+        vals = list(value)
+    else:
+        raise ValueError(f"{name}: expected an int or one int per request, got {value!r}")
     if len(vals) != batch:
         raise ValueError(f"{name}: expected {batch} per-request values, got {len(vals)}")
     return vals
@@ -302,8 +307,8 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
       kv_indices are unique and scattered, and every unused row is NaN, so a kernel that
       reads outside the index list shows it in its output.
     - seed / generator: the index structure (kv_indices, tree shapes) comes from a CPU
-      generator (`generator`, else one seeded with `seed`), so it is identical on every
-      device; q, the pool and k_extend are drawn on `device` from a generator seeded from
+      generator (`generator`, else one seeded with `seed`; seed None draws a fresh one), so
+      it is identical on every device; q, the pool and k_extend are drawn on `device` from a generator seeded from
       it, so values are reproducible per device type. Values are standard normal.
 
     Returns dict(q [T,H,576], kv_pool [P,1,576], k_extend [T,1,576] | None, qo_indptr int32,
@@ -311,9 +316,9 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
     sm_scale = 1/sqrt(192)), all on `device`. Use `case_lengths(case)` for the per-request
     (ctx_lens, q_lens).
     """
-    if not isinstance(batch, int) or batch < 1:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: expected a positive int, got {batch!r}")
-    if not isinstance(heads, int) or heads < 1:
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
         raise ValueError(f"heads: expected a positive int, got {heads!r}")
     if mask not in ("causal", "tree", None):
         raise ValueError(f"mask: expected 'causal', 'tree' or None, got {mask!r}")
@@ -324,7 +329,10 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
     q_lens = _per_request("q_len", q_len, batch)
     ctx = _per_request("ctx_lens", ctx_lens, batch)
     ctx, q_lens = check_lengths(ctx, q_lens)
-    gen = generator if generator is not None else torch.Generator().manual_seed(0 if seed is None else seed)
+    if generator is None:   # seed None: a fresh random case, as the checks draw them
+        generator = torch.Generator()
+        generator.seed() if seed is None else generator.manual_seed(seed)
+    gen = generator
 
     pool_lens = [c + (0 if with_k_extend else t) for c, t in zip(ctx, q_lens)]
     n_used = sum(pool_lens)

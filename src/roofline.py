@@ -110,6 +110,9 @@ def roofline_frame(heads: Iterable[int], q_lens: Iterable[int], ctxs: Iterable[i
     import pandas as pd
 
     gpus = list(gpus) if gpus is not None else list(TARGET_GPUS)
+    for name, v in (("heads", heads), ("q_lens", q_lens), ("ctxs", ctxs)):
+        if isinstance(v, (int, str)) or not isinstance(v, Iterable):
+            raise ValueError(f"{name}: a list of values, got {v!r}")
     rows = []
     for gpu in gpus:
         for h in heads:
@@ -142,8 +145,16 @@ def _summary_html(s: dict) -> str:
 
 def roofline_explorer(heads: int = 16, q_len: int = 16, ctx: int = 32768,
                       gpu: str = "RTX PRO 6000 Blackwell"):
-    """An ipywidgets UI: sliders for heads, q_len, ctx (log scale) and a GPU dropdown."""
+    """An ipywidgets UI: sliders for heads, q_len, ctx (log scale) and a GPU dropdown, starting
+    at the values given, which must lie within the sliders (the kernel's range): a slider would
+    clamp them silently."""
     import ipywidgets as w
+
+    for name, v, lo, hi in (("heads", heads, 1, 128), ("q_len", q_len, 1, 16), ("ctx", ctx, 1024, 262144)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"{name}: the explorer's slider covers {lo}..{hi}, got {v!r}")
+    if gpu not in TARGET_GPUS:
+        raise ValueError(f"gpu: one of {list(TARGET_GPUS)}, got {gpu!r}")
 
     heads_w = w.IntSlider(value=heads, min=1, max=128, description="heads")
     q_w = w.IntSlider(value=q_len, min=1, max=16, description="q_len")

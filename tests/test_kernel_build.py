@@ -522,3 +522,17 @@ def test_ablation_tables_by_run_keep_each_runs_own_full():
     assert dict(zip(t2["variant"], t2["q16 h8"])) == {"full": 109.1, "stagger1": 111.7}
     with pytest.raises(ValueError, match="versions: no ablation recorded as 'zz'"):
         recorded_tables_by_run(["zz"], df)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: choose_num_splits(1, 16, 16, 132, cta_rows=48), "cta_rows"),
+    (lambda: choose_num_splits(0, 8, 16, 132), "batch"),
+    (lambda: choose_num_splits(1, 8, 0, 132), "max_q_len"),
+    (lambda: choose_num_splits(True, 8, 16, 132), "batch"),
+    (lambda: MlaVerifyWorkspace(16, True, device="cpu"), "heads"),
+    (lambda: MlaVerifyWorkspace(16, 8, device="cpu", num_splits=True), "num_splits"),
+    (lambda: MlaVerifyWorkspace(16, 8, device="cpu", num_splits=2.5), "num_splits"),
+])
+def test_shape_policy_and_workspace_name_bad_arguments(call, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        call()

@@ -220,6 +220,11 @@ def test_tree_draft_block_from_parents():
     (lambda: causal_chain_mask([1.5], [2]), "prefix_lens"),
     (lambda: random_tree_mask([], 2), "prefix_lens"),
     (lambda: draft_block(torch.ones(4, dtype=torch.bool), torch.tensor([0, 8]), 0, 2, 2), "custom_mask"),
+    # a prefix or draft length that does not match the request's mask, or no such request
+    (lambda: draft_block(*causal_chain_mask([4], [2]), 0, 3, 2), "prefix_len, q_len"),
+    (lambda: draft_block(*causal_chain_mask([4], [2]), 0, 4, 1), "prefix_len, q_len"),
+    (lambda: draft_block(*causal_chain_mask([4], [2]), 1, 4, 2), "b: a request index in 0..0"),
+    (lambda: draft_block(*causal_chain_mask([4], [2]), -1, 4, 2), "b: a request index"),
 ])
 def test_mask_bad_inputs(call, name):
     with pytest.raises(ValueError, match=name):
@@ -358,3 +363,16 @@ def test_reference_matches_sglang_triton_extend_attention(seed, tmp_path):
         assert not r["nan"], r
         assert r["max_abs_out"] < 2e-5, r
         assert r["max_abs_lse"] < 2e-5, r
+
+
+@pytest.mark.parametrize("kw, name", [(dict(batch=True), "batch"), (dict(heads=True), "heads"),
+                                      (dict(q_len=2.5), "q_len"), (dict(ctx_lens="32"), "ctx_lens")])
+def test_make_verify_case_names_bad_arguments(kw, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        make_verify_case(**kw)
+
+
+def test_make_verify_case_seed_none_is_fresh():
+    a, b = make_verify_case(seed=None), make_verify_case(seed=None)
+    assert not torch.equal(a["kv_indices"], b["kv_indices"]) or not torch.equal(a["q"], b["q"])
+    assert torch.equal(make_verify_case(seed=3)["q"], make_verify_case(seed=3)["q"])

@@ -132,3 +132,20 @@ def test_charts_build_and_save(tmp_path):
     paths = save_chart(intensity_chart(roofline_frame([1, 16, 128], [1, 16], [4096])), "intensity", tmp_path)
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
     assert roofline.HEAD_DIM == 576 and roofline.KV_BYTES_PER_TOKEN == 1152
+
+
+@pytest.mark.parametrize("kw, name", [(dict(heads=256), "heads"), (dict(q_len=32), "q_len"),
+                                      (dict(ctx=2 ** 20), "ctx"), (dict(gpu="A100"), "gpu")])
+def test_roofline_explorer_refuses_what_its_sliders_would_clamp(kw, name):
+    from sm120_workbook.roofline import roofline_explorer
+
+    with pytest.raises(ValueError, match=name):
+        roofline_explorer(**kw)
+
+
+def test_roofline_frame_wants_lists():
+    from sm120_workbook.roofline import roofline_frame
+
+    with pytest.raises(ValueError, match="heads: a list of values, got 16"):
+        roofline_frame(16, [1], [1024])
+    assert len(roofline_frame([16], [1], [1024])) == 2

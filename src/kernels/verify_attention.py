@@ -85,6 +85,11 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
     any), so short contexts are handled inside the kernel, which gives each split at least
     16 keys (MIN_KEYS_PER_SPLIT) and leaves the rest empty.
     """
+    for name, v in (("batch", batch), ("heads", heads), ("max_q_len", max_q_len), ("num_sms", num_sms)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            _fail(name, f"must be a positive int, got {v!r}")
+    if cta_rows not in CTA_ROWS:
+        _fail("cta_rows", f"must be one of {CTA_ROWS}, got {cta_rows!r}")
     row_ctas = batch * math.ceil(max_q_len * heads / cta_rows)
     return max(1, min(MAX_SPLITS, num_sms // row_ctas))
 
@@ -147,11 +152,12 @@ class MlaVerifyWorkspace:
     def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None,
                  tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
                  cta_rows: int | None = None):
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             _fail("max_tokens", f"must be a positive int, got {max_tokens!r}")
-        if not isinstance(heads, int) or not 1 <= heads <= 128:
+        if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= 128:
             _fail("heads", f"must be an int in 1..128, got {heads!r}")
-        if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                       or not 1 <= num_splits <= MAX_SPLITS):
             _fail("num_splits", f"must be in 1..{MAX_SPLITS}, got {num_splits!r}")
         if tile_keys not in TILE_KEYS:
             _fail("tile_keys", f"must be one of {TILE_KEYS}, got {tile_keys!r}")
