@@ -536,3 +536,19 @@ def test_ablation_tables_by_run_keep_each_runs_own_full():
 def test_shape_policy_and_workspace_name_bad_arguments(call, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         call()
+
+
+def test_ablation_tables_by_context_come_from_the_records():
+    import pandas as pd
+
+    from sm120_workbook.kernels.ablation import recorded_tables_by_context
+
+    rec = lambda ctx, variant, t: {"kernel_version": "v9", "commit": "c", "date": "2026-11-30", "variant": variant,
+                                   "ctx": ctx, "batch": 1, "q_len": 16, "heads": 8, "time_us": t, "defines": [],
+                                   "short_ctx": 0}
+    df = pd.DataFrame([rec(4096, "full", 20.0), rec(1024, "full", 15.0), rec(1024, "wide", 16.0)])
+    (l1, t1), (l2, t2) = recorded_tables_by_context("v9", df)
+    assert (l1, l2) == ("ctx 1024, µs (one run, v9)", "ctx 4096, µs (one run, v9)")
+    assert list(t1["variant"]) == ["full", "wide"] and list(t2["q16 h8"]) == [20.0]
+    with pytest.raises(ValueError, match="versions: no ablation recorded as 'v8'"):
+        recorded_tables_by_context(["v8"], df)

@@ -244,6 +244,28 @@ def recorded_tables_by_run(versions, df=None, **kw) -> list[tuple[str, object]]:
     return out
 
 
+def recorded_tables_by_context(versions, df=None, batch: int = 1) -> list[tuple[str, object]]:
+    """`recorded_table` of each tag in `versions` at every context it was recorded at (batch
+    `batch`, no skewed batches), labelled "ctx C, µs (one run, tag)", or by commit where the
+    tag holds several runs: the contexts come from the records, not from a list beside them."""
+    from ..results import load_records
+    from .bench_report import short_ctx_of
+
+    df = load_records("kernel_ablation") if df is None else df
+    out = []
+    for tag in [versions] if isinstance(versions, str) else versions:
+        runs = df[(df["kernel_version"] == tag) & (df["batch"] == batch) & (short_ctx_of(df) == 0)]
+        if runs.empty:
+            raise ValueError(f"versions: no ablation recorded as {tag!r} at batch {batch}")
+        commits = list(runs.sort_values("date")["commit"].unique())
+        for commit in commits:   # a tag re-run at another commit: each run on its own
+            run = runs[runs["commit"] == commit]
+            name = f"one run, {tag}" if len(commits) == 1 else f"{tag} at {str(commit)[:7]}"
+            for ctx in sorted(run["ctx"].unique()):
+                out.append((f"ctx {int(ctx)}, µs ({name})", recorded_table(run, version=tag, ctx=int(ctx), batch=batch)))
+    return out
+
+
 def build_all(variants=VARIANTS) -> None:
     """Compile every variant's build before timing any (build_in_parallel)."""
     build_in_parallel(v.defines for v in variants.values())
