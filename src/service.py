@@ -528,9 +528,9 @@ class SGLangServer:
                   "model_path": os.path.realpath(str(info.get("model_path", ""))), "tp_size": info.get("tp_size")}
         differ = {k: (ours[k], theirs[k]) for k in ours if theirs[k] != ours[k]}
         if differ:
-            raise ServerStartError(
-                f"port {cfg.port} is answered by another SGLang server ({'; '.join(f'{k} {t!r}, ours {o!r}' for k, (o, t) in differ.items())}); "
-                f"this one (log: {self.log_path}) is stopped", log_tail(self.log_path), self.log_path)
+            what = "; ".join(f"{k} {t!r}, ours {o!r}" for k, (o, t) in differ.items())
+            raise ServerStartError(f"port {cfg.port} is answered by another SGLang server ({what}); this one "
+                                   f"(log: {self.log_path}) is stopped", log_tail(self.log_path), self.log_path)
 
     def stop(self) -> list[int]:
         """Tear the server down (idempotent). Returns pids that refused to die (normally [])."""

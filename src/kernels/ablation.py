@@ -262,7 +262,8 @@ def recorded_tables_by_context(versions, df=None, batch: int = 1) -> list[tuple[
             run = runs[runs["commit"] == commit]
             name = f"one run, {tag}" if len(commits) == 1 else f"{tag} at {str(commit)[:7]}"
             for ctx in sorted(run["ctx"].unique()):
-                out.append((f"ctx {int(ctx)}, µs ({name})", recorded_table(run, version=tag, ctx=int(ctx), batch=batch)))
+                table = recorded_table(run, version=tag, ctx=int(ctx), batch=batch)
+                out.append((f"ctx {int(ctx)}, µs ({name})", table))
     return out
 
 

@@ -343,7 +343,8 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
     measured_on = {k: v for k, v in provenance().items() if k != "command"}   # the writer names the command
     records, cache = [], {}
     for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
-        rec = {**measured_on, "impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"), "run_id": run_id,
+        rec = {**measured_on, "impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"),
+               "run_id": run_id,
                "num_splits_forced": "num_splits" in kw, "kernel_forced": "cta_rows" in kw or "tile_keys" in kw}
         try:
             if shape not in cache:
