@@ -308,8 +308,9 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
       reads outside the index list shows it in its output.
     - seed / generator: the index structure (kv_indices, tree shapes) comes from a CPU
       generator (`generator`, else one seeded with `seed`; seed None draws a fresh one), so
-      it is identical on every device; q, the pool and k_extend are drawn on `device` from a generator seeded from
-      it, so values are reproducible per device type. Values are standard normal.
+      it is identical on every device; q, the pool and k_extend are drawn on `device` from a
+      generator seeded from it, so values are reproducible per device type. Values are
+      standard normal.
 
     Returns dict(q [T,H,576], kv_pool [P,1,576], k_extend [T,1,576] | None, qo_indptr int32,
     kv_indptr int32, kv_indices int64, custom_mask bool | None, mask_indptr int64 | None,
@@ -329,10 +330,13 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
     q_lens = _per_request("q_len", q_len, batch)
     ctx = _per_request("ctx_lens", ctx_lens, batch)
     ctx, q_lens = check_lengths(ctx, q_lens)
-    if generator is None:   # seed None: a fresh random case, as the checks draw them
-        generator = torch.Generator()
-        generator.seed() if seed is None else generator.manual_seed(seed)
     gen = generator
+    if gen is None:
+        gen = torch.Generator()
+        if seed is None:   # a fresh random case, as the checks draw them
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
 
     pool_lens = [c + (0 if with_k_extend else t) for c, t in zip(ctx, q_lens)]
     n_used = sum(pool_lens)

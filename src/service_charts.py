@@ -282,7 +282,7 @@ def live_results(result) -> dict:
 def failure_cause(log_tail) -> str:
     """The line of a server's log tail that names why it failed: the last one that names an
     error (an OOM, a CUDA fault), else the last line; "" without a tail."""
-    lines = [ln.strip() for ln in str(log_tail or "").splitlines() if ln.strip()] if isinstance(log_tail, str) else []
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()] if isinstance(log_tail, str) else []
     named = [ln for ln in lines if "Error" in ln or "error" in ln]
     return (named or lines or [""])[-1][:120]
 

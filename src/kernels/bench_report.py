@@ -508,8 +508,9 @@ def nsplit_chart(df: pd.DataFrame, source: str = ""):
 
     sel = df[(df["impl"] == "sm120_mla") & (df["batch"] == 1) & (df["heads"] == 8) & (df["q_len"] == 16)
              & (df["ctx"] == 65536)]
-    if "num_splits_forced" in sel and sel["num_splits_forced"].fillna(False).astype(bool).any():
-        sel = sel[sel["num_splits_forced"].fillna(False).astype(bool)]
+    forced = sel["num_splits_forced"].fillna(False).astype(bool) if "num_splits_forced" in sel else None
+    if forced is not None and forced.any():
+        sel = sel[forced]
     rows = sel["cta_rows"].fillna(32).astype(int) if "cta_rows" in sel else pd.Series(32, index=sel.index)
     sel = sel.assign(kernel=[f"{r}-row kernel, {t}-key tiles" for r, t in zip(rows, sel["tile_keys"].astype(int))])
     sel = sel.groupby(["num_splits", "kernel"], as_index=False)["time_us"].min()

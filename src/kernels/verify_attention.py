@@ -45,6 +45,13 @@ def _fail(arg: str, msg: str):
     raise ValueError(f"{arg}: {msg}")
 
 
+def _check_int(arg: str, v, lo: int = 1, hi: int | None = None) -> None:
+    """An int (not a bool) in lo..hi (hi None: no upper bound), else an error naming `arg`."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        _fail(arg, f"must be a positive int, got {v!r}" if (lo, hi) == (1, None)
+              else f"must be an int in {lo}..{hi}, got {v!r}")
+
+
 def _check(arg: str, t, *, dtypes, dim=None, device=None, contiguous=True, align=0):
     if not isinstance(t, torch.Tensor):
         _fail(arg, f"expected a torch.Tensor, got {type(t).__name__}")
@@ -86,8 +93,7 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
     16 keys (MIN_KEYS_PER_SPLIT) and leaves the rest empty.
     """
     for name, v in (("batch", batch), ("heads", heads), ("max_q_len", max_q_len), ("num_sms", num_sms)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            _fail(name, f"must be a positive int, got {v!r}")
+        _check_int(name, v)
     if cta_rows not in CTA_ROWS:
         _fail("cta_rows", f"must be one of {CTA_ROWS}, got {cta_rows!r}")
     row_ctas = batch * math.ceil(max_q_len * heads / cta_rows)
@@ -152,13 +158,10 @@ class MlaVerifyWorkspace:
     def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None,
                  tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
                  cta_rows: int | None = None):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            _fail("max_tokens", f"must be a positive int, got {max_tokens!r}")
-        if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= 128:
-            _fail("heads", f"must be an int in 1..128, got {heads!r}")
-        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                       or not 1 <= num_splits <= MAX_SPLITS):
-            _fail("num_splits", f"must be in 1..{MAX_SPLITS}, got {num_splits!r}")
+        _check_int("max_tokens", max_tokens)
+        _check_int("heads", heads, 1, 128)
+        if num_splits is not None:
+            _check_int("num_splits", num_splits, 1, MAX_SPLITS)
         if tile_keys not in TILE_KEYS:
             _fail("tile_keys", f"must be one of {TILE_KEYS}, got {tile_keys!r}")
         if cta_rows is not None and cta_rows not in CTA_ROWS:
