@@ -8,7 +8,12 @@ equivalent, timed the same way: one streamed /generate request of `ctx` random t
 (below the vocab size) with `max_new_tokens = N`, ignore_eos; the first streamed chunk marks
 the end of prefill (time to first token), and
 
-    tok/s = (completion_tokens - 1) / (latency - ttft)
+    tok/s = (completion_tokens - first chunk's tokens) / (last token chunk - first chunk)
+
+SGLang's meta_info["completion_tokens"] is a running total, so the first chunk's count (1
+unless the server merged it with the next step's output) is what the decode window leaves
+out. (SGLang's bench_one_batch_server divides all N tokens by the decode time: 1/N more.) A
+request that did not run to N tokens (an abort, a stop) is an error, never a data point.
 
 Batch 1, CUDA graphs on. With speculation, the response's meta_info gives spec_verify_ct, so
 accept length = completion_tokens / spec_verify_ct (SGLang's own definition, bonus token
@@ -132,28 +137,37 @@ def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list
 
 
 def decode_stats(completion_tokens: int, ttft_s: float, latency_s: float, meta_info: dict,
-                 spec: str) -> dict:
-    """tok/s, accept length and step time from one timed request (see the module docstring)."""
+                 spec: str, first_chunk_tokens: int = 1) -> dict:
+    """tok/s, accept length and step time from one timed request (see the module docstring).
+
+    first_chunk_tokens: the running token count of the first streamed chunk. Tokens up to it
+    were made before the first-chunk timestamp, so the decode window holds the rest. With
+    speculation, a first chunk of more than one token also holds verify steps the response
+    does not count apart; those are estimated from the accept length (`steps_estimated`)."""
     decode_s = latency_s - ttft_s
-    if completion_tokens < 2 or not math.isfinite(decode_s) or decode_s <= 0:
-        raise ValueError(f"completion_tokens={completion_tokens}, decode time {decode_s:.3f} s: "
-                         "nothing to time after the first token")
-    steps = completion_tokens - 1
+    decoded = completion_tokens - first_chunk_tokens
+    if first_chunk_tokens < 1 or decoded < 1 or not math.isfinite(decode_s) or decode_s <= 0:
+        raise ValueError(f"completion_tokens={completion_tokens} ({first_chunk_tokens} in the first chunk), "
+                         f"decode time {decode_s:.3f} s: nothing to time after the first chunk")
+    steps, estimated = decoded, False
     verify_ct = meta_info.get("spec_verify_ct")
     if spec != "none":
         if not verify_ct:
             raise ValueError("meta_info has no spec_verify_ct: speculation did not run")
-        steps = int(verify_ct)
-        accept = float(meta_info.get("spec_accept_length", completion_tokens / steps))
+        accept = float(meta_info.get("spec_accept_length", completion_tokens / int(verify_ct)))
+        before = math.ceil((first_chunk_tokens - 1) / accept) if first_chunk_tokens > 1 else 0
+        steps, estimated = max(1, int(verify_ct) - before), before > 0
     else:
         accept = 1.0
     return {
-        "tok_s": (completion_tokens - 1) / decode_s,
+        "tok_s": decoded / decode_s,
         "accept_len": accept,
         "verify_step_ms": 1e3 * decode_s / steps,
         "ttft_s": ttft_s,
         "decode_s": decode_s,
         "completion_tokens": int(completion_tokens),
+        "first_chunk_tokens": int(first_chunk_tokens),
+        "steps_estimated": estimated,
         "spec_verify_ct": int(verify_ct) if verify_ct else None,
         "server_decode_tok_s": meta_info.get("decode_throughput"),
     }
@@ -164,7 +178,9 @@ def measure_decode(server: SGLangServer, ctx: int, decode_tokens: int, vocab_siz
     server.flush_cache()
     before = _safe_metrics(server)
     res = server.generate(random_input_ids(ctx, vocab_size, seed), decode_tokens)
-    stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, server.config.spec)
+    check_finished(res, decode_tokens)
+    stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, server.config.spec,
+                         res.first_chunk_tokens)
     after = _safe_metrics(server)
     if "sglang:spec_verify_calls_total" in after and "sglang:spec_verify_calls_total" in before:
         stats["metrics_verify_calls"] = (after["sglang:spec_verify_calls_total"]
@@ -172,6 +188,16 @@ def measure_decode(server: SGLangServer, ctx: int, decode_tokens: int, vocab_siz
     if "sglang:spec_accept_length" in after:
         stats["metrics_accept_len_gauge"] = after["sglang:spec_accept_length"]
     return stats
+
+
+def check_finished(res, decode_tokens: int) -> None:
+    """A timed request must have run to its length: ignore_eos leaves no other way to stop, so
+    anything else (a stop the server chose, fewer tokens) would time a different request."""
+    reason = (res.meta_info.get("finish_reason") or {})
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in (None, "length") or res.completion_tokens != decode_tokens:
+        raise ServerError(f"/generate finished with {kind!r} after {res.completion_tokens} of "
+                          f"{decode_tokens} tokens: not a full timed request")
 
 
 def _safe_metrics(server: SGLangServer) -> dict:
@@ -432,7 +458,9 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
     traces = srv.wait_profile_traces(out_dir, profile_id, ranks=1)
     rank0 = next((p for p in traces if "TP-0" in p.name), traces[0])
     summary = summarize_trace(load_trace(rank0), steps)
-    stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, srv.config.spec)
+    check_finished(res, decode_tokens)
+    stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, srv.config.spec,
+                         res.first_chunk_tokens)
     return {**summary, "request_step_ms": round(stats["verify_step_ms"], 4),
             "accept_len": stats["accept_len"], "trace_file": rank0.name, "trace_path": str(rank0)}
 

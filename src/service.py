@@ -264,8 +264,11 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    fields = raw[raw.rindex(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[2])
+    try:   # read while the process exits, the file can come back empty or cut short
+        fields = raw[raw.rindex(")") + 2:].split()
+        return fields[0], int(fields[1]), int(fields[2])
+    except (ValueError, IndexError):
+        return None
 
 
 def _all_pids() -> list[int]:
@@ -345,16 +348,26 @@ def terminate_process_group(pgid: int, grace_s: float = 30.0, extra_pids: Sequen
     return _alive(pgid, pids)
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if our process is SIGKILLed (a Jupyter kernel
-    # killed outright), the kernel sends the server's main process SIGTERM, and SGLang takes
-    # its own workers down with it. Linux only; tied to the thread that started the server.
+def _load_prctl():
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except Exception:  # noqa: BLE001 - not Linux: the finalizer and teardown still apply
-        pass
+        return None
+
+
+# Looked up here, at import, because the child runs _die_with_parent between fork and exec,
+# where importing or loading a library can deadlock on a lock another thread of ours held
+# at the fork (the NVML sampler, tqdm's monitor).
+_PRCTL = _load_prctl() if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    # In the child between fork and exec: if our process is SIGKILLed (a Jupyter kernel
+    # killed outright), the kernel sends the server's main process SIGTERM, and SGLang takes
+    # its own workers down with it. Linux only; tied to the thread that started the server.
+    _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def _finalize_group(pgid: int, grace_s: float) -> None:
@@ -386,12 +399,24 @@ def default_log_dir() -> Path:
 
 # ---- the server ---------------------------------------------------------------------------
 
+def _raise_if_aborted(chunk: dict) -> None:
+    """SGLang reports an aborted request (out of KV, a scheduler error, a client abort) as an
+    ordinary chunk whose finish_reason type is "abort", not as an error."""
+    reason = (chunk.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        raise ServerError(f"/generate aborted by the server: {reason.get('message') or reason}")
+
+
 @dataclasses.dataclass
 class GenerateResult:
     output_ids: list[int]
     meta_info: dict
     ttft_s: float        # request sent -> first streamed chunk (prefill + first token)
-    latency_s: float     # request sent -> last chunk
+    latency_s: float     # request sent -> the last chunk that carried tokens
+    # meta_info["completion_tokens"] of the first chunk: SGLang's count is a running total,
+    # and a first chunk merged with the next step's output holds more than the prefill's token
+    first_chunk_tokens: int = 1
+    chunks: int = 1      # streamed chunks that carried tokens
 
     @property
     def completion_tokens(self) -> int:
@@ -465,7 +490,7 @@ class SGLangServer:
         try:
             self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                         preexec_fn=_die_with_parent if _PRCTL is not None else None)
             self.pid = self.proc.pid
             # The child leads its own process group (pgid == pid); finalize at exit or GC.
             self._finalizer = weakref.finalize(self, _finalize_group, self.proc.pid, self.grace_s)
@@ -597,13 +622,15 @@ class SGLangServer:
                    "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
                                        "temperature": 0.0}}
         t0 = time.perf_counter()
-        ttft, last = None, None
+        ttft, last, latency, first_tokens, chunks, seen = None, None, None, 1, 0, 0
         with requests.post(self.url + "/generate", json=payload, stream=stream, timeout=timeout_s) as r:
             if r.status_code != 200:
                 raise ServerError(f"/generate -> HTTP {r.status_code}: {r.text[:500]}")
             if not stream:
                 last = r.json()
                 ttft = float("nan")
+                latency = time.perf_counter() - t0
+                _raise_if_aborted(last)
             else:
                 for line in r.iter_lines(decode_unicode=False):
                     if not line.startswith(b"data:"):
@@ -614,16 +641,20 @@ class SGLangServer:
                     chunk = json.loads(body)
                     if "error" in chunk:
                         raise ServerError(f"/generate failed: {chunk['error']}")
+                    _raise_if_aborted(chunk)
+                    now = time.perf_counter() - t0
+                    total = int((chunk.get("meta_info") or {}).get("completion_tokens", seen))
                     if ttft is None:
-                        ttft = time.perf_counter() - t0
+                        ttft, first_tokens = now, total
                         if on_first_token is not None:
                             on_first_token()
+                    if total > seen or latency is None:   # a chunk with new tokens ends the decode so far
+                        latency, seen, chunks = now, total, chunks + 1
                     last = chunk
-        latency = time.perf_counter() - t0
         if last is None:
             raise ServerError("/generate returned no output")
         return GenerateResult(list(last.get("output_ids") or []), dict(last.get("meta_info") or {}),
-                              ttft, latency)
+                              ttft, latency, first_tokens, chunks)
 
     def flush_cache(self, retries: int = 10) -> None:
         import requests

@@ -14,6 +14,10 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pandas is imported where a frame is built, not at import time
+    import pandas as pd
 
 # First match wins; patterns are searched in lower-cased kernel names.
 CATEGORIES = (
@@ -119,7 +123,7 @@ def _config(r: dict) -> str:
     return r.get("config") or r["backend"]
 
 
-def profile_frame(records) -> "pd.DataFrame":
+def profile_frame(records) -> pd.DataFrame:
     """Long table of step-profile records: one row per (config, spec, ctx, category), with
     the per-step GPU ms and, as category 'host / idle', the rest of the step. A record's
     `config` (e.g. "sm120_mla TP2 + ngram_tail") names it where set, else its backend."""

@@ -91,6 +91,11 @@ class H(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             time.sleep(0.02)                     # "prefill"
+            if mode == "abort_on_generate":      # SGLang's abort: an ordinary chunk, not an error
+                meta = {"completion_tokens": 0, "finish_reason": {"type": "abort", "message": "fake: out of KV"}}
+                self.wfile.write(b"data: " + json.dumps({"output_ids": [], "meta_info": meta}).encode() + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
             out = []
             accept = 2 if spec else 1
             for i in range(new):
@@ -103,7 +108,8 @@ class H(BaseHTTPRequestHandler):
                     meta["spec_accept_length"] = new / meta["spec_verify_ct"]
                 if recording["on"]:
                     recording["passes"] += 1
-                if i == 0 or i % accept == 0 or last:
+                merged = mode == "merged_first" and i < 2   # the first chunk holds 3 tokens
+                if (i == 0 or i % accept == 0 or last) and not merged:
                     self.wfile.write(b"data: " + json.dumps({"output_ids": list(out), "meta_info": meta}).encode() + b"\n\n")
                     self.wfile.flush()
                 time.sleep(0.001)
@@ -701,3 +707,40 @@ def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkey
                                   expert=False, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   log=lambda s: None)
     assert {(r["spec"], r["draft_attention_backend"]) for r in res.decode} == {("dflash", "triton"), ("none", None)}
+
+
+def test_generate_raises_on_an_aborted_request(model_dir, fake, tmp_path, monkeypatch):
+    with _server(model_dir, fake, tmp_path, monkeypatch, "abort_on_generate") as srv:
+        with pytest.raises(service.ServerError, match="aborted by the server: fake: out of KV"):
+            srv.generate(list(range(100, 164)), 9)
+
+
+def test_generate_counts_the_first_chunk_and_times_the_last_token(model_dir, fake, tmp_path, monkeypatch):
+    with _server(model_dir, fake, tmp_path, monkeypatch, "merged_first") as srv:
+        res = srv.generate(list(range(100, 164)), 9)
+    assert res.first_chunk_tokens == 3 and res.completion_tokens == 9 and res.chunks == 7
+    s = decode_bench.decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, "none",
+                                  res.first_chunk_tokens)
+    assert s["tok_s"] == pytest.approx(6 / (res.latency_s - res.ttft_s))
+
+
+def test_decode_stats_leaves_the_first_chunks_tokens_out():
+    s = decode_bench.decode_stats(101, 1.0, 3.0, {}, "none", first_chunk_tokens=5)
+    assert s["tok_s"] == pytest.approx(96 / 2.0) and s["verify_step_ms"] == pytest.approx(2e3 / 96)
+    assert not s["steps_estimated"] and s["first_chunk_tokens"] == 5
+    # speculation: 4 tokens beyond the prefill's one in the first chunk, ~1 verify step at accept 4
+    meta = {"spec_verify_ct": 25, "spec_accept_length": 4.0}
+    s = decode_bench.decode_stats(101, 1.0, 3.0, meta, "ngram", first_chunk_tokens=5)
+    assert s["steps_estimated"] and s["verify_step_ms"] == pytest.approx(2e3 / 24)
+    with pytest.raises(ValueError, match="nothing to time after the first chunk"):
+        decode_bench.decode_stats(5, 1.0, 3.0, {}, "none", first_chunk_tokens=5)
+
+
+@pytest.mark.parametrize("meta,n,match", [
+    ({"completion_tokens": 9, "finish_reason": {"type": "stop"}}, 9, "'stop' after 9 of 9"),
+    ({"completion_tokens": 7, "finish_reason": {"type": "length"}}, 9, "after 7 of 9")])
+def test_check_finished_refuses_a_short_or_stopped_request(meta, n, match):
+    res = service.GenerateResult([], meta, 0.1, 1.0)
+    with pytest.raises(service.ServerError, match=match):
+        decode_bench.check_finished(res, n)
+    decode_bench.check_finished(service.GenerateResult([], {"completion_tokens": n}, 0.1, 1.0), n)
