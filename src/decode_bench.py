@@ -38,6 +38,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -105,7 +106,16 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
                 ctxs = [c for c in ctxs if context_length_for([c], decode_tokens, dt) <= model_max_context]
             if ctxs:
                 plans.append(ServerPlan(backend, s, dt, tuple(ctxs)))
+    if not plans:
+        raise ValueError(f"contexts: none of {sorted(set(contexts))} fits the model's {model_max_context} "
+                         f"positions with {decode_tokens} decode tokens and a {CONTEXT_MARGIN}-token margin")
     return plans
+
+
+def dropped_contexts(plans: Sequence[ServerPlan], contexts: Sequence[int]) -> list[int]:
+    """Requested contexts that no planned server measures (they do not fit the model)."""
+    kept = {c for p in plans for c in p.contexts}
+    return sorted({int(c) for c in contexts} - kept)
 
 
 SPEC_FALLBACKS = ("", "ngram", "none")   # what may run when a DFlash server fails to start
@@ -113,11 +123,13 @@ SPEC_FALLBACKS = ("", "ngram", "none")   # what may run when a DFlash server fai
 
 def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_tokens, ngram_draft_tokens) -> None:
     """The draft counts the planned servers will use, checked before any server starts: a DFlash
-    block of at least 2, at least 1 NGRAM draft token, and for sm120_mla at most the kernel's
+    block of at least 2, at least 2 NGRAM draft tokens, and for sm120_mla at most the kernel's
     queries per request."""
     from .kernels.verify_attention import MAX_Q_LEN
 
-    counts = {"dflash": ("draft_tokens", draft_tokens, 2), "ngram": ("ngram_draft_tokens", ngram_draft_tokens, 1)}
+    # NGRAM with one draft token verifies nothing beyond the bonus token, and SGLang then leaves
+    # spec_verify_ct out of meta_info (tokenizer_manager: only when verify_ct x (draft - 1) > 0)
+    counts = {"dflash": ("draft_tokens", draft_tokens, 2), "ngram": ("ngram_draft_tokens", ngram_draft_tokens, 2)}
     for s in dict.fromkeys(spec):
         if s not in counts:
             continue
@@ -224,6 +236,25 @@ class MatrixResult:
                 pd.DataFrame(self.failures))
 
 
+def check_run_settings(mem_fraction_static: float, startup_timeout_s: float, nvml_interval_s: float,
+                       time_budget_s: float | None, repeats: int) -> None:
+    """The matrix's numeric settings, checked before any launch: inside the run loop a bad one
+    would surface as one failure record per server instead of one error."""
+    def positive(name, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name}: must be a positive number, got {v!r}")
+
+    if isinstance(mem_fraction_static, bool) or not isinstance(mem_fraction_static, (int, float)) \
+            or not 0.0 < mem_fraction_static < 1.0:
+        raise ValueError(f"mem_fraction_static: must be in (0, 1), got {mem_fraction_static!r}")
+    positive("startup_timeout_s", startup_timeout_s)
+    positive("nvml_interval_s", nvml_interval_s)
+    if time_budget_s is not None:
+        positive("time_budget_s", time_budget_s)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: must be a positive int, got {repeats!r}")
+
+
 def _gpu_name() -> str | None:
     from .provenance import gpu_info
 
@@ -272,161 +303,167 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     if profile_contexts is not None and not set(profile_contexts) <= set(contexts):
         raise ValueError(f"profile_contexts: {sorted(set(profile_contexts) - set(contexts))} are not among "
                          f"the measured contexts {sorted(set(contexts))}")
+    check_run_settings(mem_fraction_static=mem_fraction_static, startup_timeout_s=startup_timeout_s,
+                       nvml_interval_s=nvml_interval_s, time_budget_s=time_budget_s, repeats=repeats)
     tp = resolve_tp(tp)
     if not (isinstance(ep_size, int) and ep_size >= 1 and tp % ep_size == 0):
         raise ValueError(f"ep_size: must be a positive divisor of tp={tp}, got {ep_size!r}")
-    model_dir = materialize_model(model, layers, weights=weights)
-    model_cfg = json.loads((model_dir / "config.json").read_text())
-    heads = heads_per_rank(model_cfg, tp)
-    plans = plan_matrix(backends, contexts, spec, draft_tokens, ngram_draft_tokens, decode_tokens,
-                        max_context(model_cfg))
-    if repeats < 1:
-        raise ValueError(f"repeats: must be positive, got {repeats}")
-    gpu = _gpu_name()
-    # FlashInfer's fused all-reduce JIT-compiles its kernels at every server start when no
-    # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
-    # default; the same for every backend, so the comparison stands.
-    fusion = allreduce_fusion and tp > 1
-    # $SM120_KV_SORT passes through to the servers: the records say whether it was on
-    common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
-              "kv_sort": kv_sort.requested(),
-              "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
-              "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
-    if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
-        common["commit"] = os.environ["SM120_COMMIT"]
-    if not isinstance(profile_steps, int) or profile_steps < 0:
-        raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
-    if profile_steps:
-        # The profiled request must run more steps than are profiled, or the profiler waits
-        # for the next request; a step emits at most draft_tokens + 1 tokens.
-        most = max([1] + [(p.draft_tokens or 0) + 1 for p in plans])
-        if decode_tokens // most <= profile_steps:
-            raise ValueError(f"profile_steps: {profile_steps} steps need more than {profile_steps * most} decode "
-                             f"tokens with {most - 1} draft tokens a step; decode_tokens is {decode_tokens}")
-    out = MatrixResult([], [], [], [])
-    lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
-             FAILURE_RESULTS: out.failures, PROFILE_RESULTS: out.profiles}
+    # The model and draft folders (config.json only) live as long as the matrix, then go.
+    with tempfile.TemporaryDirectory(prefix="sm120_models_") as workdir:
+        model_dir = materialize_model(model, layers, dest=Path(workdir) / "model", weights=weights)
+        model_cfg = json.loads((model_dir / "config.json").read_text())
+        heads = heads_per_rank(model_cfg, tp)
+        plans = plan_matrix(backends, contexts, spec, draft_tokens, ngram_draft_tokens, decode_tokens,
+                            max_context(model_cfg))
+        dropped = dropped_contexts(plans, contexts)
+        if dropped:
+            log(f"contexts {dropped}: longer than {model} ({max_context(model_cfg)} positions) allows; not measured")
+        gpu = _gpu_name()
+        # FlashInfer's fused all-reduce JIT-compiles its kernels at every server start when no
+        # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
+        # default; the same for every backend, so the comparison stands.
+        fusion = allreduce_fusion and tp > 1
+        # $SM120_KV_SORT passes through to the servers: the records say whether it was on
+        common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
+                  "kv_sort": kv_sort.requested(),
+                  "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
+                  "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
+        if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
+            common["commit"] = os.environ["SM120_COMMIT"]
+        if not isinstance(profile_steps, int) or profile_steps < 0:
+            raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
+        if profile_steps:
+            # The profiled request must run more steps than are profiled, or the profiler waits
+            # for the next request; a step emits at most draft_tokens + 1 tokens.
+            most = max([1] + [(p.draft_tokens or 0) + 1 for p in plans])
+            if decode_tokens // most <= profile_steps:
+                raise ValueError(f"profile_steps: {profile_steps} steps need more than {profile_steps * most} decode "
+                                 f"tokens with {most - 1} draft tokens a step; decode_tokens is {decode_tokens}")
+        out = MatrixResult([], [], [], [])
+        lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
+                 FAILURE_RESULTS: out.failures, PROFILE_RESULTS: out.profiles}
 
-    def emit(name: str, recs: list[dict]) -> None:
-        # Appended as soon as measured, so a crash or a job timeout loses nothing already done.
-        lists[name].extend(recs)
-        if record and recs:
-            append_records(name, recs, command=command, path=_results_path(results_dir, name))
+        def emit(name: str, recs: list[dict]) -> None:
+            # Appended as soon as measured, so a crash or a job timeout loses nothing already done.
+            lists[name].extend(recs)
+            if record and recs:
+                append_records(name, recs, command=command, path=_results_path(results_dir, name))
 
-    def over_budget(reserve_s: float) -> bool:
-        return time_budget_s is not None and time.monotonic() - t_start + reserve_s > time_budget_s
+        def over_budget(reserve_s: float) -> bool:
+            return time_budget_s is not None and time.monotonic() - t_start + reserve_s > time_budget_s
 
-    queue = list(plans)
-    total = sum(len(p.contexts) * repeats for p in plans)
-    bar = tqdm(total=total, desc="decode matrix", unit="run", disable=not progress)
-    started: set[tuple[str, str]] = set()
-    while queue:
-        plan = queue.pop(0)
-        if (plan.backend, plan.spec) in started:
-            continue
-        fail = {**common, "backend": plan.backend, "spec": plan.spec}
-        if over_budget(SERVER_START_ESTIMATE_S):
-            log(f"SKIPPED {plan.backend}/{plan.spec}: not enough of the {time_budget_s:.0f} s budget left")
-            emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "error": "time budget"}])
-            continue
-        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.backend}-{plan.spec}-{uuid.uuid4().hex[:6]}"
-        fail["run_id"] = run_id
-        ctx_len = context_length_for(plan.contexts, decode_tokens, plan.draft_tokens)
-        # DFlash's draft keeps an MHA KV pool with as many slots as the target's MLA pool;
-        # sized by --mem-fraction-static alone the two overrun the GPU (H200, 2026-11-29:
-        # 10M slots, 77 GB for the draft's K and V, start-up OOM). Batch 1 needs a few
-        # contexts' worth of slots.
-        extra = ("--max-total-tokens", str(4 * ctx_len)) if plan.spec == "dflash" else ()
-        if ep_size > 1:   # experts sharded over ep_size of the tp ranks (SGLang's own EP MoE)
-            extra += ("--ep-size", str(ep_size))
-        if tp > 1 and not fusion:
-            extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
-        cfg = ServerConfig(
-            model_path=model_dir, attention_backend=plan.backend, tp=tp,
-            mem_fraction_static=mem_fraction_static, extra_args=extra,
-            context_length=ctx_len,
-            spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
-            expert_record=expert,
-            draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens)
-                              if plan.spec == "dflash" else None))
-        log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
-        server_log = None
-        try:
-            log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
-            env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0"}
-            with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
-                              progress=progress, launcher=launcher, env=env) as srv:
-                started.add((plan.backend, plan.spec))
-                server_log = srv.log_path
-                log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
-                warm = min(512, max(1, min(plan.contexts) // 2))
-                srv.generate(random_input_ids(warm, model_cfg["vocab_size"], seed + 999), 16)  # warm-up
-                for ctx in plan.contexts:
-                    for rep in range(repeats):
-                        if over_budget(30.0):
-                            log(f"  SKIPPED ctx={ctx}: time budget")
-                            emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "ctx": ctx,
-                                                    "error": "time budget (after the server start)",
-                                                    "startup_s": round(srv.startup_s, 1)}])
+        queue = list(plans)
+        total = sum(len(p.contexts) * repeats for p in plans)
+        bar = tqdm(total=total, desc="decode matrix", unit="run", disable=not progress)
+        started: set[tuple[str, str]] = set()
+        while queue:
+            plan = queue.pop(0)
+            if (plan.backend, plan.spec) in started:
+                continue
+            fail = {**common, "backend": plan.backend, "spec": plan.spec}
+            if over_budget(SERVER_START_ESTIMATE_S):
+                log(f"SKIPPED {plan.backend}/{plan.spec}: not enough of the {time_budget_s:.0f} s budget left")
+                emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "error": "time budget"}])
+                continue
+            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.backend}-{plan.spec}-{uuid.uuid4().hex[:6]}"
+            fail["run_id"] = run_id
+            ctx_len = context_length_for(plan.contexts, decode_tokens, plan.draft_tokens)
+            # DFlash's draft keeps an MHA KV pool with as many slots as the target's MLA pool;
+            # sized by --mem-fraction-static alone the two overrun the GPU (H200, 2026-11-29:
+            # 10M slots, 77 GB for the draft's K and V, start-up OOM). Batch 1 needs a few
+            # contexts' worth of slots.
+            extra = ("--max-total-tokens", str(4 * ctx_len)) if plan.spec == "dflash" else ()
+            if ep_size > 1:   # experts sharded over ep_size of the tp ranks (SGLang's own EP MoE)
+                extra += ("--ep-size", str(ep_size))
+            if tp > 1 and not fusion:
+                extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
+            cfg = ServerConfig(
+                model_path=model_dir, attention_backend=plan.backend, tp=tp,
+                mem_fraction_static=mem_fraction_static, extra_args=extra,
+                context_length=ctx_len,
+                spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
+                expert_record=expert,
+                draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens,
+                                                       dest=Path(workdir) / f"draft-{run_id}")
+                                  if plan.spec == "dflash" else None))
+            log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
+            server_log = None
+            try:
+                log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
+                env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0"}
+                with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
+                                  progress=progress, launcher=launcher, env=env) as srv:
+                    started.add((plan.backend, plan.spec))
+                    server_log = srv.log_path
+                    log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
+                    warm = min(512, max(1, min(plan.contexts) // 2))
+                    srv.generate(random_input_ids(warm, model_cfg["vocab_size"], seed + 999), 16)  # warm-up
+                    for ctx in plan.contexts:
+                        for rep in range(repeats):
+                            if over_budget(30.0):
+                                log(f"  SKIPPED ctx={ctx}: time budget")
+                                emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "ctx": ctx,
+                                                        "error": "time budget (after the server start)",
+                                                        "startup_s": round(srv.startup_s, 1)}])
+                                continue
+                            row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
+                                                         nvml, nvml_interval_s, expert, tp)
+                            base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
+                                    "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
+                                    "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
+                                    "expert_record": expert, "nvml_sampled": bool(nv),
+                                    "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
+                                    "context_length": srv.config.context_length,
+                                    # what SGLang resolved: it falls back from a draft backend it refuses
+                                    "draft_attention_backend": (srv.server_info or {}).get(
+                                        "speculative_draft_attention_backend") if plan.spec == "dflash" else None,
+                                    "startup_s": round(srv.startup_s, 1)}
+                            emit(DECODE_RESULTS, [{**base, **row}])
+                            emit(NVML_RESULTS, [{**base, **r} for r in nv])
+                            emit(EXPERT_RESULTS, [{**base, **ex}] if ex else [])
+                            bar.update(1)
+                            bar.set_postfix_str(f"{plan.backend}/{plan.spec} ctx={ctx}: {row['tok_s']:.1f} tok/s")
+                            if not progress:
+                                log(f"  ctx={ctx}: {row['tok_s']:.1f} tok/s, accept {row['accept_len']:.2f}, "
+                                    f"step {row['verify_step_ms']:.2f} ms, ttft {row['ttft_s']:.1f} s")
+                    for ctx in (plan.contexts if profile_steps else ()):
+                        if profile_contexts is not None and ctx not in profile_contexts:
                             continue
-                        row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
-                                                     nvml, nvml_interval_s, expert, tp)
-                        base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
-                                "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
-                                "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
-                                "expert_record": expert, "nvml_sampled": bool(nv),
-                                "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
-                                "context_length": srv.config.context_length,
-                                # what SGLang resolved: it falls back from a draft backend it refuses
-                                "draft_attention_backend": (srv.server_info or {}).get(
-                                    "speculative_draft_attention_backend") if plan.spec == "dflash" else None,
-                                "startup_s": round(srv.startup_s, 1)}
-                        emit(DECODE_RESULTS, [{**base, **row}])
-                        emit(NVML_RESULTS, [{**base, **r} for r in nv])
-                        emit(EXPERT_RESULTS, [{**base, **ex}] if ex else [])
-                        bar.update(1)
-                        bar.set_postfix_str(f"{plan.backend}/{plan.spec} ctx={ctx}: {row['tok_s']:.1f} tok/s")
-                        if not progress:
-                            log(f"  ctx={ctx}: {row['tok_s']:.1f} tok/s, accept {row['accept_len']:.2f}, "
-                                f"step {row['verify_step_ms']:.2f} ms, ttft {row['ttft_s']:.1f} s")
-                for ctx in (plan.contexts if profile_steps else ()):
-                    if profile_contexts is not None and ctx not in profile_contexts:
-                        continue
-                    if over_budget(60.0):
-                        log(f"  SKIPPED profile ctx={ctx}: time budget")
-                        continue
-                    prof = profile_point(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed + ctx,
-                                         profile_steps, Path(srv.log_path).parent / f"{run_id}-profile",
-                                         with_stack=profile_with_stack)
-                    if record:   # the trace beside the results, named as the record names it
-                        dest = (Path(results_dir) if results_dir else default_results_dir()).parent / "traces"
-                        dest.mkdir(parents=True, exist_ok=True)
-                        shutil.copy2(prof.pop("trace_path"), dest / prof["trace_file"])
-                    else:
-                        prof.pop("trace_path")
-                    emit(PROFILE_RESULTS, [{**common, "run_id": run_id, "backend": plan.backend,
-                                            "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
-                                            "cuda_graph": cuda_graph, "expert_record": expert,
-                                            "with_stack": profile_with_stack, **prof}])
-                    log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "
-                        f"{100 * (prof['busy_share'] or 0):.0f}%: "
-                        + ", ".join(f"{k} {v:.2f}" for k, v in list(prof["gpu_ms_per_step"].items())[:4]))
-        except ServerStartError as e:
-            log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}\n"
-                f"  its log ends:\n{_indent(e.log_tail, 15)}")
-            emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
-                                    "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)}])
-            if plan.spec == "dflash" and spec_fallback and (plan.backend, spec_fallback) not in started:
-                dt = ngram_draft_tokens if spec_fallback == "ngram" else None
-                queue.insert(0, ServerPlan(plan.backend, spec_fallback, dt, plan.contexts))
-                log(f"  falling back to {spec_fallback} for {plan.backend}")
-        except Exception as e:  # noqa: BLE001 - a request failed mid-run: keep what was measured
-            tail = log_tail(server_log) if server_log else ""   # what the server said as it failed
-            log(f"FAILED during {plan.backend}/{plan.spec}: {e!r}\n  its log ends:\n{_indent(tail, 15)}")
-            emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": repr(e)[:2000],
-                                    "log_tail": tail[-4000:], "log_path": str(server_log)}])
-    bar.close()
-    return out
+                        if over_budget(60.0):
+                            log(f"  SKIPPED profile ctx={ctx}: time budget")
+                            continue
+                        prof = profile_point(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed + ctx,
+                                             profile_steps, Path(srv.log_path).parent / f"{run_id}-profile",
+                                             with_stack=profile_with_stack)
+                        if record:   # the trace beside the results, named as the record names it
+                            dest = (Path(results_dir) if results_dir else default_results_dir()).parent / "traces"
+                            dest.mkdir(parents=True, exist_ok=True)
+                            shutil.copy2(prof.pop("trace_path"), dest / prof["trace_file"])
+                        else:
+                            prof.pop("trace_path")
+                        emit(PROFILE_RESULTS, [{**common, "run_id": run_id, "backend": plan.backend,
+                                                "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
+                                                "cuda_graph": cuda_graph, "expert_record": expert,
+                                                "with_stack": profile_with_stack, **prof}])
+                        log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "
+                            f"{100 * (prof['busy_share'] or 0):.0f}%: "
+                            + ", ".join(f"{k} {v:.2f}" for k, v in list(prof["gpu_ms_per_step"].items())[:4]))
+            except ServerStartError as e:
+                log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}\n"
+                    f"  its log ends:\n{_indent(e.log_tail, 15)}")
+                emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
+                                        "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)}])
+                if plan.spec == "dflash" and spec_fallback and (plan.backend, spec_fallback) not in started:
+                    dt = ngram_draft_tokens if spec_fallback == "ngram" else None
+                    queue.insert(0, ServerPlan(plan.backend, spec_fallback, dt, plan.contexts))
+                    log(f"  falling back to {spec_fallback} for {plan.backend}")
+            except Exception as e:  # noqa: BLE001 - a request failed mid-run: keep what was measured
+                tail = log_tail(server_log) if server_log else ""   # what the server said as it failed
+                log(f"FAILED during {plan.backend}/{plan.spec}: {e!r}\n  its log ends:\n{_indent(tail, 15)}")
+                emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": repr(e)[:2000],
+                                        "log_tail": tail[-4000:], "log_path": str(server_log)}])
+        bar.close()
+        return out
 
 
 def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: int, seed: int,
@@ -455,7 +492,7 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
     thread.join(timeout=120)
     if errors:
         raise errors[0]
-    traces = srv.wait_profile_traces(out_dir, profile_id, ranks=1)
+    traces = srv.wait_profile_traces(out_dir, profile_id, ranks=srv.config.tp)
     rank0 = next((p for p in traces if "TP-0" in p.name), traces[0])
     summary = summarize_trace(load_trace(rank0), steps)
     check_finished(res, decode_tokens)
@@ -599,17 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m sm120_workbook.decode_bench " + " ".join(sys.argv[1:] if argv is None else argv)
     previous = _install_signal_teardown()
     try:
-        res = run_matrix(model=a.model, layers=a.layers, backends=a.backends, contexts=a.contexts, spec=a.spec,
-                         draft_tokens=a.draft_tokens, ngram_draft_tokens=a.ngram_draft_tokens,
-                         decode_tokens=a.decode_tokens, tp=a.tp, ep_size=a.ep_size,
-                         allreduce_fusion=a.allreduce_fusion, repeats=a.repeats, weights=a.weights,
-                         mem_fraction_static=a.mem_fraction_static, cuda_graph=not a.no_cuda_graph,
-                         spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
-                         record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,
-                         startup_timeout_s=a.startup_timeout_s, time_budget_s=a.time_budget_s,
-                         command=command, results_dir=a.results_dir, log_dir=a.log_dir,
-                         profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
-                         profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail)
+        res = _run_matrix_cli(p, a, command)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -619,6 +646,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("  log tail:\n    " + "\n    ".join(f["log_tail"].splitlines()[-25:]))
     print(summary_table(res.decode))
     return 0 if res.decode else 1
+
+
+def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: str) -> MatrixResult:
+    try:
+        return run_matrix(model=a.model, layers=a.layers, backends=a.backends, contexts=a.contexts, spec=a.spec,
+                          draft_tokens=a.draft_tokens, ngram_draft_tokens=a.ngram_draft_tokens,
+                          decode_tokens=a.decode_tokens, tp=a.tp, ep_size=a.ep_size,
+                          allreduce_fusion=a.allreduce_fusion, repeats=a.repeats, weights=a.weights,
+                          mem_fraction_static=a.mem_fraction_static, cuda_graph=not a.no_cuda_graph,
+                          spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
+                          record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,
+                          startup_timeout_s=a.startup_timeout_s, time_budget_s=a.time_budget_s,
+                          command=command, results_dir=a.results_dir, log_dir=a.log_dir,
+                          profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
+                          profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail)
+    except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
+        p.error(str(e))
 
 
 def describe_plan(plans: Sequence[ServerPlan], decode_tokens: int) -> str:

@@ -40,7 +40,10 @@ except ImportError:  # the plugin package is absent from this copy
 PLUGIN_BACKENDS = (_PLUGIN_BACKEND,)
 SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH"}
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
-PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128}
+# The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
+# _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
+PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokenspeed_mla": 64,
+                  "cutedsl_mla": 64, "hpc_ops": 64}
 LOG_TAIL_LINES = 60
 EXPERT_DUMP_GLOB = "expert_distribution_recorder_*.pt"
 

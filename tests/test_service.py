@@ -184,7 +184,7 @@ def _server(model_dir, fake, tmp_path, monkeypatch, mode, **kw):
 
 @pytest.mark.parametrize("backend,spec,cuda_graph", [
     ("triton", "none", True), ("triton", "dflash", True), ("triton", "ngram", False),
-    ("flashmla", "none", True), ("flashmla", "ngram", True)])
+    ("flashmla", "none", True), ("flashmla", "ngram", True), ("trtllm_mla", "ngram", True)])
 def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_graph):
     from sglang.srt.server_args import ServerArgs
 
@@ -198,7 +198,7 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
     assert ns.attention_backend == backend and ns.tp_size == 1 and ns.context_length == 70000
     assert ns.expert_distribution_recorder_mode == "stat"
     assert ns.speculative_algorithm == {"none": None, "dflash": "DFLASH", "ngram": "NGRAM"}[spec]
-    if backend == "flashmla":
+    if backend in ("flashmla", "trtllm_mla"):   # the page size SGLang would force, named up front
         assert ns.page_size == 64
         if spec == "ngram":  # SGLang refuses NGRAM trees on paged non-flashinfer backends
             assert ns.speculative_ngram_max_bfs_breadth == 1
@@ -426,10 +426,11 @@ def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):
     assert (tmp_path / "traces" / r["trace_file"]).is_file()   # beside results/, as data/traces
 
 
-def test_cli_refuses_unknown_backend_before_any_launch(tmp_path):
-    with pytest.raises(ValueError, match="attention_backend: 'trition'"):
+def test_cli_refuses_unknown_backend_before_any_launch(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
         decode_bench.main(["--tp", "1", "--backends", "triton", "trition", "--no-record",
                            "--log-dir", str(tmp_path)])
+    assert e.value.code == 2 and "attention_backend: 'trition'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
@@ -659,7 +660,13 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(spec=["dflash"], draft_tokens=1), "draft_tokens: dflash needs an int >= 2, got 1"),
-    (dict(spec=["ngram"], ngram_draft_tokens=0), "ngram_draft_tokens: ngram needs an int >= 1"),
+    (dict(spec=["ngram"], ngram_draft_tokens=1), "ngram_draft_tokens: ngram needs an int >= 2, got 1"),
+    (dict(spec=["none"], mem_fraction_static=1.5), r"mem_fraction_static: must be in \(0, 1\), got 1.5"),
+    (dict(spec=["none"], startup_timeout_s=0), "startup_timeout_s: must be a positive number"),
+    (dict(spec=["none"], nvml_interval_s=-1.0), "nvml_interval_s: must be a positive number"),
+    (dict(spec=["none"], time_budget_s=0), "time_budget_s: must be a positive number"),
+    (dict(spec=["none"], repeats=0), "repeats: must be a positive int"),
+    (dict(spec=["none"], contexts=[10_000_000]), r"contexts: none of \[10000000\] fits"),
     (dict(spec=["ngram"], ngram_draft_tokens=17, backends=["sm120_mla"]), "exceed the sm120_mla kernel's 16"),
     (dict(spec=["dflash"], spec_fallback="dflash"), "spec_fallback: one of"),
     (dict(spec=["none"], profile_steps=2, profile_contexts=[65]), r"profile_contexts: \[65\] are not among"),
@@ -744,3 +751,24 @@ def test_check_finished_refuses_a_short_or_stopped_request(meta, n, match):
     with pytest.raises(service.ServerError, match=match):
         decode_bench.check_finished(res, n)
     decode_bench.check_finished(service.GenerateResult([], {"completion_tokens": n}, 0.1, 1.0), n)
+
+
+def test_run_matrix_says_which_contexts_it_drops_and_leaves_no_model_folders(fake, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    lines = []
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64, 10_000_000],
+                                  spec=["none"], decode_tokens=12, tp=1, nvml=False, expert=False,
+                                  progress=False, launcher=fake, log_dir=tmp_path / "logs", log=lines.append)
+    assert [r["ctx"] for r in res.decode] == [64] and not res.failures
+    assert any("contexts [10000000]" in line and "not measured" in line for line in lines)
+    assert not list(tmp_path.glob("sm120_models_*"))
+
+
+def test_cli_names_a_bad_argument_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        decode_bench.main(["--tp", "1", "--mem-fraction-static", "1.5", "--no-record"])
+    assert e.value.code == 2
+    assert "mem_fraction_static: must be in (0, 1)" in capsys.readouterr().err

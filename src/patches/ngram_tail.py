@@ -68,7 +68,7 @@ def _module():
 
 def is_installed() -> bool:
     worker = _module().NGRAMWorker
-    return all(hasattr(worker.__dict__[m], _MARK) for m in _METHODS)
+    return all(hasattr(worker.__dict__.get(m), _MARK) for m in _METHODS)
 
 
 def install() -> bool:
