@@ -13,6 +13,11 @@ def _gpu_reason() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):   # mma.sync m16n8k16 bf16, ldmatrix and cp.async need sm_80
+        return f"the GPU is sm_{cap[0]}{cap[1]}; the kernel needs sm_80 or newer"
+    if shutil.which("nvcc") is None:   # load_inline builds the kernel with nvcc at first use
+        return "a GPU but no nvcc on PATH: the kernel cannot be built here"
     return None
 
 

@@ -213,6 +213,44 @@ def test_bad_options_name_themselves(kwargs, arg):
         mla_verify_attention(c["q"], c["pool"], c["qo"], c["kv"], c["idx"], **kw)
 
 
+@pytest.mark.parametrize("arg,change", [
+    ("kv_indices", lambda c: c.update(idx=torch.arange(16) + 60)),                  # rows 64.. past the pool
+    ("kv_indices", lambda c: c.update(kv=torch.tensor([0, 20], dtype=torch.int32))),  # past kv_indices' end
+    ("qo_indptr", lambda c: c.update(qo=torch.tensor([1, 4], dtype=torch.int32))),
+    ("qo_indptr", lambda c: c.update(qo=torch.tensor([0, 5], dtype=torch.int32))),    # past q's 4 tokens
+    ("qo_indptr", lambda c: c.update(qo=torch.tensor([0, 4, 4], dtype=torch.int32), max_q_len=2,
+                                     kv=torch.tensor([0, 16, 16], dtype=torch.int32))),
+    ("kv_indptr", lambda c: c.update(kv=torch.tensor([0, 2], dtype=torch.int32))),    # decode: fewer keys than queries
+    ("custom_mask", lambda c: c.update(custom_mask=torch.ones(10, dtype=torch.bool),
+                                       mask_indptr=torch.tensor([0, 0], dtype=torch.int32))),
+])
+def test_check_values_names_bad_index_values(arg, change):
+    """Values the launch cannot see without a sync: refused by name with check_values=True (a
+    CPU case: the value checks run before the CUDA check, so a valid one ends at that)."""
+    c = dict(_cpu_case(), max_q_len=4, custom_mask=None, mask_indptr=None)
+    change(c)
+    kw = dict(out=c["out"], lse=c["lse"], workspace=c["ws"], sm_scale=0.07, max_q_len=c["max_q_len"],
+              custom_mask=c["custom_mask"], mask_indptr=c["mask_indptr"])
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        mla_verify_attention(c["q"], c["pool"], c["qo"], c["kv"], c["idx"], check_values=True, **kw)
+
+
+def test_check_values_passes_a_valid_case():
+    c = _cpu_case()
+    with pytest.raises(ValueError, match="^q: must be a CUDA tensor"):
+        mla_verify_attention(c["q"], c["pool"], c["qo"], c["kv"], c["idx"], out=c["out"], lse=c["lse"],
+                             workspace=c["ws"], sm_scale=0.07, max_q_len=4, check_values=True)
+
+
+@pytest.mark.parametrize("kwargs,arg", [(dict(sm_scale=torch.tensor(0.07)), "sm_scale"), (dict(sm_scale="0.07"), "sm_scale"),
+                                        (dict(sm_scale=True), "sm_scale"), (dict(max_q_len=True), "max_q_len")])
+def test_scalar_options_of_the_wrong_type_name_themselves(kwargs, arg):
+    c = _cpu_case()
+    kw = {**dict(out=c["out"], lse=c["lse"], workspace=c["ws"], sm_scale=0.07, max_q_len=4), **kwargs}
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        mla_verify_attention(c["q"], c["pool"], c["qo"], c["kv"], c["idx"], **kw)
+
+
 def test_workspace_rejects_bad_sizes():
     for kw, arg in [(dict(max_tokens=0, heads=8), "max_tokens"), (dict(max_tokens=4, heads=129), "heads"),
                     (dict(max_tokens=4, heads=8, num_splits=0), "num_splits")]:
@@ -552,3 +590,24 @@ def test_ablation_tables_by_context_come_from_the_records():
     assert list(t1["variant"]) == ["full", "wide"] and list(t2["q16 h8"]) == [20.0]
     with pytest.raises(ValueError, match="versions: no ablation recorded as 'v8'"):
         recorded_tables_by_context(["v8"], df)
+
+
+def test_a_held_build_lock_is_named_after_the_timeout(tmp_path, monkeypatch):
+    from filelock import FileLock
+
+    from sm120_workbook.kernels import build
+
+    monkeypatch.setenv("SM120_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "LOCK_TIMEOUT_S", 0.2)
+    name = f"sm120_mla_{build.build_key((9, 0))}"
+    with FileLock(str(tmp_path / name) + ".lock"):   # another process building the same key
+        with pytest.raises(RuntimeError, match=rf"build lock {tmp_path / name}\.lock"):
+            build._load_for.__wrapped__((9, 0), False, ())
+
+
+def test_the_build_key_names_the_toolchain(monkeypatch):
+    from sm120_workbook.kernels import build
+
+    key = build.build_key((9, 0))
+    monkeypatch.setattr(build, "_toolchain", lambda: "torch 0.0 cuda 0 py3.0")
+    assert build.build_key((9, 0)) != key

@@ -160,7 +160,12 @@ def test_cuda_graph_replay_with_changed_lengths(H, Q, cta_rows, defines, seed):
     st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in big.items()}
     mask_buf = torch.zeros(B * Q * (MAX_CTX + Q), dtype=torch.bool, device=dev)
     mask_buf[:st["custom_mask"].numel()] = st["custom_mask"]
-    idx_buf = torch.zeros(B * MAX_CTX, dtype=torch.int64, device=dev)
+    # kv_indices' tail (SGLang over-allocates it) points at a NaN row of the pool, so a read
+    # past kv_indptr[-1] shows in the output instead of landing on a valid row.
+    def poisoned_row():
+        return int(torch.isnan(st["kv_pool"][:, 0, 0]).nonzero()[0])
+
+    idx_buf = torch.full((B * MAX_CTX,), poisoned_row(), dtype=torch.int64, device=dev)
     idx_buf[:st["kv_indices"].numel()] = st["kv_indices"]
     out = torch.empty(B * Q, H, 512, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(B * Q, H, device=dev, dtype=torch.float32)
@@ -192,7 +197,7 @@ def test_cuda_graph_replay_with_changed_lengths(H, Q, cta_rows, defines, seed):
         st["kv_pool"].copy_(case["kv_pool"])
         st["kv_indptr"].copy_(case["kv_indptr"])
         st["mask_indptr"].copy_(case["mask_indptr"])
-        idx_buf.zero_()
+        idx_buf.fill_(poisoned_row())
         idx_buf[:case["kv_indices"].numel()] = case["kv_indices"]
         mask_buf.zero_()
         mask_buf[:case["custom_mask"].numel()] = case["custom_mask"]
@@ -239,6 +244,17 @@ def test_bad_inputs_raise_before_launch():
     expect("qo_indptr", args[0], args[1], case["qo_indptr"][:1], *args[3:])
     flat = torch.empty(T * H * 576 + 1, device="cuda", dtype=torch.bfloat16)
     expect("q", flat[1:].view(T, H, 576), *args[1:])          # contiguous but misaligned
+    expect("q", case["q"].cpu(), *args[1:])                   # on the CPU beside CUDA tensors
+    # values, with check_values: an index past the pool, a mask too short for its rows
+    pool_rows = case["kv_pool"].shape[0]
+    expect("kv_indices", *args[:4], case["kv_indices"] + pool_rows, check_values=True)
+    expect("custom_mask", *args, custom_mask=torch.ones(10, dtype=torch.bool, device="cuda"),
+           mask_indptr=torch.zeros(2, dtype=torch.int64, device="cuda"), check_values=True)
+    # check_values reads the indices back, which a capture forbids: refused, not a broken capture
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="^check_values:"):
+        with torch.cuda.graph(g):
+            mla_verify_attention(*args, **kw, check_values=True)
 
 
 def test_int32_indices(seed):

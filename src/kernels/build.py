@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = ("mla_verify.cuh", "mla_verify_wide.cuh", "mma_peak.cuh", "mla_verify.cu")
@@ -53,13 +53,27 @@ def _define_flags(defines: tuple[str, ...]) -> list[str]:
     return [f"-D{d}" for d in sorted(defines)]
 
 
+def _toolchain() -> str:
+    # The .so links against this torch and CUDA runtime and this Python's ABI: two virtual
+    # environments sharing the cache must not load each other's builds.
+    import torch
+
+    return f"torch {torch.__version__} cuda {torch.version.cuda} py{sys.version_info[0]}.{sys.version_info[1]}"
+
+
 def build_key(capability: tuple[int, int], defines: tuple[str, ...] = ()) -> str:
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((KERNEL_DIR / name).read_bytes())
     h.update(CPP_DECLS.encode())
     h.update(" ".join(NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines)).encode())
+    h.update(_toolchain().encode())
     return h.hexdigest()[:16]
+
+
+# How long a process waits for another one's build of the same key (one build takes ~1 min on
+# the H200 machine, ~34 variants in parallel ~4 min) before it says which lock it waited on.
+LOCK_TIMEOUT_S = float(os.environ.get("SM120_BUILD_LOCK_TIMEOUT_S", 1800))
 
 
 def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool = False,
@@ -109,7 +123,13 @@ def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ..
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     cu = (KERNEL_DIR / "mla_verify.cu").read_text()
-    with FileLock(str(build_dir) + ".lock"):
+    lock = FileLock(str(build_dir) + ".lock", timeout=LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RuntimeError(f"waited {LOCK_TIMEOUT_S:.0f} s for the build lock {lock.lock_file}: another process "
+                           "is still building this kernel (a hung nvcc?); end it or remove the lock") from None
+    try:
         return load_inline(
             name=name,
             cpp_sources=[CPP_DECLS],
@@ -120,3 +140,5 @@ def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ..
             build_directory=str(build_dir),
             verbose=verbose,
         )
+    finally:
+        lock.release()

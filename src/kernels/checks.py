@@ -30,6 +30,9 @@ FIXED_CASES = [
     (5, 8, 1, [1, 2, 3, 64, 65], None, False),
     (2, 2, 8, [300, 4097], "tree", True),  # 16 rows: the split kernel's one-m16-tile build
     (3, 4, 2, [70000, 1, 513], "tree", True),  # 8 rows: that build with the rows as the mma's N
+    (1, 8, 4, 300, "causal", False),       # decode layout with 4 queries: their keys end the prefix
+    (1, 8, 16, 262144, "tree", True),      # the longest context the kernel serves
+    (2, 128, 1, [262144, 4097], None, False),  # decode at 256k, 128 heads
 ]
 
 
@@ -55,7 +58,8 @@ SCHEDULE_VARIANTS = [
 def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
                tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
                cta_rows: int | None = None):
-    """The kernel on a `make_verify_case` dict, with NaN-poisoned out and lse (`kernel_defines`:
+    """The kernel on a `make_verify_case` dict, with NaN-poisoned out, lse and workspace, its
+    index values checked first (`kernel_defines`:
     a diagnostic build of mla_verify.cuh, e.g. ("GROUP_BARRIERS=1",); `cta_rows`: 32, the split
     kernel, or 64, the wide kernel; None picks by shape)."""
     q = case["q"]
@@ -65,10 +69,14 @@ def run_kernel(case: dict, max_q_len: int, num_splits: int | None = None,
     batch = case["qo_indptr"].numel() - 1
     ws = MlaVerifyWorkspace(batch * max_q_len, H, q.device, num_splits=num_splits, tile_keys=tile_keys,
                               kernel_defines=kernel_defines, cta_rows=cta_rows)
+    # A fresh workspace may reuse an earlier one's memory: NaN makes a partial slot that the
+    # combine step reads without this call having written it show in the output.
+    ws.partial_o.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
     mla_verify_attention(q, case["kv_pool"], case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
                          out=out, lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=max_q_len,
                          k_extend=case["k_extend"], custom_mask=case["custom_mask"],
-                         mask_indptr=case["mask_indptr"])
+                         mask_indptr=case["mask_indptr"], check_values=True)
     return out, lse
 
 

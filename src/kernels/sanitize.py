@@ -66,6 +66,25 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         f" kernel_defines={tuple(defines)!r})\n"
         "        mla_verify_attention(d['q'], d['kv_pool'], d['qo_indptr'], d['kv_indptr'], d['kv_indices'], out=o,"
         " lse=l, workspace=ws, sm_scale=d['sm_scale'], max_q_len=1, k_extend=d['k_extend'])\n"
+        "e = make_verify_case(batch=2, heads=3, q_len=4, ctx_lens=[1, 37], mask=None, device='cuda')"
+        "  # no mask: the implicit causal chain; ctx 1\n"
+        "e['kv_indices'] = e['kv_indices'].to(torch.int32)  # the 4-byte index loads\n"
+        "q = torch.cat([e['q'], torch.randn(2, 3, 576, device='cuda').bfloat16()])  # 2 padding tokens\n"
+        "ke = torch.cat([e['k_extend'], torch.randn(2, 1, 576, device='cuda').bfloat16()])\n"
+        "o, l = torch.empty(10, 3, 512, device='cuda', dtype=torch.bfloat16), torch.empty(10, 3, device='cuda')\n"
+        "for rows in (32, 64):  # 8 splits over 1 and 37 keys: empty splits\n"
+        "    ws = MlaVerifyWorkspace(10, 3, 'cuda', num_splits=8, cta_rows=rows,"
+        f" kernel_defines={tuple(defines)!r})\n"
+        "    mla_verify_attention(q, e['kv_pool'], e['qo_indptr'], e['kv_indptr'], e['kv_indices'], out=o, lse=l,"
+        " workspace=ws, sm_scale=e['sm_scale'], max_q_len=5, k_extend=ke)\n"
+        "f = make_verify_case(batch=1, heads=8, q_len=4, ctx_lens=50, mask='causal', with_k_extend=False,"
+        " device='cuda')  # decode layout, 4 queries\n"
+        "o, l = torch.empty(4, 8, 512, device='cuda', dtype=torch.bfloat16), torch.empty(4, 8, device='cuda')\n"
+        "ws = MlaVerifyWorkspace(4, 8, 'cuda', num_splits=2, cta_rows=32,"
+        f" kernel_defines={tuple(defines)!r})\n"
+        "mla_verify_attention(f['q'], f['kv_pool'], f['qo_indptr'], f['kv_indptr'], f['kv_indices'], out=o, lse=l,"
+        " workspace=ws, sm_scale=f['sm_scale'], max_q_len=4, custom_mask=f['custom_mask'],"
+        " mask_indptr=f['mask_indptr'])\n"
         "torch.cuda.synchronize(); print('ran')\n")
 
 
@@ -84,6 +103,13 @@ def parse_report(report: str) -> dict:
     return {"count": count, "summary": m.group(1) if m else None, "first_lines": lines[:8]}
 
 
+def sanitizer_env() -> dict:
+    """The sanitized process's environment: torch's caching allocator off, so that every tensor
+    is its own allocation and an access past one is outside any, which memcheck reports (inside
+    a cached block it would land in another tensor's memory, unseen)."""
+    return {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+
+
 def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -> dict:
     """Run one sanitizer tool on the case under one build; clean means exit 0, 'ran' and a 0 count."""
     if tool not in TOOLS:
@@ -92,7 +118,7 @@ def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -
     if exe is None:
         raise RuntimeError("compute-sanitizer is not on PATH")
     proc = subprocess.run([exe, f"--tool={tool}", "--error-exitcode=3", sys.executable, "-c", case_script(defines)],
-                          capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+                          capture_output=True, text=True, timeout=timeout_s, env=sanitizer_env())
     report = proc.stdout + proc.stderr
     parsed = parse_report(report)
     clean = proc.returncode == 0 and "ran" in proc.stdout and parsed["count"] == 0

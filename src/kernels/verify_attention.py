@@ -213,9 +213,35 @@ def _as_rows(arg: str, t, device):
     return t
 
 
+def check_index_values(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale: float, max_q_len: int,
+                       k_extend=None, custom_mask=None, mask_indptr=None) -> None:
+    """The preconditions that live in the index tensors' values, which the launch cannot check
+    without a host sync: qo_indptr and kv_indptr start at 0 and never decrease, qo_indptr ends
+    at or before T, no request has more than max_q_len queries, kv_indptr ends within
+    kv_indices, every used kv_indices entry is a pool row, without k_extend each request's
+    prefix holds its own query tokens, and the mask holds every request's rows. Raises
+    ValueError naming the argument. Reads the tensors back to the host, so it cannot run while
+    a CUDA graph is being captured."""
+    from ..reference import validate_verify_args
+
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        _fail("check_values", "reads the index tensors back to the host, which a CUDA graph capture forbids")
+    qo = qo_indptr.tolist()
+    if qo[0] != 0 or any(b < a for a, b in zip(qo, qo[1:])):
+        _fail("qo_indptr", f"must start at 0 and never decrease, got {qo[:8]}{' ...' if len(qo) > 8 else ''}")
+    if qo[-1] > q.shape[0]:
+        _fail("qo_indptr", f"ends at {qo[-1]}, past q's {q.shape[0]} tokens")
+    long = next(((b, t1 - t0) for b, (t0, t1) in enumerate(zip(qo, qo[1:])) if t1 - t0 > max_q_len), None)
+    if long is not None:
+        _fail("qo_indptr", f"request {long[0]} has {long[1]} queries, more than max_q_len {max_q_len}")
+    n = qo[-1]   # tokens past it are graph padding, which the reference does not take
+    validate_verify_args(q[:n], kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale,
+                         None if k_extend is None else k_extend[:n], custom_mask, mask_indptr)
+
+
 def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, lse, workspace,
                          sm_scale: float, max_q_len: int, k_extend=None, custom_mask=None,
-                         mask_indptr=None):
+                         mask_indptr=None, check_values: bool = False):
     """Absorbed MLA attention for speculative verify (q_len 1..16) and decode (q_len 1).
 
     Args:
@@ -237,11 +263,16 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             0 and -inf; tokens past max_q_len within a request get NaN (a broken contract).
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
+        check_values: also check the index tensors' values first (`check_index_values`):
+            one host sync, so for eager calls and debugging, never under graph capture.
 
     Returns out. Launches on the current stream, with no allocation and no host sync.
-    Preconditions that would need a sync to check: qo_indptr[-1] <= T, every q_len <=
-    max_q_len (rows past it come out NaN), kv_indices in range of the pool.
+    Preconditions that only check_values checks: qo_indptr[-1] <= T, every q_len <=
+    max_q_len (rows past it come out NaN), kv_indices in range of the pool, the mask's length.
     """
+    if isinstance(q, torch.Tensor) and not q.is_cuda and any(
+            isinstance(t, torch.Tensor) and t.is_cuda for t in (kv_pool, qo_indptr, kv_indptr, kv_indices, out, lse)):
+        _fail("q", f"on {q.device}, but the other tensors are on CUDA")
     _check("q", q, dtypes=(torch.bfloat16,), dim=3, align=16)
     dev = q.device
     T, H, D = q.shape
@@ -260,7 +291,7 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     batch = qo_indptr.numel() - 1
     if batch > 65535:
         _fail("qo_indptr", f"batch {batch} exceeds 65535 requests per call")
-    if not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
+    if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
         _fail("max_q_len", f"must be an int in 1..{MAX_Q_LEN}, got {max_q_len!r}")
     if T > batch * max_q_len:
         _fail("q", f"{T} tokens exceed batch {batch} x max_q_len {max_q_len}")
@@ -295,8 +326,14 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     if batch * max_q_len * H * splits > workspace.capacity_rows:
         _fail("workspace", f"too small: {batch} requests x max_q_len {max_q_len} x {H} heads x {splits} "
               f"splits > {workspace.capacity_rows} rows (allocated for max_tokens={workspace.max_tokens})")
+    # a tensor sm_scale would cost a sync here and break graph capture; a bool is no scale
+    if isinstance(sm_scale, (bool, torch.Tensor)) or not isinstance(sm_scale, (int, float)):
+        _fail("sm_scale", f"must be a Python float, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         _fail("sm_scale", f"must be a positive finite float, got {sm_scale!r}")
+    if check_values:
+        check_index_values(q, kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale, max_q_len=max_q_len,
+                           k_extend=k_extend, custom_mask=custom_mask, mask_indptr=mask_indptr)
     if dev.type != "cuda":
         _fail("q", f"must be a CUDA tensor, got {dev}")
 
