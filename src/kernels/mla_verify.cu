@@ -130,8 +130,34 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                   q.is_contiguous(), "q must be a contiguous CUDA bf16 tensor [T, H, 576]");
   TORCH_CHECK(kv_pool.scalar_type() == at::kBFloat16 && kv_pool.is_contiguous() &&
                   kv_pool.size(-1) == kDimQK, "kv_pool must be contiguous bf16 [P, 576]");
+  // Host metadata only (no sync): mla_verify_attention checks all of this with named errors
+  // first; these keep a direct call to the extension from faulting the device.
+  const auto dev = q.device();
+  auto on_dev = [&](const at::Tensor& t) { return t.device() == dev; };
+  TORCH_CHECK(on_dev(kv_pool) && on_dev(qo_indptr) && on_dev(kv_indptr) && on_dev(kv_indices) && on_dev(out) &&
+                  on_dev(lse) && on_dev(ws_o) && on_dev(ws_lse), "every tensor must be on q's device");
+  TORCH_CHECK(q.size(1) >= 1 && q.size(1) <= 128, "heads must be in 1..128");
+  TORCH_CHECK(qo_indptr.scalar_type() == at::kInt && kv_indptr.scalar_type() == at::kInt &&
+                  qo_indptr.dim() == 1 && kv_indptr.numel() == qo_indptr.numel(),
+              "qo_indptr and kv_indptr must be int32 [B+1]");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kInt || kv_indices.scalar_type() == at::kLong,
+              "kv_indices must be int32 or int64");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == q.size(0) * q.size(1) * kDimV,
+              "out must be contiguous bf16 [T, H, 512]");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == q.size(0) * q.size(1),
+              "lse must be contiguous float32 [T, H]");
+  TORCH_CHECK(ws_o.scalar_type() == at::kFloat && ws_lse.scalar_type() == at::kFloat, "workspace must be float32");
+  TORCH_CHECK(!k_extend.has_value() || (on_dev(*k_extend) && k_extend->scalar_type() == at::kBFloat16 &&
+                                        k_extend->is_contiguous() && k_extend->numel() == q.size(0) * kDimQK),
+              "k_extend must be contiguous bf16 [T, 576] on q's device");
+  TORCH_CHECK(custom_mask.has_value() == mask_indptr.has_value(), "custom_mask and mask_indptr go together");
+  TORCH_CHECK(!custom_mask.has_value() ||
+                  (on_dev(*custom_mask) && on_dev(*mask_indptr) && custom_mask->element_size() == 1 &&
+                   (mask_indptr->scalar_type() == at::kInt || mask_indptr->scalar_type() == at::kLong) &&
+                   mask_indptr->numel() == qo_indptr.numel()),
+              "custom_mask must be 1-byte and mask_indptr int32/int64 [B+1], on q's device");
   TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits out of range");
-  TORCH_CHECK(max_q_len >= 1, "max_q_len must be >= 1");
+  TORCH_CHECK(max_q_len >= 1 && max_q_len <= 16, "max_q_len must be in 1..16");
   TORCH_CHECK(tile_keys == 16 || tile_keys == 32, "tile_keys must be 16 or 32");
   TORCH_CHECK(cta_rows == kRowsPerCta || (cta_rows == wide::kRows && tile_keys == wide::kKeys),
               "cta_rows must be 32, or 64 with 16-key tiles");
