@@ -120,9 +120,12 @@ def balancedness(load) -> np.ndarray:
         return ((g.mean(axis=1) + 1e-5) / (g.max(axis=1) + 1e-5)).astype(np.float64)
 
 
-def placement_label(gpus_in_run: int, num_gpus: int = EP_GPUS) -> str:
-    """'EP8' when the run had that many GPUs, else 'simulated EP8'."""
-    return f"EP{num_gpus}" if gpus_in_run >= num_gpus else f"simulated EP{num_gpus}"
+def placement_label(ep_size: int, num_gpus: int = EP_GPUS) -> str:
+    """'EP8' when the run placed its experts over that many GPUs (its ep_size), else
+    'simulated EP8': under plain TP every GPU holds every expert, however many GPUs ran."""
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+        raise ValueError(f"ep_size: expected a positive int, got {ep_size!r}")
+    return f"EP{num_gpus}" if ep_size == num_gpus else f"simulated EP{num_gpus}"
 
 
 def expert_load_frame(counts, layers: list[int] | None = None):
@@ -140,8 +143,9 @@ def expert_load_frame(counts, layers: list[int] | None = None):
     return pd.DataFrame(rows, columns=["layer", "expert", "tokens", "share"])
 
 
-def gpu_load_frame(counts, num_gpus: int = EP_GPUS, gpus_in_run: int = 1, layers: list[int] | None = None):
-    """Tidy (layer, gpu, tokens, relative_load, balancedness, placement) for the MoE layers."""
+def gpu_load_frame(counts, num_gpus: int = EP_GPUS, ep_size: int = 1, layers: list[int] | None = None):
+    """Tidy (layer, gpu, tokens, relative_load, balancedness, placement) for the MoE layers; the
+    run's `ep_size` says whether the placement was the run's or simulated (placement_label)."""
     import pandas as pd
 
     c = _check_counts(counts)
@@ -150,7 +154,7 @@ def gpu_load_frame(counts, num_gpus: int = EP_GPUS, gpus_in_run: int = 1, layers
         raise ValueError("counts: no layer routed any token")
     load = gpu_load(c[layers], num_gpus)
     bal = balancedness(load)
-    label = placement_label(gpus_in_run, num_gpus)
+    label = placement_label(ep_size, num_gpus)
     rows = []
     for i, l in enumerate(layers):
         mean = load[i].mean()
@@ -159,9 +163,12 @@ def gpu_load_frame(counts, num_gpus: int = EP_GPUS, gpus_in_run: int = 1, layers
     return pd.DataFrame(rows, columns=["layer", "gpu", "tokens", "relative_load", "balancedness", "placement"])
 
 
-def expert_heatmap_chart(df, num_gpus: int = EP_GPUS, title: str = ""):
-    """Altair heat map: layer × expert, colour = load relative to the layer mean; rules at GPU blocks."""
+def expert_heatmap_chart(df, num_gpus: int = EP_GPUS, title: str = "", source: str = ""):
+    """Altair heat map: layer × expert, colour = load relative to the layer mean; rules at GPU
+    blocks; `source` (service_charts.source_label) says whether it is recorded or live."""
     import altair as alt
+
+    from .service_charts import chart_title
 
     need = {"layer", "expert", "share"}
     if not need <= set(df.columns):
@@ -184,13 +191,16 @@ def expert_heatmap_chart(df, num_gpus: int = EP_GPUS, title: str = ""):
 
         edges = pd.DataFrame({"x": [per_gpu * g for g in range(1, num_gpus)]})
         layers.append(alt.Chart(edges).mark_rule(color="white", strokeDash=[3, 2]).encode(x="x:Q"))
-    return alt.layer(*layers).properties(
-        title=title or f"Routed tokens per expert (white rules: {num_gpus}-GPU expert blocks)")
+    return alt.layer(*layers).properties(title=chart_title(
+        title or f"Routed tokens per expert (white rules: {num_gpus}-GPU expert blocks)", source))
 
 
-def gpu_imbalance_chart(df, title: str = ""):
-    """Altair bars: each GPU's load relative to the mean, one panel per MoE layer."""
+def gpu_imbalance_chart(df, title: str = "", source: str = ""):
+    """Altair bars: each GPU's load relative to the mean, one panel per MoE layer; `source` as
+    in expert_heatmap_chart."""
     import altair as alt
+
+    from .service_charts import chart_title
 
     need = {"layer", "gpu", "relative_load", "balancedness", "placement"}
     if not need <= set(df.columns):
@@ -205,4 +215,5 @@ def gpu_imbalance_chart(df, title: str = ""):
     placement = ", ".join(sorted(d["placement"].unique()))
     return (alt.layer(bars, rule, data=d).properties(width=160, height=120)
             .facet(facet=alt.Facet("panel:N", title=None), columns=4)
-            .properties(title=title or f"Per-GPU expert load ({placement}; balancedness = mean/max)"))
+            .properties(title=chart_title(title or f"Per-GPU expert load ({placement}; balancedness = mean/max)",
+                                          source)))

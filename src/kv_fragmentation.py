@@ -451,9 +451,38 @@ def kernel_layout_timing(layouts: dict[str, np.ndarray], batch: int = 8, heads: 
     return pd.DataFrame(rows)
 
 
-def kernel_layout_chart(timings: pd.DataFrame):
-    """Kernel time per layout of the same request (one verify step)."""
+KERNEL_LAYOUT_COLUMNS = ["layout", "batch", "heads", "q_len", "keys_per_request", "runs", "pages_touched",
+                         "time_us", "kv_gb_per_s"]
+
+
+def recorded_kernel_layout(records: pd.DataFrame) -> pd.DataFrame:
+    """The kernel-layout timings of one recorded run (kind "kernel_layout"), the newest: the
+    layouts are compared within one run, never across GPUs or commits. Empty where none."""
+    d = records[records["kind"] == "kernel_layout"] if "kind" in records else records[:0]
+    if len(d) == 0:
+        return pd.DataFrame(columns=KERNEL_LAYOUT_COLUMNS)
+    # one append is one run: its records share the GPU, the commit and the date
+    run = [k for k in ("gpu", "commit", "date") if k in d]
+    newest = d.sort_values("date").iloc[-1] if "date" in d else d.iloc[-1]
+    return d[(d[run] == newest[run]).all(axis=1)].reset_index(drop=True)
+
+
+def kernel_layout_table(timings: pd.DataFrame) -> pd.DataFrame:
+    """The compact table a notebook prints (rounded): each layout's time and KV bytes per second."""
+    missing = set(KERNEL_LAYOUT_COLUMNS) - set(timings.columns)
+    if missing:
+        raise ValueError(f"timings: missing columns {sorted(missing)}")
+    t = timings[KERNEL_LAYOUT_COLUMNS].round({"time_us": 1}).reset_index(drop=True)
+    t["kv_gb_per_s"] = t["kv_gb_per_s"].round().astype(int)
+    return t
+
+
+def kernel_layout_chart(timings: pd.DataFrame, source: str = ""):
+    """Kernel time per layout of the same request (one verify step); `source`
+    (service_charts.source_label) says whether it shows recorded or live timings."""
     import altair as alt
+
+    from .service_charts import chart_title
 
     return alt.Chart(timings).mark_bar().encode(
         y=alt.Y("layout:N", title=None, sort=list(timings["layout"])),
@@ -462,7 +491,7 @@ def kernel_layout_chart(timings: pd.DataFrame):
         tooltip=["layout", "runs", "pages_touched", alt.Tooltip("time_us:Q", format=".1f"),
                  alt.Tooltip("kv_gb_per_s:Q", format=".0f")],
     ).properties(width=360, height=30 * max(1, len(timings)),
-                 title="sm120_mla kernel: same request, different KV slot layouts")
+                 title=chart_title("sm120_mla kernel: same request, different KV slot layouts", source))
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .dummy_models import K2_LAYERS
-from .service_charts import POINT_KEYS, config_label, ctx_label
+from .service_charts import POINT_KEYS, chart_title, ctx_label, label_of
 
 # A configuration is a point less its layer count.
 CONFIG_KEYS = [k for k in POINT_KEYS if k != "layers"]
@@ -48,7 +48,7 @@ def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.D
         # The commits behind the line: points re-measured with newer code replace older ones
         # (decode_points), so one line can span two kernel versions; the table says so.
         commits = "/".join(sorted(set(g["commit"].astype(str)))) if "commit" in g else "?"
-        rows.append({**r, "config": config_label(r["backend"], r["expert_record"], r["ngram_tail"], r["tp"]),
+        rows.append({**r, "config": label_of(r),
                      "ctx_label": ctx_label(int(r["ctx"])), "layers_measured": sorted(int(x) for x in set(layers)),
                      "commits": commits,
                      "fixed_ms": fixed, "per_layer_ms": per_layer, "max_residual_pct": residual,
@@ -104,9 +104,11 @@ def scaling_table(fit: pd.DataFrame) -> pd.DataFrame:
                     "projected_tok_s": 1}).reset_index(drop=True)
 
 
-def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ngram", title: str = ""):
+def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ngram", title: str = "",
+                        source: str = ""):
     """Step ms against layer count for one spec mode: measured points, and the fitted line
-    out to the projected layer count (dashed), one panel per context."""
+    out to the projected layer count (dashed), one panel per context; `source`
+    (service_charts.source_label) says whether the points are recorded or live."""
     import altair as alt
 
     f = fit[fit["spec"] == spec]
@@ -118,7 +120,7 @@ def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ng
                            "step_ms": r.fixed_ms + r.per_layer_ms * n}
                           for r in f.itertuples() for n in range(1, top + 1)])   # curved on a log axis
     p = points[(points["spec"] == spec) & points["ctx"].isin(f["ctx"])].copy()
-    p["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail, r.tp) for r in p.itertuples()]
+    p["config"] = [label_of(r) for r in p.itertuples()]
     p = p[p["config"].isin(configs)].rename(columns={"verify_step_ms": "step_ms"})
     data = pd.concat([lines.assign(kind="fit"),
                       p[["config", "ctx_label", "ctx", "layers", "step_ms"]].assign(kind="measured")])
@@ -132,5 +134,5 @@ def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ng
     order = [ctx_label(c) for c in sorted(f["ctx"].unique())]
     return (alt.layer(fitted, measured, data=data).properties(width=200, height=200)
             .facet(column=alt.Column("ctx_label:N", title=None, sort=order))
-            .properties(title=title or f"Step time against layer count ({spec}): measured, and the fitted "
-                                       f"line out to {top} layers (a projection)"))
+            .properties(title=chart_title(title or f"Step time against layer count ({spec}): measured, and the "
+                                                   f"fitted line out to {top} layers (a projection)", source)))

@@ -5,20 +5,34 @@ The same functions serve a live run (records in memory) and recorded results (da
 """
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import numpy as np
 import pandas as pd
 
 # A point is one configuration: records differing in any of these are never pooled or paired.
 # expert_record (the recorder costs time on every forward) and ngram_tail (the host-side NGRAM
 # fix, patches/ngram_tail.py) change the step time without changing the kernel.
-POINT_KEYS = ["gpu", "model", "layers", "tp", "weights", "backend", "spec", "draft_tokens", "ctx",
-              "expert_record", "ngram_tail"]
-_FLAG_KEYS = ("expert_record", "ngram_tail")   # booleans; absent in older records: False
+POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
+              "decode_tokens", "cuda_graph", "expert_record", "ngram_tail"]
+# What a record without the key ran with (older records predate ep_size and ngram_tail;
+# decode_tokens: decode_bench's default).
+KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
+                "expert_record": False, "ngram_tail": False}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM"}
 
 
 def ctx_label(ctx: int) -> str:
     return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
+
+
+def short_commit(commit) -> str:
+    """A commit as 7 hex digits, keeping a "+dirty" suffix (the tree differed from the commit)."""
+    if commit is None or (isinstance(commit, float) and math.isnan(commit)):
+        return "?"
+    sha, plus, rest = str(commit).partition("+")
+    return sha[:7] + plus + rest
 
 
 def _need(df, cols, name="df"):
@@ -29,38 +43,47 @@ def _need(df, cols, name="df"):
         raise ValueError(f"{name}: missing columns {sorted(missing)}")
 
 
-def decode_points(df):
-    """One row per measured point: median over repeats of tok/s, accept length and step time,
-    from the newest commit that measured the point."""
-    _need(df, ["backend", "spec", "ctx", "tok_s", "accept_len", "verify_step_ms"])
+def _value(r, key):
+    """A record's (mapping or row tuple) value of `key`, at its default where absent or NaN."""
+    v = r.get(key) if isinstance(r, dict) else getattr(r, key, None)
+    return KEY_DEFAULTS.get(key) if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def with_defaults(df):
+    """A copy of records with every point key set: absent keys at KEY_DEFAULTS, else "?"."""
     d = df.copy()
-    for k in _FLAG_KEYS:
-        d[k] = d[k].fillna(False).astype(bool) if k in d else False
     for k in POINT_KEYS:
-        if k not in d.columns:
+        if k in KEY_DEFAULTS:
+            d[k] = d[k].where(d[k].notna(), KEY_DEFAULTS[k]) if k in d else KEY_DEFAULTS[k]
+        elif k not in d.columns:
             d[k] = "?"
-    d["draft_tokens"] = d["draft_tokens"].fillna(0).astype(int)
-    # A point measured again with newer code (a faster kernel) is that code's: keep the newest
-    # commit's records of each point, and repeats within it.
-    if "commit" in d and "date" in d:
-        d["commit"] = d["commit"].fillna("?").astype(str).str[:7]
-        # (two runs on one machine append in turn, so the file is not in date order)
-        newest = d.sort_values("date").groupby(POINT_KEYS, dropna=False)["commit"].transform("last")
-        d = d[d["commit"] == newest.reindex(d.index)]
-    else:
-        d["commit"] = "?"
-    agg = (d.groupby(POINT_KEYS, dropna=False)
+    for k in ("ep_size", "decode_tokens", "draft_tokens"):
+        d[k] = d[k].astype(int)
+    for k in ("cuda_graph", "expert_record", "ngram_tail"):
+        d[k] = d[k].astype(bool)
+    return d
+
+
+def decode_points(df, every_run: bool = False):
+    """One row per measured point: median over repeats of tok/s, accept length and step time.
+    A point measured again with newer code (a faster kernel) is that code's: the newest run's
+    (commit's) records, or with `every_run` one row per run, for pairing within a run."""
+    _need(df, ["backend", "spec", "ctx", "tok_s", "accept_len", "verify_step_ms"])
+    d = with_defaults(df)
+    d["commit"] = d["commit"].map(short_commit) if "commit" in d else "?"
+    d["date"] = d["date"].fillna("").astype(str) if "date" in d else ""
+    agg = (d.groupby(POINT_KEYS + ["commit"], dropna=False)
              .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
-                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"),
-                  commit=("commit", "first"))
+                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"), date=("date", "max"))
              .reset_index())
+    if not every_run:   # (two runs on one machine append in turn, so the file is not in date order)
+        agg = agg.sort_values("date").groupby(POINT_KEYS, dropna=False).tail(1)
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
-    # the layer count joins the label only where the records hold more than one
-    show_layers = agg["layers"].nunique() > 1
-    agg["config"] = [config_label(r.backend, r.expert_record, r.ngram_tail, r.tp, r.layers if show_layers else None)
-                     for r in agg.itertuples()]
-    return agg.sort_values(["backend", "spec", "ctx"]).reset_index(drop=True)
+    # the layer count and decode tokens join the label only where the records hold more than one
+    agg["config"] = [label_of(r, layers=agg["layers"].nunique() > 1,
+                              decode_tokens=agg["decode_tokens"].nunique() > 1) for r in agg.itertuples()]
+    return agg.sort_values(["backend", "spec", "ctx", "layers", "tp", "config", "date"]).reset_index(drop=True)
 
 
 def tp_of(value) -> int | None:
@@ -76,27 +99,57 @@ def select_tp(df, tp: int = 1):
     return df[df["tp"].map(tp_of) == tp]
 
 
-def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None) -> str:
+def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
+                 ep_size=1, cuda_graph: bool = True, decode_tokens=None) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
-    usual run (one GPU, expert recorder on, SGLang's NGRAM draft prep unpatched), and the
-    model's layer count when given."""
-    n = tp_of(tp)
-    return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f", {int(layers)} layers" if layers is not None else "")
-            + ("" if expert_record else " (recorder off)") + (" + ngram_tail" if ngram_tail else ""))
+    usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
+    draft prep unpatched), and the layer count and decode tokens when given."""
+    n, ep = tp_of(tp), tp_of(ep_size)
+    return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
+            + (f", {int(layers)} layers" if layers is not None else "")
+            + (f", {int(decode_tokens)} decode tokens" if decode_tokens is not None else "")
+            + ("" if expert_record else " (recorder off)") + ("" if cuda_graph else " (no CUDA graph)")
+            + (" + ngram_tail" if ngram_tail else ""))
+
+
+def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
+    """config_label of a record or point (a mapping or a row tuple), absent keys at their defaults;
+    with `layers` / `decode_tokens`, those too."""
+    v = lambda k: _value(r, k)  # noqa: E731
+    return config_label(v("backend"), bool(v("expert_record")), bool(v("ngram_tail")), v("tp"),
+                        v("layers") if layers else None, ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")),
+                        decode_tokens=v("decode_tokens") if decode_tokens else None)
+
+
+def pair_points(mine, base, keys, value: str = "tok_s"):
+    """Each point of `mine` with the point of `base` that has equal `keys`: from the same run
+    (commit) where both were measured in one, the newest such pair; else the newest of each,
+    from separate runs; else none (base columns NaN). `same_run` says which. Runs differ in
+    code and in load (another job on the machine), so a pair within one run is the fair one."""
+    b = base[keys + [value, "commit", "date"]].rename(
+        columns={value: f"base_{value}", "commit": "base_commit", "date": "base_date"})
+    m = mine.merge(b, on=keys, how="left")
+    m["same_run"] = (m["commit"] == m["base_commit"]) & (m["commit"] != "?")
+    m = m.sort_values(["same_run", "date", "base_date"], na_position="first")
+    return m.groupby(POINT_KEYS, dropna=False).tail(1).reset_index(drop=True)
+
+
+def _need_runs(points, name="points"):
+    _need(points, POINT_KEYS + ["tok_s"], name)
+    return points if {"commit", "date"} <= set(points) else points.assign(commit="?", date="")
 
 
 def speedup_over(points, baseline: str = "triton"):
-    """tok/s of each backend divided by the baseline backend's at the same point."""
-    _need(points, POINT_KEYS + ["tok_s"], "points")
-    keys = [k for k in POINT_KEYS if k != "backend"]
-    carry = ["tok_s"] + (["commit"] if "commit" in points else [])
-    base = points[points["backend"] == baseline][keys + carry].rename(
-        columns={"tok_s": "base_tok_s", "commit": "base_commit"})
+    """tok/s of each backend divided by the baseline backend's at the same point, paired within
+    one run where the points (decode_points(..., every_run=True)) hold one (pair_points)."""
+    points = _need_runs(points)
+    base = points[points["backend"] == baseline]
     if len(base) == 0:
         raise ValueError(f"points: no rows of the baseline backend {baseline!r}")
-    m = points.merge(base, on=keys, how="inner")
+    m = pair_points(points, base, [k for k in POINT_KEYS if k != "backend"])
+    m = m[m["base_tok_s"].notna()].copy()
     m["speedup"] = m["tok_s"] / m["base_tok_s"]
-    return m
+    return m.sort_values(["backend", "spec", "ctx", "layers", "config"]).reset_index(drop=True)
 
 
 def speedup_table(sp):
@@ -110,44 +163,90 @@ def speedup_table(sp):
 
 # The live-service issue's targets at TP1 with speculation on: sm120_mla over triton.
 SPEEDUP_TARGETS = {4096: 3.0, 16384: 4.3, 65536: 6.1}
+TARGET_COLUMNS = ["target", "config", "measured", "ratio", "met", "commits", "pairing"]
+
+
+def _target_row(target, r, need, mine: str, base: str):
+    """One target's row from a pair_points row: measured, or "not measured" naming the side
+    that is missing (met None, never False)."""
+    missing = mine if pd.isna(r.tok_s) else base if pd.isna(r.base_tok_s) else None
+    if missing:
+        return {"target": target, "config": r.config, "measured": "not measured", "ratio": float("nan"),
+                "met": None, "commits": "", "pairing": f"no {missing} point"}
+    ratio = r.tok_s / r.base_tok_s
+    return {"target": target, "config": r.config, "measured": f"{r.tok_s:.0f} vs {r.base_tok_s:.0f} tok/s",
+            "ratio": round(ratio, 2), "met": bool(ratio >= need), "commits": f"{r.commit} / {r.base_commit}",
+            "pairing": "same run" if r.same_run else "separate runs"}
 
 
 def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", tp: int = 1) -> pd.DataFrame:
-    """The service targets, measured at `tp` GPUs per server (the issue's are at TP1): `ours`
-    over `baseline` with speculation at each target context (pairs matched on every point key,
-    as speedup_over does), and `ours` with speculation against `ours` without it wherever both
-    were measured on the same model and GPU. A target with a side missing reads "not measured"
-    (met None), never "missed"; the commits say when the two sides come from separate runs."""
-    _need(points, POINT_KEYS + ["tok_s"], "points")
-    pts = select_tp(points, tp)
-    pts = pts if "commit" in pts else pts.assign(commit="?")
+    """The service targets, measured at `tp` GPUs per server (the issue's are at TP1), one row
+    per configuration of `ours` that ran the speculation mode: `ours` over `baseline` at each
+    target context, and `ours` with speculation against `ours` without it at each context it
+    ran. Pairs match on every point key and come from one run where the points (pass
+    decode_points(..., every_run=True)) hold one; `pairing` says so, or "separate runs". A
+    side not measured reads "not measured" (met None), never "missed", and names that side."""
+    pts = select_tp(_need_runs(points), tp)
+    mine_all, base = pts[pts["backend"] == ours], pts[pts["backend"] == baseline]
+    config_keys = [k for k in POINT_KEYS if k not in ("backend", "ctx")]
     rows = []
-
-    def row(target, a, b, ratio, met):
-        return {"target": target, "config": a.config, "measured": f"{a.tok_s:.0f} vs {b:.0f} tok/s",
-                "ratio": round(ratio, 2), "met": bool(met), "commits": f"{a.commit} / {a.base_commit}"}
-
-    sp = speedup_over(pts, baseline) if (pts["backend"] == baseline).any() else None
     for spec in [s for s in pts["spec"].unique() if s != "none"]:
+        mine = mine_all[mine_all["spec"] == spec]
+        configs = mine.drop_duplicates(config_keys).sort_values(["layers", "config"])[config_keys + ["config"]]
+        pairs = pair_points(mine, base, [k for k in POINT_KEYS if k != "backend"]).drop(columns="config")
         for ctx, need in SPEEDUP_TARGETS.items():
             target = f"{spec} {ctx_label(ctx)}: {ours} >= {need:g}x {baseline}"
-            pairs = [] if sp is None else list(
-                sp[(sp["backend"] == ours) & (sp["spec"] == spec) & (sp["ctx"] == ctx)].itertuples())
-            rows += [row(target, r, r.base_tok_s, r.speedup, r.speedup >= need) for r in pairs] or [
+            at = configs.merge(pairs[pairs["ctx"] == ctx], on=config_keys, how="left")
+            rows += [_target_row(target, r, need, ours, baseline) for r in at.itertuples()] or [
                 {"target": target, "config": "", "measured": "not measured", "ratio": float("nan"), "met": None,
-                 "commits": ""}]
+                 "commits": "", "pairing": f"no {ours} point"}]
         # speculation against plain decode: the same point but for spec and its draft tokens
-        keys = [k for k in POINT_KEYS if k not in ("spec", "draft_tokens")]
-        mine = pts[pts["backend"] == ours]
-        plain = mine[mine["spec"] == "none"][keys + ["tok_s", "commit"]].rename(
-            columns={"tok_s": "base_tok_s", "commit": "base_commit"})
-        both = mine[mine["spec"] == spec].merge(plain, on=keys, how="inner").sort_values("ctx")
-        for r in both.itertuples():
-            rows.append(row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode", r, r.base_tok_s,
-                            r.tok_s / r.base_tok_s, r.tok_s >= r.base_tok_s))
-    out = pd.DataFrame(rows, columns=["target", "config", "measured", "ratio", "met", "commits"])
+        plain = mine_all[mine_all["spec"] == "none"]
+        vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS if k not in ("spec", "draft_tokens")])
+        for r in vs_plain.sort_values(["layers", "config", "ctx"]).itertuples():
+            rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode", r, 1.0,
+                                    ours, "plain-decode"))
+    out = pd.DataFrame(rows, columns=TARGET_COLUMNS)
     out["met"] = out["met"].astype(object)
     return out
+
+
+def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", layers: int = 4,
+                   tp: int = 1) -> pd.DataFrame:
+    """What SGLang's NGRAM draft prep fixed (ngram_tail) gains, from two adjacent runs of one
+    configuration otherwise: the newest run without the fix and the run with it nearest in time
+    (the least else changed: kernel, load). `points` from decode_points(..., every_run=True);
+    one row per context both runs measured, empty where either run is missing."""
+    d = select_tp(_need_runs(points), tp)
+    # the usual run otherwise: expert recorder on, no expert parallelism, CUDA graphs
+    d = d[(d["backend"] == backend) & (d["spec"] == spec) & (d["layers"] == layers) & d["expert_record"]
+          & (d["ep_size"] == 1) & d["cuda_graph"]]
+    cols = ["ctx_label", "unpatched_tok_s", "ngram_tail_tok_s", "gain", "commits"]
+    off, on = d[~d["ngram_tail"]], d[d["ngram_tail"]]
+    if len(off) == 0 or len(on) == 0:
+        return pd.DataFrame(columns=cols)
+
+    def run_times(x):   # each run's (commit's) last record
+        return pd.to_datetime(x.groupby("commit")["date"].max(), utc=True)
+
+    off_times = run_times(off).sort_values()
+    c_off = off_times.index[-1]
+    c_on = (run_times(on) - off_times.iloc[-1]).abs().idxmin()
+    same = [k for k in POINT_KEYS if k != "ngram_tail"]   # one configuration but for the fix
+    m = off[off["commit"] == c_off].merge(on[on["commit"] == c_on], on=same, suffixes=("_off", "_on"))
+    return pd.DataFrame({"ctx_label": m["ctx"].map(ctx_label), "unpatched_tok_s": m["tok_s_off"].round(1),
+                         "ngram_tail_tok_s": m["tok_s_on"].round(1),
+                         "gain": (m["tok_s_on"] / m["tok_s_off"]).round(2),
+                         "commits": f"{c_off} -> {c_on}"}, columns=cols)
+
+
+def startup_summary(records) -> str:
+    """How long the recorded servers took to start: one start per server (run_id)."""
+    _need(records, ["run_id", "startup_s"], "records")
+    s = records.groupby("run_id")["startup_s"].first().dropna()
+    if len(s) == 0:
+        return "no recorded start-up times"
+    return f"{len(s)} server starts: {s.min():.0f}-{s.max():.0f} s (median {s.median():.0f} s)"
 
 
 def decode_table(points):
@@ -162,8 +261,34 @@ def _spec_order(d) -> list[str]:
     return [t for t in SPEC_TITLES.values() if t in present] + sorted(present - set(SPEC_TITLES.values()))
 
 
-def decode_speed_chart(points, title: str = ""):
-    """Decode tok/s against context (log-log), one line per backend, one panel per spec mode."""
+def source_label(df, live: bool) -> str:
+    """Where a chart's numbers come from, for its subtitle: "measured here" (this run) or
+    "recorded", with the GPU, the commits (the newest named) and the dates."""
+    where = "measured here" if live else "recorded"
+    if df is None or len(df) == 0:
+        return where
+    parts = [", ".join(sorted(set(df["gpu"].dropna().astype(str))))] if "gpu" in df else []
+    if "commit" in df:
+        d = df.sort_values("date") if "date" in df else df
+        commits = list(dict.fromkeys(short_commit(c) for c in d["commit"]))
+        parts.append(f"commit {commits[0]}" if len(commits) == 1 else f"{len(commits)} commits, newest {commits[-1]}")
+    if "date" in df:
+        dates = sorted(str(v)[:10] for v in df["date"].dropna())
+        parts.append(dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}")
+    return f"{where}: {'; '.join(p for p in parts if p)}"
+
+
+def chart_title(text: str, source: str = ""):
+    """A chart title with where its numbers come from (source_label) as its subtitle, so that
+    a saved chart says it too."""
+    import altair as alt
+
+    return alt.TitleParams(text, subtitle=source) if source else text
+
+
+def decode_speed_chart(points, title: str = "", source: str = ""):
+    """Decode tok/s against context (log-log), one line per backend, one panel per spec mode;
+    `source` (source_label) says whether it shows recorded or live numbers."""
     import altair as alt
 
     _need(points, ["config", "spec_title", "ctx", "tok_s", "ctx_label"], "points")
@@ -179,10 +304,10 @@ def decode_speed_chart(points, title: str = ""):
     return ((base.mark_line() + base.mark_point(filled=True))
             .properties(width=260, height=220)
             .facet(column=alt.Column("spec_title:N", title=None, sort=_spec_order(points)))
-            .properties(title=title or "Decode speed against context length"))
+            .properties(title=chart_title(title or "Decode speed against context length", source)))
 
 
-def speedup_chart(speedups, baseline: str = "triton", title: str = ""):
+def speedup_chart(speedups, baseline: str = "triton", title: str = "", source: str = ""):
     """Speedup over the baseline backend against context, one panel per spec mode."""
     import altair as alt
 
@@ -202,7 +327,7 @@ def speedup_chart(speedups, baseline: str = "triton", title: str = ""):
     return (alt.layer(base.mark_line() + base.mark_point(filled=True), rule, data=d)
             .properties(width=260, height=200)
             .facet(column=alt.Column("spec_title:N", title=None, sort=_spec_order(d)))
-            .properties(title=title or f"Speedup over the {baseline} backend"))
+            .properties(title=chart_title(title or f"Speedup over the {baseline} backend", source)))
 
 
 def nvml_samples(records):
@@ -220,21 +345,25 @@ def nvml_samples(records):
 
 
 def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int | None = None,
-               most_gpus: bool = False) -> dict:
+               most_gpus: bool = False, log: Callable[[str], None] | None = print) -> dict:
     """The (backend, spec, ctx, run_id) to show in single-point charts: the longest context of
-    the given (or first) backend and spec, latest run; with `most_gpus`, among the runs of the
-    largest recorded tp (per-GPU charts show most with most GPUs)."""
+    the given backend and spec (each where recorded, else any, said through `log`), latest
+    run; with `most_gpus`, among the runs of the largest recorded tp (per-GPU charts show most
+    with most GPUs)."""
     _need(df, ["backend", "spec", "ctx", "run_id"])
     d = df
     if most_gpus and "tp" in d.columns:
         tp = d["tp"].map(tp_of)
-        d = d[tp == tp.max()] if tp.notna().any() else d
-    if backend is not None and (d["backend"] == backend).any():
-        d = d[d["backend"] == backend]
-    if spec is not None and (d["spec"] == spec).any():
-        d = d[d["spec"] == spec]
-    if ctx is not None and (d["ctx"] == ctx).any():
-        d = d[d["ctx"] == ctx]
+        if tp.notna().any():
+            d = d[tp == tp.max()]
+    for key, want in (("backend", backend), ("spec", spec), ("ctx", ctx)):
+        if want is None:
+            continue
+        if (d[key] == want).any():
+            d = d[d[key] == want]
+        elif log is not None:
+            among = f" of the TP{tp_of(d['tp'].iloc[0])} runs" if most_gpus and "tp" in d.columns else ""
+            log(f"no records of {key} {want!r}{among}; any {key} shown instead")
     d = d.sort_values(["ctx", "run_id"])
     last = d.iloc[-1]
     return {"backend": last["backend"], "spec": last["spec"], "ctx": int(last["ctx"]), "run_id": last["run_id"]}

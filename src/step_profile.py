@@ -22,8 +22,10 @@ if TYPE_CHECKING:  # pandas is imported where a frame is built, not at import ti
 # First match wins; patterns are searched in lower-cased kernel names.
 CATEGORIES = (
     ("attention: sm120_mla", r"mla_verify_(split|wide|combine)_kernel"),
-    ("attention: flashmla", r"flash_fwd_splitkv_mla|flashmla|flash_mla|mla_combine"),
+    ("attention: flashmla", r"flash_fwd_splitkv_mla|flashmla|flash_mla|mla_combine|get_mla_metadata"),
     ("attention: triton", r"^_fwd_kernel|_fwd_grouped_kernel|_fwd_kernel_stage|extend_attention|decode_att"),
+    # TP's collectives: ahead of "norm" (an all-reduce fused with RMSNorm) and "copy" ("reduce")
+    ("communication (all-reduce)", r"all_?reduce|all_?gather|reduce_scatter|nccl|cross_device_reduce"),
     ("moe", r"moe|topk|expert|grouped_gemm|fused_experts|count_and_sort"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|splitk|sm90_|wgmma"),
     ("norm / rope / activation", r"norm|rope|rotary|silu|gelu|act_and_mul|apply_rotary"),
@@ -119,19 +121,84 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
 
 
 def _config(r: dict) -> str:
-    """A record's configuration label (service_charts.config_label), else its backend."""
-    return r.get("config") or r["backend"]
+    """A record's `config` where set, else its configuration label (service_charts.label_of)."""
+    from .service_charts import label_of
+
+    return r.get("config") or label_of(r)
+
+
+def timed_profiles(profiles: pd.DataFrame) -> list[dict]:
+    """The step-profile records to time: without Python stacks (they slow the host: those
+    windows name functions, see host_functions, but their step is not the served one), the
+    newest of each configuration, layer count, spec and context, each with its `config` label."""
+    from .service_charts import label_of
+
+    _need_columns(profiles, ["backend", "spec", "ctx", "per_step_ms", "date"])
+    d = _with_stack_flag(profiles)
+    d["config"] = [label_of(r) for r in d.to_dict("records")]
+    d["layers"] = d["layers"] if "layers" in d else None
+    d = d[~d["with_stack"]].sort_values("date").drop_duplicates(["config", "layers", "spec", "ctx"], keep="last")
+    return d.to_dict("records")
+
+
+def _with_stack_flag(profiles):
+    """A copy with `with_stack` a bool (absent in older records, which had no stacks)."""
+    d = profiles.copy()
+    d["with_stack"] = d["with_stack"].eq(True) if "with_stack" in d else False
+    return d
+
+
+def _need_columns(df, cols):
+    if df is None or len(df) == 0:
+        raise ValueError("profiles: no records")
+    missing = set(cols) - set(df.columns)
+    if missing:
+        raise ValueError(f"profiles: missing columns {sorted(missing)}")
+
+
+def pick_stacked_trace(profiles: pd.DataFrame, traces_dir: str | Path) -> tuple[dict | None, Path | None, list[str]]:
+    """The newest profile taken with Python stacks whose trace file is in `traces_dir` (record
+    and path; None, None where there is none), and the trace files of newer stacked profiles
+    that are not there (traces are large, and not every one is kept)."""
+    _need_columns(profiles, ["trace_file", "date"])
+    d = _with_stack_flag(profiles)
+    stacked = d[d["with_stack"]]
+    missing = []
+    for r in stacked.sort_values("date", ascending=False).to_dict("records"):
+        path = Path(traces_dir) / str(r["trace_file"])
+        if path.is_file():
+            return r, path, missing
+        missing.append(path.name)
+    return None, None, missing
+
+
+# Where a step's host time goes, by SGLang function: the scheduler's batch step, NGRAM's draft
+# search and corpus update, and the TP worker's forward (matched by file and function, not line).
+HOST_FUNCTIONS = (r"managers/scheduler\.py\(\d+\): run_batch$", r"speculative/ngram_worker\.py",
+                  r"managers/tp_worker\.py")
+
+
+def host_functions(top_python, patterns=HOST_FUNCTIONS) -> pd.DataFrame:
+    """The entries of summarize_trace's `top_python` ([function, calls, inclusive ms per step])
+    that match `patterns`, as a table: ms per step, calls, function."""
+    import pandas as pd
+
+    compiled = [re.compile(p) for p in patterns]
+    rows = [{"ms_per_step": ms, "calls": calls, "function": name} for name, calls, ms in top_python
+            if any(c.search(name) for c in compiled)]
+    return pd.DataFrame(rows, columns=["ms_per_step", "calls", "function"])
 
 
 def profile_frame(records) -> pd.DataFrame:
-    """Long table of step-profile records: one row per (config, spec, ctx, category), with
-    the per-step GPU ms and, as category 'host / idle', the rest of the step. A record's
-    `config` (e.g. "sm120_mla TP2 + ngram_tail") names it where set, else its backend."""
+    """Long table of step-profile records: one row per (config, layers, spec, ctx, category),
+    with the per-step GPU ms and, as category 'host / idle', the rest of the step. A record's
+    `config` (e.g. "sm120_mla TP2 + ngram_tail") names it where set, else its label_of."""
     import pandas as pd
 
     rows = []
     for r in records:
-        key = {"config": _config(r), **{k: r.get(k) for k in ("backend", "spec", "ctx", "per_step_ms", "busy_share")}}
+        key = {"config": _config(r),
+               **{k: r.get(k) for k in ("backend", "layers", "spec", "ctx", "per_step_ms", "busy_share")}}
         cats = r.get("gpu_ms_per_step") or {}
         for cat, ms in cats.items():
             rows.append({**key, "category": cat, "ms": ms})
@@ -139,35 +206,50 @@ def profile_frame(records) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def step_profile_chart(records, title: str = ""):
+def _layers_of(value) -> int | None:
+    """A record's layer count, None where unknown (absent, or NaN in a frame)."""
+    return None if value is None or value != value else int(value)
+
+
+def step_profile_chart(records, title: str = "", source: str = ""):
     """Per-step time of each profiled point as stacked bars: GPU time by kernel category, then
-    the part of the step with no kernel running (host work: scheduler, drafting, Python)."""
+    the part of the step with no kernel running (host work: scheduler, drafting, Python);
+    `source` (service_charts.source_label) says whether it shows recorded or live numbers."""
     import altair as alt
+
+    from .service_charts import chart_title, ctx_label
 
     df = profile_frame(records)
     if len(df) == 0:
         raise ValueError("records: no step profiles to chart")
-    df["point"] = [f"{b} / {s} / {c // 1024}k" for b, s, c in zip(df["config"], df["spec"], df["ctx"])]
-    order = sorted(df["point"].unique(), key=lambda p: (p.split(" / ")[1], int(p.split(" / ")[2][:-1]), p))
+    # the layer count is in the label: profiles at two depths are two bars, never one stack
+    df["point"] = [f"{c}, {_layers_of(n) or '?'} layers / {s} / {ctx_label(int(x))}"
+                   for c, n, s, x in zip(df["config"], df["layers"], df["spec"], df["ctx"])]
+    order = list(df.sort_values(["spec", "ctx", "point"])["point"].unique())
     return (alt.Chart(df).mark_bar()
             .encode(y=alt.Y("point:N", sort=order, title=None, axis=alt.Axis(labelLimit=360)),
                     x=alt.X("sum(ms):Q", title="ms per step (profiled window / steps)"),
                     color=alt.Color("category:N", title="where the step goes", scale=alt.Scale(scheme="tableau20")),
                     tooltip=["point", "category", alt.Tooltip("ms:Q", format=".3f")])
             .properties(width=520, height=28 * df["point"].nunique(),
-                        title=title or "Where a served step goes (torch profiler, SGLang /start_profile)"))
+                        title=chart_title(title or "Where a served step goes (torch profiler, SGLang /start_profile)",
+                                          source)))
 
 
 def profile_table(records):
-    """One row per profiled point: step ms, GPU busy share, attention ms and host/idle ms."""
+    """One row per profiled point: its configuration and layer count, step ms, GPU busy share,
+    attention ms, host/idle ms and the commit that measured it."""
     import pandas as pd
+
+    from .service_charts import short_commit
 
     rows = []
     for r in records:
         cats = r.get("gpu_ms_per_step") or {}
         attention = sum(v for k, v in cats.items() if k.startswith("attention"))
-        rows.append({"config": _config(r), "spec": r["spec"], "ctx": r["ctx"],
+        rows.append({"config": _config(r), "layers": _layers_of(r.get("layers")) or "?",
+                     "spec": r["spec"], "ctx": r["ctx"],
                      "step_ms": round(r["per_step_ms"], 2), "gpu_busy_%": round(100 * (r.get("busy_share") or 0), 1),
                      "attention_ms": round(attention, 3),
-                     "host_idle_ms": round(host_idle_ms(r), 2)})
+                     "host_idle_ms": round(host_idle_ms(r), 2), "commit": short_commit(r.get("commit"))})
     return pd.DataFrame(rows)

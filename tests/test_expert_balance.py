@@ -54,6 +54,12 @@ def test_checks():
     with pytest.raises(ValueError, match="ranks_summed"):
         eb.expert_counts({"logical_count": np.ones((1, 2, 8))}, ranks_summed=2)
     assert eb.placement_label(1) == "simulated EP8" and eb.placement_label(8) == "EP8"
+    # the placement is the run's only when its experts were spread over 8 GPUs, not when 8 GPUs
+    # ran plain TP (every GPU holds every expert)
+    assert eb.placement_label(4) == "simulated EP8" and eb.placement_label(16) == "simulated EP8"
+    for bad in (0, 8.0, True, None):
+        with pytest.raises(ValueError, match="ep_size"):
+            eb.placement_label(bad)
 
 
 def test_load_sglang_stat_dump(tmp_path):
@@ -73,7 +79,7 @@ def test_load_sglang_stat_dump(tmp_path):
     dump = eb.load_expert_dump(path)
     counts = eb.expert_counts(dump, ranks_summed=tp)
     assert counts.shape == (4, 384) and counts[1, 5] == 6 and counts[1, 300] == 3 and counts[0].sum() == 0
-    frame = eb.gpu_load_frame(counts, 8, gpus_in_run=1)
+    frame = eb.gpu_load_frame(counts, 8, ep_size=1)
     assert sorted(frame["layer"].unique()) == [1, 2, 3] and set(frame["placement"]) == {"simulated EP8"}
     g = frame[frame["layer"] == 1].set_index("gpu")["tokens"]
     assert g[0] == 6 and g[6] == 3 and g.sum() == 9          # expert 300 lives on GPU 300 // 48 = 6
@@ -89,9 +95,12 @@ def test_charts_on_synthetic_counts(seed, tmp_path):
     counts = np.zeros((4, 384), dtype=np.int64)
     counts[1:] = rng.integers(0, 20, size=(3, 384))
     heat = eb.expert_heatmap_chart(eb.expert_load_frame(counts))
-    bars = eb.gpu_imbalance_chart(eb.gpu_load_frame(counts, 8, gpus_in_run=8))
+    bars = eb.gpu_imbalance_chart(eb.gpu_load_frame(counts, 8, ep_size=8), source="recorded: H200")
     assert heat.to_dict()["layer"][0]["mark"]["type"] == "rect"
-    assert "EP8" in bars.to_dict()["title"]
+    assert "(EP8;" in bars.to_dict()["title"]["text"] and bars.to_dict()["title"]["subtitle"] == "recorded: H200"
+    assert eb.expert_heatmap_chart(eb.expert_load_frame(counts), source="measured here").to_dict()["title"][
+        "subtitle"] == "measured here"
+    assert isinstance(heat.to_dict()["title"], str)   # no source: a plain title
     paths = save_chart(bars, "imbalance_test", tmp_path)
     assert all(p.stat().st_size > 0 for p in paths)
     frame = eb.expert_load_frame(counts)

@@ -123,3 +123,30 @@ def test_kernel_layout_timing_names_why_it_cannot_run():
         pytest.skip("a GPU is present; notebook 04 times the kernel there")
     with pytest.raises(RuntimeError, match="no CUDA GPU"):
         kf.kernel_layout_timing({"contiguous": np.arange(1, 9)})
+
+
+def test_recorded_kernel_layout_keeps_one_run():
+    """Layouts are compared within one recorded run: a newer run on another GPU or commit
+    replaces the older one whole, never mixes with it."""
+    import pandas as pd
+
+    def run(gpu, commit, date, us):
+        return [{"kind": "kernel_layout", "gpu": gpu, "commit": commit, "date": date, "layout": name,
+                 "batch": 8, "heads": 16, "q_len": 4, "keys_per_request": 2176, "runs": runs,
+                 "pages_touched": 600 + runs, "time_us": us + i, "kv_gb_per_s": 400.0 - i}
+                for i, (name, runs) in enumerate((("contiguous", 1), ("random", 2176)))]
+
+    churn = [{"kind": "churn_run", "date": "2026-12-01"}]
+    old, new = run("H200", "aaa", "2026-11-29", 48.0), run("RTX PRO 6000", "bbb", "2026-11-30", 30.0)
+    recs = pd.DataFrame(new[:1] + old + new[1:] + churn)      # appended out of order, other kinds between
+    got = kf.recorded_kernel_layout(recs)
+    assert list(got["layout"]) == ["contiguous", "random"] and set(got["commit"]) == {"bbb"}
+    assert list(got["time_us"]) == [30.0, 31.0]
+    t = kf.kernel_layout_table(got)
+    assert list(t.columns) == kf.KERNEL_LAYOUT_COLUMNS and list(t["kv_gb_per_s"]) == [400, 399]
+    assert kf.recorded_kernel_layout(pd.DataFrame(churn)).empty
+    assert kf.recorded_kernel_layout(pd.DataFrame()).empty
+    with pytest.raises(ValueError, match="timings: missing columns"):
+        kf.kernel_layout_table(got.drop(columns="kv_gb_per_s"))
+    chart = kf.kernel_layout_chart(got, source="recorded: RTX PRO 6000").to_dict()
+    assert chart["title"]["subtitle"] == "recorded: RTX PRO 6000"

@@ -73,6 +73,16 @@ def test_chart_has_measured_points_and_fitted_lines(tmp_path):
     kinds = {r["kind"] for r in spec["datasets"][next(iter(spec["datasets"]))]}
     assert kinds == {"fit", "measured"}
     assert all(p.stat().st_size > 0 for p in save_chart(chart, "layer_scaling_test", tmp_path))
+    sourced = layer_scaling_chart(pts, fit_layer_scaling(pts), source="recorded: H200; commit c").to_dict()
+    assert sourced["title"]["subtitle"] == "recorded: H200; commit c" and "projection" in sourced["title"]["text"]
+
+
+def test_a_run_with_expert_parallelism_is_its_own_line():
+    recs = _records() + [dict(r, ep_size=2, tp=2) for r in _records()]
+    fit = fit_layer_scaling(decode_points(pd.DataFrame(recs)))
+    assert sorted(set(fit["config"])) == ["sm120_mla + ngram_tail", "sm120_mla TP2 EP2 + ngram_tail",
+                                          "triton + ngram_tail", "triton TP2 EP2 + ngram_tail"]
+    assert len(fit) == 8
 
 
 def test_holdout_predicts_the_layer_count_left_out():

@@ -16,6 +16,11 @@ from sm120_workbook.step_profile import categorize, load_trace, profile_frame, s
     ("_fwd_kernel", "attention: triton"),
     ("_fwd_grouped_kernel_stage1", "attention: triton"),
     ("void flash::flash_fwd_splitkv_mla_kernel<...>", "attention: flashmla"),
+    ("smxx::decode::get_mla_metadata_kernel(GetDecodeSchedMetaParams)", "attention: flashmla"),
+    ("void (anonymous namespace)::all_reduce_kernel<(anonymous namespace)::AllReducePushImpl<__nv_bfloat16, 2u, "
+     "true>>(...)", "communication (all-reduce)"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication (all-reduce)"),
+    ("void at::native::reduce_kernel<512, 1, ...>", "copy / fill / elementwise"),
     ("fused_moe_kernel", "moe"),
     ("nvjet_tst_128x64_64x4_1x2_h_bz_TNN", "gemm"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "copy / fill / elementwise"),
@@ -48,15 +53,22 @@ def test_chart_and_table_from_records(tmp_path):
     from sm120_workbook.charts import save_chart
     from sm120_workbook.step_profile import profile_table, step_profile_chart
 
-    recs = [{"backend": b, "spec": "ngram", "ctx": c, "per_step_ms": ms, "busy_share": bs,
-             "gpu_ms_per_step": {"attention: " + b: att, "gemm": 0.7}}
+    recs = [{"backend": b, "spec": "ngram", "ctx": c, "per_step_ms": ms, "busy_share": bs, "expert_record": True,
+             "layers": 4, "commit": "abcdef0123+dirty", "gpu_ms_per_step": {"attention: " + b: att, "gemm": 0.7}}
             for b, c, ms, bs, att in (("triton", 65536, 56.0, 0.92, 50.4), ("sm120_mla", 65536, 6.9, 0.21, 0.25))]
     t = profile_table(recs)
     assert list(t["attention_ms"]) == [50.4, 0.25] and list(t["host_idle_ms"]) == [4.48, 5.45]
     assert list(t["config"]) == ["triton", "sm120_mla"]
     assert list(profile_table([dict(recs[1], config="sm120_mla TP2")])["config"]) == ["sm120_mla TP2"]
+    assert list(t["layers"]) == [4, 4] and list(t["commit"]) == ["abcdef0+dirty"] * 2
+    assert list(profile_table([dict(recs[0], tp=2, ngram_tail=True)])["config"]) == ["triton TP2 + ngram_tail"]
     save_chart(step_profile_chart(recs), "profile", str(tmp_path))
     assert any(tmp_path.iterdir())
+    # the same configuration profiled at two depths: two bars, each labelled with its depth
+    deeper = step_profile_chart([recs[1], dict(recs[1], layers=16)], source="recorded: H200").to_dict()
+    points = {r["point"] for r in next(iter(deeper["datasets"].values()))}
+    assert points == {"sm120_mla, 4 layers / ngram / 64k", "sm120_mla, 16 layers / ngram / 64k"}
+    assert deeper["title"]["subtitle"] == "recorded: H200"
 
 
 def test_bad_input_is_named():
@@ -64,3 +76,60 @@ def test_bad_input_is_named():
         summarize_trace({"traceEvents": []}, steps=0)
     with pytest.raises(ValueError, match="no GPU kernel events"):
         summarize_trace({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]}, steps=1)
+
+
+def _profile_records():
+    import pandas as pd
+
+    base = {"backend": "sm120_mla", "spec": "ngram", "ctx": 65536, "layers": 4, "tp": 1, "expert_record": True,
+            "per_step_ms": 4.0, "busy_share": 0.3, "steps": 10}
+    return pd.DataFrame([
+        {**base, "date": "2026-11-29T16:00", "trace_file": "old.trace.json.gz", "per_step_ms": 7.0},
+        {**base, "date": "2026-11-29T17:00", "trace_file": "new.trace.json.gz", "ngram_tail": True},
+        {**base, "date": "2026-11-29T16:30", "trace_file": "kept.trace.json.gz", "with_stack": True},
+        {**base, "date": "2026-11-29T18:00", "trace_file": "gone.trace.json.gz", "with_stack": True},
+        {**base, "date": "2026-11-29T18:10", "trace_file": "deep.trace.json.gz", "layers": 16},
+        {**base, "date": "2026-11-29T17:30", "trace_file": "newer.trace.json.gz"},
+    ])
+
+
+def test_timed_profiles_drop_stacked_windows_and_keep_the_newest_of_each_point():
+    from sm120_workbook.step_profile import timed_profiles
+
+    recs = timed_profiles(_profile_records())
+    got = sorted((r["config"], r["layers"], r["trace_file"]) for r in recs)
+    # with_stack windows are not timed; the unpatched and patched runs, and the two depths, are
+    # separate points; the older unstacked record of a point is replaced by the newer
+    assert got == [("sm120_mla", 4, "newer.trace.json.gz"), ("sm120_mla", 16, "deep.trace.json.gz"),
+                   ("sm120_mla + ngram_tail", 4, "new.trace.json.gz")]
+    with pytest.raises(ValueError, match="profiles: missing columns"):
+        timed_profiles(_profile_records().drop(columns="date"))
+
+
+def test_pick_stacked_trace_takes_the_newest_whose_file_is_kept(tmp_path):
+    from sm120_workbook.step_profile import pick_stacked_trace
+
+    profiles = _profile_records()
+    rec, path, missing = pick_stacked_trace(profiles, tmp_path)
+    assert rec is None and path is None and missing == ["gone.trace.json.gz", "kept.trace.json.gz"]
+    (tmp_path / "kept.trace.json.gz").write_bytes(b"")
+    (tmp_path / "old.trace.json.gz").write_bytes(b"")   # kept, but not a stacked profile
+    rec, path, missing = pick_stacked_trace(profiles, tmp_path)
+    assert rec["trace_file"] == "kept.trace.json.gz" and path == tmp_path / "kept.trace.json.gz"
+    assert missing == ["gone.trace.json.gz"]
+    assert pick_stacked_trace(profiles.drop(columns="with_stack"), tmp_path) == (None, None, [])
+
+
+def test_host_functions_match_by_function_not_line():
+    from sm120_workbook.step_profile import host_functions
+
+    top = [["threading.py(1030): _bootstrap", 4, 52.9],
+           ["sglang/srt/managers/scheduler.py(3527): run_batch", 11, 10.46],
+           ["sglang/srt/managers/scheduler.py(3600): run_batch", 11, 9.0],            # another SGLang version
+           ["sglang/srt/managers/scheduler.py(2924): get_next_batch_to_run", 11, 1.1],
+           ["sglang/srt/speculative/ngram_worker.py(237): _prepare_draft_tokens", 10, 2.15],
+           ["sglang/srt/managers/tp_worker.py(558): forward_batch_generation", 10, 2.03]]
+    t = host_functions(top)
+    assert list(t.columns) == ["ms_per_step", "calls", "function"]
+    assert list(t["ms_per_step"]) == [10.46, 9.0, 2.15, 2.03]
+    assert host_functions([]).empty

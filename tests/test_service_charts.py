@@ -1,0 +1,146 @@
+"""service_charts: pairing within a run, a target row for every configuration, the point keys,
+commits, chart sources and the small summaries notebook 05 prints (synthetic records).
+(The older tests of the same module are in test_service.py.)"""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sm120_workbook import service_charts as sc
+
+BASE = {"gpu": "H200", "model": "k2_tp8_slice", "layers": 4, "tp": 1, "weights": "bf16", "spec": "ngram",
+        "draft_tokens": 8, "accept_len": 6.5, "verify_step_ms": 1.0, "expert_record": True, "ngram_tail": True,
+        "ep_size": 1, "decode_tokens": 128, "cuda_graph": True}
+
+
+def _rec(backend, ctx, tok_s, commit, date, **kw):
+    return {**BASE, "backend": backend, "ctx": ctx, "tok_s": tok_s, "commit": commit, "date": date, **kw}
+
+
+def _two_runs():
+    """Run "aaaaaaa" measured both backends; the newer run "bbbbbbb" only sm120_mla (faster)."""
+    recs = []
+    for ctx, ours, base in ((4096, 1600.0, 1100.0), (16384, 1700.0, 400.0)):
+        recs += [_rec("sm120_mla", ctx, ours, "aaaaaaa111", "2026-11-29T17:00"),
+                 _rec("triton", ctx, base, "aaaaaaa111", "2026-11-29T17:02"),
+                 _rec("sm120_mla", ctx, 1.3 * ours, "bbbbbbb222", "2026-11-30T15:00")]
+    return pd.DataFrame(recs)
+
+
+def test_a_pair_within_one_run_wins_over_a_newer_one_across_runs():
+    runs = sc.decode_points(_two_runs(), every_run=True)
+    assert len(runs) == 6 and len(sc.decode_points(_two_runs())) == 4   # the newest run only, by default
+    t = sc.service_targets(runs).set_index("target")
+    row = t.loc["ngram 16k: sm120_mla >= 4.3x triton"]
+    assert row["ratio"] == pytest.approx(1700 / 400, abs=0.01) and row["met"] is False   # 4.25: missed
+    assert row["pairing"] == "same run" and row["commits"] == "aaaaaaa / aaaaaaa"
+    sp = sc.speedup_over(runs).set_index(["backend", "ctx"])
+    assert sp.loc[("sm120_mla", 16384), "commit"] == "aaaaaaa"
+    assert sp.loc[("sm120_mla", 16384), "speedup"] == pytest.approx(1700 / 400)
+    # with the newest points only there is no same-run pair: the newer run's, flagged
+    t = sc.service_targets(sc.decode_points(_two_runs())).set_index("target")
+    row = t.loc["ngram 16k: sm120_mla >= 4.3x triton"]
+    assert row["pairing"] == "separate runs" and row["commits"] == "bbbbbbb / aaaaaaa"
+    assert row["ratio"] == pytest.approx(1.3 * 1700 / 400, abs=0.01) and row["met"] is True
+
+
+def test_without_a_same_run_pair_the_newest_of_each_side_is_paired_and_flagged():
+    df = _two_runs()
+    df = df[~((df["backend"] == "sm120_mla") & (df["commit"] == "aaaaaaa111"))]
+    sp = sc.speedup_over(sc.decode_points(df, every_run=True))
+    ours = sp[sp["backend"] == "sm120_mla"]
+    assert set(ours["commit"]) == {"bbbbbbb"} and set(ours["base_commit"]) == {"aaaaaaa"}
+    assert not ours["same_run"].any() and sp[sp["backend"] == "triton"]["same_run"].all()
+
+
+def test_every_configuration_of_ours_gets_a_row():
+    df = pd.concat([_two_runs(),
+                    # recorder off, measured at 64k only, with no triton run of its kind
+                    pd.DataFrame([_rec("sm120_mla", 65536, 800.0, "ccccccc", "2026-11-29T18:00",
+                                       expert_record=False)])])
+    t = sc.service_targets(sc.decode_points(df, every_run=True))
+    off = t[t["config"] == "sm120_mla (recorder off) + ngram_tail"].set_index("target")
+    assert list(off.index[:3]) == ["ngram 4k: sm120_mla >= 3x triton", "ngram 16k: sm120_mla >= 4.3x triton",
+                                   "ngram 64k: sm120_mla >= 6.1x triton"]
+    assert (off["measured"] == "not measured").all() and off["met"].isna().all()
+    assert list(off["pairing"]) == ["no sm120_mla point", "no sm120_mla point", "no triton point",
+                                    "no plain-decode point"]
+    # the configuration that was measured keeps its rows, and at 64k neither was: named, not dropped
+    usual = t[t["config"] == "sm120_mla + ngram_tail"].set_index("target")
+    assert usual.loc["ngram 64k: sm120_mla >= 6.1x triton", "pairing"] == "no sm120_mla point"
+    assert usual.loc["ngram 4k: sm120_mla >= 3x triton", "met"] is False
+    assert list(t.columns) == sc.TARGET_COLUMNS
+
+
+def test_ep_size_decode_tokens_and_cuda_graph_are_point_keys():
+    assert {"ep_size", "decode_tokens", "cuda_graph"} <= set(sc.POINT_KEYS)
+    old = {k: v for k, v in BASE.items() if k not in ("ep_size", "decode_tokens", "cuda_graph")}
+    df = pd.DataFrame([
+        {**old, "backend": "triton", "ctx": 4096, "tok_s": 100.0, "decode_tokens": 256},   # the rest absent
+        {**BASE, "backend": "triton", "ctx": 4096, "tok_s": 200.0, "ep_size": float("nan"), "decode_tokens": 256},
+        {**BASE, "backend": "triton", "ctx": 4096, "tok_s": 300.0, "ep_size": 2, "tp": 2, "decode_tokens": 256},
+        {**BASE, "backend": "triton", "ctx": 4096, "tok_s": 400.0, "cuda_graph": False, "decode_tokens": 256},
+        {**BASE, "backend": "triton", "ctx": 4096, "tok_s": 500.0}])
+    pts = sc.decode_points(df).set_index("config")
+    # absent and NaN keys take their defaults, so the first two records are one point
+    assert pts.loc["triton, 256 decode tokens + ngram_tail", "runs"] == 2
+    assert sorted(pts.index) == ["triton TP2 EP2, 256 decode tokens + ngram_tail",
+                                 "triton, 128 decode tokens + ngram_tail",
+                                 "triton, 256 decode tokens (no CUDA graph) + ngram_tail",
+                                 "triton, 256 decode tokens + ngram_tail"]
+    # one decode-token count in the records: not in the label
+    assert set(sc.decode_points(df[df["tok_s"] < 500]).loc[lambda p: p["tp"] == 1, "config"]) == {
+        "triton + ngram_tail", "triton (no CUDA graph) + ngram_tail"}
+    assert sc.config_label("sm120_mla", ep_size=8.0, tp="8") == "sm120_mla TP8 EP8"
+
+
+def test_commits_keep_a_dirty_suffix():
+    assert sc.short_commit("d26e3f18ca7c9f3644a799b2c1c62b8f3edfd8c5") == "d26e3f1"
+    assert sc.short_commit("3b7ef98b9aba+dirty") == "3b7ef98+dirty"
+    assert sc.short_commit(None) == sc.short_commit(float("nan")) == "?"
+    df = _two_runs().assign(commit=lambda d: d["commit"] + "+dirty")
+    assert set(sc.decode_points(df)["commit"]) == {"aaaaaaa+dirty", "bbbbbbb+dirty"}
+
+
+def test_pick_point_says_when_it_falls_back():
+    recs = pd.DataFrame([
+        {"run_id": "a", "backend": "triton", "spec": "ngram", "ctx": 65536, "tp": 2},
+        {"run_id": "b", "backend": "sm120_mla", "spec": "dflash", "ctx": 65536, "tp": 1}])
+    said = []
+    p = sc.pick_point(recs, backend="triton", spec="dflash", most_gpus=True, log=said.append)
+    assert p["run_id"] == "a" and said == ["no records of spec 'dflash' of the TP2 runs; any spec shown instead"]
+    said.clear()
+    assert sc.pick_point(recs, backend="sm120_mla", spec="dflash", log=said.append)["run_id"] == "b" and not said
+
+
+def test_charts_say_where_their_numbers_come_from():
+    pts = sc.decode_points(_two_runs(), every_run=True)
+    src = sc.source_label(_two_runs(), live=False)
+    assert src == "recorded: H200; 2 commits, newest bbbbbbb; 2026-11-29..2026-11-30"
+    assert sc.source_label(_two_runs().head(1), live=True) == "measured here: H200; commit aaaaaaa; 2026-11-29"
+    for chart in (sc.decode_speed_chart(pts, source=src), sc.speedup_chart(sc.speedup_over(pts), source=src)):
+        title = chart.to_dict()["title"]
+        assert title["subtitle"] == src and title["text"]
+    assert isinstance(sc.decode_speed_chart(pts).to_dict()["title"], str)
+
+
+def test_ngram_fix_gain_compares_adjacent_runs():
+    recs = []
+    for commit, date, tail, speed in (("old", "2026-11-29T12:00", False, 1.0),       # an older unpatched run
+                                      ("unp", "2026-11-29T16:05", False, 1.1),       # the newest unpatched
+                                      ("fix", "2026-11-29T16:29", True, 2.0),        # the next run, patched
+                                      ("new", "2026-11-30T15:40", True, 1.7)):       # a later kernel, patched
+        recs += [_rec("sm120_mla", ctx, speed * 1000, commit, date, ngram_tail=tail) for ctx in (4096, 65536)]
+    runs = sc.decode_points(pd.DataFrame(recs), every_run=True)
+    g = sc.ngram_fix_gain(runs)
+    assert list(g["ctx_label"]) == ["4k", "64k"] and set(g["commits"]) == {"unp -> fix"}
+    assert list(g["unpatched_tok_s"]) == [1100.0, 1100.0] and list(g["gain"]) == [1.82, 1.82]
+    assert sc.ngram_fix_gain(runs, layers=16).empty
+    assert sc.ngram_fix_gain(runs[~runs["ngram_tail"]]).empty
+
+
+def test_startup_summary_counts_each_server_once():
+    recs = pd.DataFrame({"run_id": ["a", "a", "a", "b", "c"], "startup_s": [46.2, 46.2, 46.2, 98.3, 259.8]})
+    assert sc.startup_summary(recs) == "3 server starts: 46-260 s (median 98 s)"
+    with pytest.raises(ValueError, match="records: missing columns"):
+        sc.startup_summary(recs.drop(columns="startup_s"))
