@@ -242,8 +242,9 @@ def test_check_values_passes_a_valid_case():
                              workspace=c["ws"], sm_scale=0.07, max_q_len=4, check_values=True)
 
 
-@pytest.mark.parametrize("kwargs,arg", [(dict(sm_scale=torch.tensor(0.07)), "sm_scale"), (dict(sm_scale="0.07"), "sm_scale"),
-                                        (dict(sm_scale=True), "sm_scale"), (dict(max_q_len=True), "max_q_len")])
+@pytest.mark.parametrize("kwargs,arg", [(dict(sm_scale=torch.tensor(0.07)), "sm_scale"),
+                                        (dict(sm_scale="0.07"), "sm_scale"), (dict(sm_scale=True), "sm_scale"),
+                                        (dict(max_q_len=True), "max_q_len")])
 def test_scalar_options_of_the_wrong_type_name_themselves(kwargs, arg):
     c = _cpu_case()
     kw = {**dict(out=c["out"], lse=c["lse"], workspace=c["ws"], sm_scale=0.07, max_q_len=4), **kwargs}

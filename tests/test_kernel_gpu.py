@@ -310,7 +310,7 @@ def test_compute_sanitizer_clean(tool):
 
 @pytest.mark.parametrize("defines,cta_rows", SCHEDULE_VARIANTS,
                          ids=lambda d: "+".join(d) if isinstance(d, tuple) else f"r{d}")
-def test_schedule_variant_build_matches_reference(defines, cta_rows):
+def test_schedule_variant_build_matches_reference(defines, cta_rows, seed):
     """Builds with another schedule (v14's per-group named barriers, P.V one half-round later,
     a 3-stage ring, row CTAs that walk the tiles from staggered starts, score warps that issue part
     of each refill; the wide kernel with a 2- or 3-stage ring, its refill before QK, its row pairs in step, or each warp's QK and
@@ -324,10 +324,9 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows):
     shared out by keys, as up to v19) compute the same attention."""
 
     # verify shapes, and three that fit one m16 tile (decode, 16 rows with a tree, 8 rows with a tree)
-    for batch, heads, q_len, ctx, mask, ext in FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:12]:
+    for i, (batch, heads, q_len, ctx, mask, ext) in enumerate(FIXED_CASES[:4] + FIXED_CASES[6:7] + FIXED_CASES[9:12]):
         case = make_verify_case(batch=batch, heads=heads, q_len=q_len, ctx_lens=ctx, mask=mask,
-                                with_k_extend=ext, seed=torch.randint(0, 2**31 - 1, ()).item(),
-                                device="cuda", pool_extra=257)
+                                with_k_extend=ext, seed=seed + i, device="cuda", pool_extra=257)   # printed: replayable
         out, lse = run_kernel(case, max_q_len=q_len, kernel_defines=defines, cta_rows=cta_rows)
         res = compare(case, out, lse)
         assert res["passed"], (batch, heads, q_len, ctx, mask, res)
