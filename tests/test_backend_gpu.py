@@ -412,3 +412,20 @@ def test_gpu_registered_factory_builds_the_backend(gpu_setup):
 
 if __name__ == "__main__" and os.environ.get("SM120_BACKEND_WIRING") == "1":
     print("RESULT " + json.dumps(_cpu_wiring_checks()))
+
+
+# ---------------------------------------------------------------- the benchmark's baselines
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,q_len", [("triton_decode", 1), ("triton_verify", 16), ("flashmla", 16), ("flashmla", 1),
+                                        ("flashinfer_mla", 16), ("flashinfer_mla_fa2", 16)])
+def test_benchmark_baselines_compute_the_reference(impl, q_len):
+    """Each baseline the benchmark times, called as it calls it (bench.BUILDERS; triton_decode
+    with the splits and MLA path an SGLang server uses), gives the float64 reference's answer on
+    a skewed batch: a wrong argument would otherwise change only its speed."""
+    from sm120_workbook.kernels.bench import REF_TOLERANCE, Shape, check_against_reference
+
+    if impl.startswith("flashinfer"):
+        pytest.importorskip("flashinfer", reason="FlashInfer is not installed here")
+    if impl == "flashmla":
+        pytest.importorskip("sgl_kernel.flash_mla", reason="sgl_kernel's FlashMLA is not installed here")
+    assert check_against_reference(impl, Shape(3, 8, q_len, 777, short_ctx=100)) < REF_TOLERANCE

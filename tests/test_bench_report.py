@@ -425,3 +425,27 @@ def test_latest_rounds_pool_a_kernel_version_across_commits():
     assert list(br.latest_rounds(df)["run_id"]) == ["20261130T2", "20261130T3"]
     untagged = pd.concat([df, pd.DataFrame([rec("20261130T4", "ccc", None)])], ignore_index=True)
     assert list(br.latest_rounds(untagged)["run_id"]) == ["20261130T3", "20261130T4"]
+
+
+def test_triton_decode_records_from_before_sglangs_mla_splits_are_renamed():
+    import pandas as pd
+
+    from sm120_workbook.kernels.bench_report import LEGACY_TRITON_DECODE, with_legacy_names
+
+    df = pd.DataFrame({"impl": ["triton_decode", "triton_decode", "sm120_mla", "flashmla"],
+                       "max_kv_splits": [None, 256, None, None]})
+    assert with_legacy_names(df)["impl"].tolist() == [LEGACY_TRITON_DECODE, "triton_decode", "sm120_mla", "flashmla"]
+    old = pd.DataFrame({"impl": ["triton_decode", "triton_verify"]})   # a file with no new record yet
+    assert with_legacy_names(old)["impl"].tolist() == [LEGACY_TRITON_DECODE, "triton_verify"]
+
+
+def test_triton_decode_cap_is_sglangs():
+    """SGLang 0.5.17 raises the Triton backend's 8 KV splits for MLA decode to the SM count's
+    and the context's power of two; the benchmark sizes its baseline the same way."""
+    from sglang.srt.layers.attention.triton_backend import _mla_decode_kv_splits_cap
+
+    from sm120_workbook.kernels.bench import triton_decode_cap
+
+    assert triton_decode_cap([65552], 132) == 256 == _mla_decode_kv_splits_cap(8, 132, 65552)
+    assert triton_decode_cap([1040], 132) == 64       # ceil(1040 / 32) = 33 -> 64
+    assert triton_decode_cap([100, 130], 188) == 8    # short contexts keep the server default

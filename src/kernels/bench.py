@@ -35,6 +35,7 @@ from ..roofline import verify_cost
 from .verify_attention import MlaVerifyWorkspace, mla_verify_attention
 
 L2_FLUSH_BYTES = 256 << 20
+REF_TOLERANCE = 1e-2   # relative, as the kernel's own tests (checks.py): bf16 output and probabilities
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ class Inputs:
         return sum(self.keys) * DIM_QK * 2
 
 
-# Each builder returns a zero-argument callable that runs one step on preallocated buffers.
+# Each builder returns a zero-argument callable that runs one step on preallocated buffers and
+# returns its output [T, heads, 512] (check_against_reference reads it).
 
 def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None,
                     kernel_defines: tuple[str, ...] = (), cta_rows: int | None = None):
@@ -137,26 +139,65 @@ def build_triton_verify(x: Inputs):
     s = x.shape
     out = torch.empty(s.batch * s.q_len, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
     ke = x.k_extend
-    return lambda: extend_attention_fwd(
-        x.q, ke, ke[..., :DIM_V], out, x.pool, x.pool[..., :DIM_V], x.qo_indptr, x.kv_indptr,
-        x.prefix_indices, x.custom_mask, True, x.mask_indptr, s.q_len, 1.0, 1.0, SM_SCALE)
+
+    def fn():
+        extend_attention_fwd(x.q, ke, ke[..., :DIM_V], out, x.pool, x.pool[..., :DIM_V], x.qo_indptr, x.kv_indptr,
+                             x.prefix_indices, x.custom_mask, True, x.mask_indptr, s.q_len, 1.0, 1.0, SM_SCALE)
+        return out
+    return fn
 
 
-def build_triton_decode(x: Inputs, max_kv_splits: int = 8):
+TRITON_NUM_KV_SPLITS = 8   # SGLang's --triton-attention-num-kv-splits default
+
+
+def triton_decode_cap(keys: list[int], sm_count: int) -> int:
+    """max_kv_splits as SGLang 0.5.17's Triton backend sets it for an MLA model: the server
+    default of 8 raised by `_mla_decode_kv_splits_cap` to the SM count's and the context's power
+    of two (TritonAttnBackend.__init__; a server whose context length is this step's longest
+    request). Until session 22 the benchmark ran 8 splits without the MLA path, 4-50x slower
+    than a server's decode; those records load as `triton_decode_8splits` (bench_report)."""
+    from sglang.srt.layers.attention.triton_backend import _mla_decode_kv_splits_cap
+
+    return _mla_decode_kv_splits_cap(TRITON_NUM_KV_SPLITS, sm_count, max(keys))
+
+
+def triton_decode_splits(heads: int, keys: list[int], sm_count: int, cap: int) -> list[int]:
+    """Each request's split count, from SGLang's own `get_num_kv_splits_triton`, as its backend
+    runs it before each decode step (one KV head: MLA)."""
+    import triton
+    from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
+
+    n = len(keys)
+    splits = torch.empty(n, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(keys, dtype=torch.int32, device="cuda")
+    get_num_kv_splits_triton[(1,)](splits, seq_lens, n, 1, heads, 1, cap, sm_count,
+                                   MAX_NUM_SEQ=256 if n < 256 else triton.next_power_of_2(n))
+    return splits.tolist()
+
+
+def build_triton_decode(x: Inputs):
+    from sglang.kernels.jit.utils.arch import is_arch_support_pdl
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 
     s = x.shape
     if s.q_len != 1:
         raise ValueError("triton_decode is the q_len 1 path")
     dev = x.q.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cap = triton_decode_cap(x.keys, sms)
+    per_request = triton_decode_splits(s.heads, x.keys, sms, cap)
     out = torch.empty(s.batch, s.heads, DIM_V, device=dev, dtype=torch.bfloat16)
-    logits = torch.empty(s.batch, s.heads, max_kv_splits, DIM_V, device=dev, dtype=torch.float32)
-    lse = torch.empty(s.batch, s.heads, max_kv_splits, device=dev, dtype=torch.float32)
-    # SGLang's server default (--triton-attention-num-kv-splits 8); long contexts use all of them.
-    splits = torch.full((s.batch,), max_kv_splits, device=dev, dtype=torch.int32)
-    return lambda: decode_attention_fwd(
-        x.q, x.pool, x.pool[..., :DIM_V], out, x.kv_indptr_full, x.kv_indices_full, logits, lse,
-        splits, max_kv_splits, SM_SCALE, 1.0, 1.0)
+    logits = torch.empty(s.batch, s.heads, cap, DIM_V, device=dev, dtype=torch.float32)
+    lse = torch.empty(s.batch, s.heads, cap, device=dev, dtype=torch.float32)
+    splits = torch.tensor(per_request, device=dev, dtype=torch.int32)   # set before each step, outside its graph
+    pdl = is_arch_support_pdl()
+
+    def fn():
+        decode_attention_fwd(x.q, x.pool, x.pool[..., :DIM_V], out, x.kv_indptr_full, x.kv_indices_full, logits,
+                             lse, splits, cap, SM_SCALE, 1.0, 1.0, has_mla=True, use_pdl=pdl)
+        return out
+    fn.num_splits, fn.max_kv_splits = max(per_request), cap
+    return fn
 
 
 def build_flashmla(x: Inputs, page: int = 64):
@@ -174,7 +215,7 @@ def build_flashmla(x: Inputs, page: int = 64):
     meta, splits = get_mla_metadata(seqlens, s.q_len * s.heads, 1)
     q = x.q.view(s.batch, s.q_len, s.heads, DIM_QK)
     return lambda: flash_mla_with_kvcache(q, cache, table, seqlens, DIM_V, meta, splits,
-                                          softmax_scale=SM_SCALE, causal=True)
+                                          softmax_scale=SM_SCALE, causal=True)[0].view(-1, s.heads, DIM_V)
 
 
 def build_flashinfer_mla(x: Inputs, backend: str = "auto"):
@@ -193,7 +234,23 @@ def build_flashinfer_mla(x: Inputs, backend: str = "auto"):
     q_nope, q_pe = x.q[..., :DIM_V].contiguous(), x.q[..., DIM_V:].contiguous()
     ckv, kpe = x.pool[:, :, :DIM_V], x.pool[:, :, DIM_V:]
     out = torch.empty(s.batch * s.q_len, s.heads, DIM_V, device=dev, dtype=torch.bfloat16)
-    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+
+    def fn():
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+        return out
+    return fn
+
+
+def check_against_reference(impl: str, shape: Shape, **kw) -> float:
+    """One step of `impl` at `shape` against the float64 reference (relative error of its
+    output): a baseline called with wrong arguments would otherwise change only its speed.
+    Every impl here sees the drafts as a causal chain after each request's prefix."""
+    from ..reference import mla_verify_reference
+
+    x = Inputs(shape, seed=1)
+    out = BUILDERS[impl](x, **kw)().float()
+    ref = mla_verify_reference(x.q, x.pool, x.qo_indptr, x.kv_indptr_full, x.kv_indices_full, SM_SCALE)
+    return float((out.double() - ref).norm() / ref.norm())
 
 
 BUILDERS = {
@@ -341,7 +398,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
                 "mma_sync_tflops_8warps": measure_mma_sync_tflops(blocks_per_sm=1)}
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     measured_on = {k: v for k, v in provenance().items() if k != "command"}   # the writer names the command
-    records, cache = [], {}
+    records, cache, checked = [], {}, {}
     for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
         rec = {**measured_on, "impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"),
                "run_id": run_id,
@@ -352,9 +409,18 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
                 torch.cuda.empty_cache()
                 cache[shape] = Inputs(shape)
             x = cache[shape]
+            if impl != "sm120_mla":   # a baseline's answer, once a run per impl and layout (the tests check ours)
+                key = (impl, shape.q_len == 1)
+                if key not in checked:
+                    checked[key] = check_against_reference(impl, Shape(1, 8, shape.q_len, 1000))
+                rec["ref_rel_err"] = checked[key]
+                if not checked[key] < REF_TOLERANCE:
+                    raise RuntimeError(f"{impl} differs from the float64 reference by {checked[key]:.2e} "
+                                       f"(relative): not timed")
             fn = BUILDERS[impl](x, **kw)
-            if impl == "sm120_mla":
-                rec["num_splits"], rec["tile_keys"], rec["cta_rows"] = fn.num_splits, fn.tile_keys, fn.cta_rows
+            for attr in ("num_splits", "tile_keys", "cta_rows", "max_kv_splits"):   # what the impl chose
+                if hasattr(fn, attr):
+                    rec[attr] = getattr(fn, attr)
             t = time_graph_us(fn, reps=reps if impl != "triton_verify" else max(5, reps // 5))
             rec.update(t)
             rec["gbps"] = x.kv_bytes / (t["time_us"] * 1e3)

@@ -15,14 +15,37 @@ IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "flashinfer_mla_fa2", "
 RTX = "RTX PRO 6000 Blackwell"
 
 
+LEGACY_TRITON_DECODE = "triton_decode_8splits"
+
+
+def with_legacy_names(df: pd.DataFrame) -> pd.DataFrame:
+    """Records of SGLang's Triton decode from before session 22 ran it with 8 KV splits and
+    without its MLA path, where an SGLang 0.5.17 server raises the splits to 256 on an H200
+    and takes the MLA path (bench.triton_decode_cap): 4-50x slower than a server's decode. They
+    carry no `max_kv_splits`; renamed LEGACY_TRITON_DECODE, they stay on record, and no target
+    or ratio against `triton_decode` reads them."""
+    if df.empty or "impl" not in df:
+        return df
+    legacy = df["impl"].eq("triton_decode")
+    if "max_kv_splits" in df:
+        legacy &= df["max_kv_splits"].isna()
+    return df.assign(impl=df["impl"].where(~legacy, LEGACY_TRITON_DECODE))
+
+
 def load_bench(path=None, skewed: bool = False) -> pd.DataFrame:
     """The benchmark's ok records: by default the batches whose requests share one context,
     which every table here but `skewed_batch_table` compares; skewed=True: the skewed batches
-    (one request at ctx, the others at short_ctx) alone."""
+    (one request at ctx, the others at short_ctx) alone. Old Triton decode records are renamed
+    (with_legacy_names)."""
     df = load_records("kernel_bench", path=path)
     if len(df) and "status" in df:
         df = df[df["status"] == "ok"]
-    return uniform_and_skewed(df)[1 if skewed else 0]
+    return uniform_and_skewed(with_legacy_names(df))[1 if skewed else 0]
+
+
+def load_targets(path=None) -> pd.DataFrame:
+    """The records of `python -m sm120_workbook.kernels.targets`, old Triton decode renamed."""
+    return with_legacy_names(load_records("kernel_targets", path=path))
 
 
 def short_ctx_of(df: pd.DataFrame) -> pd.Series:
