@@ -21,8 +21,8 @@ LEGACY_TRITON_DECODE = "triton_decode_8splits"
 def with_legacy_names(df: pd.DataFrame) -> pd.DataFrame:
     """Records of SGLang's Triton decode from before session 22 ran it with 8 KV splits and
     without its MLA path, where an SGLang 0.5.17 server raises the splits to 256 on an H200
-    and takes the MLA path (bench.triton_decode_cap): 4-50x slower than a server's decode. They
-    carry no `max_kv_splits`; renamed LEGACY_TRITON_DECODE, they stay on record, and no target
+    and takes the MLA path (bench.triton_decode_cap): 1.7-18x slower than a server's decode at
+    batch 1. They carry no `max_kv_splits`; renamed LEGACY_TRITON_DECODE, they stay on record, and no target
     or ratio against `triton_decode` reads them."""
     if df.empty or "impl" not in df:
         return df
