@@ -50,7 +50,7 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_model,
                            weight_format)
 from .patches import kv_sort
 from .service import (SGLangServer, ServerConfig, ServerError, ServerStartError, check_attention_backend,
-                      log_tail, resolve_tp, spec_metrics)
+                      check_mem_fraction_static, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -244,9 +244,7 @@ def check_run_settings(mem_fraction_static: float, startup_timeout_s: float, nvm
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"{name}: must be a positive number, got {v!r}")
 
-    if isinstance(mem_fraction_static, bool) or not isinstance(mem_fraction_static, (int, float)) \
-            or not 0.0 < mem_fraction_static < 1.0:
-        raise ValueError(f"mem_fraction_static: must be in (0, 1), got {mem_fraction_static!r}")
+    check_mem_fraction_static(mem_fraction_static)
     positive("startup_timeout_s", startup_timeout_s)
     positive("nvml_interval_s", nvml_interval_s)
     if time_budget_s is not None:

@@ -173,6 +173,12 @@ class ServerConfig:
         return json.loads(path.read_text())
 
 
+def check_mem_fraction_static(value) -> None:
+    """--mem-fraction-static: a number in (0, 1), else an error naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"mem_fraction_static: must be in (0, 1), got {value!r}")
+
+
 def resolve_config(cfg: ServerConfig) -> ServerConfig:
     """Validate a config before launching and fill in what SGLang would require.
 
@@ -184,8 +190,7 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     check_attention_backend(cfg.attention_backend)
     cfg.tp = resolve_tp(cfg.tp)
     heads_per_rank(model, cfg.tp)  # raises when tp does not divide the heads
-    if not 0.0 < cfg.mem_fraction_static < 1.0:
-        raise ValueError(f"mem_fraction_static: must be in (0, 1), got {cfg.mem_fraction_static}")
+    check_mem_fraction_static(cfg.mem_fraction_static)
     limit = max_context(model)
     if cfg.context_length is not None:
         if cfg.context_length < 1:

@@ -131,9 +131,9 @@ def timed_profiles(profiles: pd.DataFrame) -> list[dict]:
     """The step-profile records to time: without Python stacks (they slow the host: those
     windows name functions, see host_functions, but their step is not the served one), the
     newest of each configuration, layer count, spec and context, each with its `config` label."""
-    from .service_charts import label_of
+    from .service_charts import _need, label_of
 
-    _need_columns(profiles, ["backend", "spec", "ctx", "per_step_ms", "date"])
+    _need(profiles, ["backend", "spec", "ctx", "per_step_ms", "date"], "profiles")
     d = _with_stack_flag(profiles)
     d["config"] = [label_of(r) for r in d.to_dict("records")]
     d["layers"] = d["layers"] if "layers" in d else None
@@ -148,19 +148,13 @@ def _with_stack_flag(profiles):
     return d
 
 
-def _need_columns(df, cols):
-    if df is None or len(df) == 0:
-        raise ValueError("profiles: no records")
-    missing = set(cols) - set(df.columns)
-    if missing:
-        raise ValueError(f"profiles: missing columns {sorted(missing)}")
-
-
 def pick_stacked_trace(profiles: pd.DataFrame, traces_dir: str | Path) -> tuple[dict | None, Path | None, list[str]]:
     """The newest profile taken with Python stacks whose trace file is in `traces_dir` (record
     and path; None, None where there is none), and the trace files of newer stacked profiles
     that are not there (traces are large, and not every one is kept)."""
-    _need_columns(profiles, ["trace_file", "date"])
+    from .service_charts import _need
+
+    _need(profiles, ["trace_file", "date"], "profiles")
     d = _with_stack_flag(profiles)
     stacked = d[d["with_stack"]]
     missing = []

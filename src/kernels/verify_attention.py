@@ -222,13 +222,12 @@ def check_index_values(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale
     prefix holds its own query tokens, and the mask holds every request's rows. Raises
     ValueError naming the argument. Reads the tensors back to the host, so it cannot run while
     a CUDA graph is being captured."""
-    from ..reference import validate_verify_args
+    from ..reference import _check_indptr, validate_verify_args
 
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         _fail("check_values", "reads the index tensors back to the host, which a CUDA graph capture forbids")
     qo = qo_indptr.tolist()
-    if qo[0] != 0 or any(b < a for a, b in zip(qo, qo[1:])):
-        _fail("qo_indptr", f"must start at 0 and never decrease, got {qo[:8]}{' ...' if len(qo) > 8 else ''}")
+    _check_indptr("qo_indptr", qo)   # before its end slices q below
     if qo[-1] > q.shape[0]:
         _fail("qo_indptr", f"ends at {qo[-1]}, past q's {q.shape[0]} tokens")
     long = next(((b, t1 - t0) for b, (t0, t1) in enumerate(zip(qo, qo[1:])) if t1 - t0 > max_q_len), None)
@@ -291,8 +290,7 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     batch = qo_indptr.numel() - 1
     if batch > 65535:
         _fail("qo_indptr", f"batch {batch} exceeds 65535 requests per call")
-    if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
-        _fail("max_q_len", f"must be an int in 1..{MAX_Q_LEN}, got {max_q_len!r}")
+    _check_int("max_q_len", max_q_len, 1, MAX_Q_LEN)
     if T > batch * max_q_len:
         _fail("q", f"{T} tokens exceed batch {batch} x max_q_len {max_q_len}")
     ke_rows = None
