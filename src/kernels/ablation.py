@@ -158,9 +158,6 @@ VARIANTS = {
     # (POOL_MIN_MAX, v20, minimises the most keys a CTA walks); differs on mixed lengths only
     "linear_pool": Variant(("POOL_MIN_MAX=0",)),
     "wide_linear_pool": Variant(("POOL_MIN_MAX=0",), cta_rows=64),
-    # decode at batch 1 on 128 splits, the most up to v21 (kMaxSplits): 4 of the H200's SMs idle.
-    # For decode only; the q16 shapes run 128 splits of 4 or 8 row CTAs, several waves
-    "splits128": Variant(num_splits=128),
 }
 # verify (q16) and decode (q1) at 8 and 16 heads; decode at 16 heads runs another build (16 rows a
 # CTA: the rows as the mma's M) than at 8 (DECODE_ROWS_AS_N)

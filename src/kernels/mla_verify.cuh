@@ -55,11 +55,7 @@ constexpr int kSoftmaxThreadsPerRow = kGroupThreads / kRowsPerCta;  // 4
 #endif
 constexpr int kMinKeysPerSplit = MIN_KEYS_PER_SPLIT;
 static_assert(kMinKeysPerSplit >= 16 && kMinKeysPerSplit % 16 == 0, "MIN_KEYS_PER_SPLIT: whole 16-key tiles");
-// kMaxSplits (v22): the most splits a request may have, the combine step's bound. At least one
-// per SM, so that choose_num_splits' one CTA an SM holds on every target: 132 on the H200, 148
-// on a B200, 188 on an RTX PRO 6000. At 128 (v1-v21) decode at batch 1 left 4 of the H200's SMs
-// idle and 60 of an RTX PRO 6000's.
-constexpr int kMaxSplits = 256;
+constexpr int kMaxSplits = 128;
 constexpr float kRescaleThreshold = 8.f;  // log2 units: see the softmax step
 constexpr int kChunksPerKey = kDimQK * 2 / 16;        // 72 cp.async of 16 B per key row
 // Shared-memory rows are padded by 16 bytes so that the 8 row addresses of one ldmatrix
@@ -1397,16 +1393,10 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   constexpr int kVecs = kCombineThreads / kGroups;   // float4 columns per CTA: 128, 32, 16 or 8
   constexpr int kCols = kVecs * 4;                   // 512, 128, 64 or 32 (grid.y = kDimV / kCols)
   static_assert(kCols * kGroups == kDimV, "a row's columns are covered by kGroups slices");
-  // kPreload: the LSE warps hold every split's LSE, 4 a lane, 128 a warp. 16 groups hold up to
-  // 192 splits, so two warps meet at a named barrier for the max (v22). One warp holding 6 a lane
-  // took 70 registers on sm_90 (bf16 partials), 7 CTAs an SM: q8 h8's 1,024 preloading CTAs
-  // would have missed the H200's wave. (On sm_120a any kMaxSplits past 128 takes the 16-group
-  // preload from 64 registers to 80-84, 6 CTAs an SM: one wave holds 70 rows instead of 94.)
-  constexpr int kLseWarps = kGroups * kMaxSplitsPerGroup > 128 ? 2 : 1;
+  static_assert(!kPreload || kMaxSplits <= 32 * 4, "kPreload: the LSE pass holds 4 LSEs a lane");
   __shared__ float weight[kMaxSplits];
   __shared__ float4 group_sum[kGroups > 1 ? kGroups : 1][kVecs];
   __shared__ float total[2];
-  __shared__ float lse_warp_part[kLseWarps][2];   // kLseWarps > 1: each LSE warp's max, then its sum
   timeline_stamp(1, kEvEntry);
   const int64_t row = blockIdx.x;
   const int col0 = blockIdx.y * kCols;
@@ -1459,18 +1449,16 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const int64_t stride = split_stride * (kDimV / 4);          // from one split's partial to the next
   // The launcher sized kGroups for num_splits; a request with more splits than the preload
   // holds (a long one beside short ones) takes the walk below.
-  const bool preloaded = kPreload && S <= kGroups * kMaxSplitsPerGroup;
-  if (preloaded) {
+  if (kPreload && S <= kGroups * kMaxSplitsPerGroup) {
     using Raw = typename std::conditional<kBf16Partials, uint2, float4>::type;   // 4 bf16 or 4 fp32
     const Raw* parts = reinterpret_cast<const Raw*>(prm.ws_o);
     // The LSE warp's own loads go first (v18d: loads queued ahead of them delayed the LSE pass),
     // then every thread's partials, none of them waited for until the weights are in.
     float lv[4];
-    const int lse0 = kLseWarps > 1 ? 128 * (tid / 32) : 0;   // an LSE warp's first split
-    if (tid < 32 * kLseWarps) {
+    if (tid < 32) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        lv[j] = lse0 + lane + 32 * j < S ? prm.ws_lse[slot0 + (lse0 + lane + 32 * j) * split_stride] : -INFINITY;
+        lv[j] = lane + 32 * j < S ? prm.ws_lse[slot0 + (lane + 32 * j) * split_stride] : -INFINITY;
     }
     Raw raw[kMaxSplitsPerGroup];
 #pragma unroll
@@ -1478,29 +1466,18 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
       const int s = group + k * kGroups;
       if (s < S) raw[k] = parts[first + s * stride];
     }
-    if (tid < 32 * kLseWarps) {
+    if (tid < 32) {
       float m = fmaxf(fmaxf(lv[0], lv[1]), fmaxf(lv[2], lv[3]));
       m = warp_max(m);
-      if constexpr (kLseWarps > 1) {
-        if (lane == 0) lse_warp_part[tid / 32][0] = m;
-        barrier_sync(1, 32 * kLseWarps);
-        m = fmaxf(lse_warp_part[0][0], lse_warp_part[1][0]);
-      }
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float w = m == -INFINITY ? 0.f : exp2f(lv[j] - m);   // 0 for splits with no keys
-        if (lse0 + lane + 32 * j < S) weight[lse0 + lane + 32 * j] = w;
+        if (lane + 32 * j < S) weight[lane + 32 * j] = w;
         sum += w;
       }
       sum = warp_sum(sum);
-      if constexpr (kLseWarps > 1) {
-        if (lane == 0) lse_warp_part[tid / 32][1] = sum;
-        if (tid == 0) total[0] = m;
-      } else if (lane == 0) {
-        total[0] = m;
-        total[1] = sum;
-      }
+      if (lane == 0) { total[0] = m; total[1] = sum; }
     }
     __syncthreads();
     timeline_stamp(1, kEvStaged);   // the split weights are in shared memory
@@ -1571,8 +1548,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
       acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
     }
   }
-  // with two LSE warps (16 groups), each left its own sum
-  const float wsum = kLseWarps > 1 && preloaded ? lse_warp_part[0][1] + lse_warp_part[kLseWarps - 1][1] : total[1];
+  const float wsum = total[1];
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   store(make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   if (tid == 0 && blockIdx.y == 0) prm.lse[row] = wsum > 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;

@@ -15,7 +15,7 @@ import torch
 from ..mla import DIM_QK, DIM_V
 from .build import load_kernel_module
 
-MAX_SPLITS = 256   # the kernels' kMaxSplits (mla_verify.cuh)
+MAX_SPLITS = 128   # the kernels' kMaxSplits (mla_verify.cuh), the combine step's bound
 MAX_Q_LEN = 16
 TILE_KEYS = (16, 32)      # keys per softmax round of the 32-row kernel: the two compiled variants
 # 16 keys: as fast or faster at every shape timed since v18k (32 had been ~0.7 us faster at 4k decode)
