@@ -457,8 +457,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     log(f"  falling back to {spec_fallback} for {plan.backend}")
             except Exception as e:  # noqa: BLE001 - a request failed mid-run: keep what was measured
                 tail = log_tail(server_log) if server_log else ""   # what the server said as it failed
-                log(f"FAILED during {plan.backend}/{plan.spec}: {e!r}\n  its log ends:\n{_indent(tail, 15)}")
-                emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": repr(e)[:2000],
+                error = f"{type(e).__name__}: {str(e).splitlines()[0]}" if "\n" in str(e) else repr(e)   # no log twice
+                log(f"FAILED during {plan.backend}/{plan.spec}: {error}\n  its log ends:\n{_indent(tail, 15)}")
+                emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": error[:2000],
                                         "log_tail": tail[-4000:], "log_path": str(server_log)}])
         bar.close()
         return out

@@ -45,6 +45,11 @@ SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH"}
 PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokenspeed_mla": 64,
                   "cutedsl_mla": 64, "hpc_ops": 64}
 LOG_TAIL_LINES = 60
+# /generate: the longest silence from the server, before the first chunk (the prefill: at most
+# 23 s in the H200 records, a first request after start) or between two chunks, before the
+# request is given up as stalled (it was requests' read timeout of 1,800 s)
+STALL_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 10.0
 EXPERT_DUMP_GLOB = "expert_distribution_recorder_*.pt"
 
 
@@ -608,12 +613,14 @@ class SGLangServer:
             raise ServerError(f"POST {path} -> HTTP {r.status_code}: {r.text[:500]}")
         return r
 
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int, timeout_s: float = 1800,
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int, stall_timeout_s: float = STALL_TIMEOUT_S,
                  stream: bool = True, on_first_token=None) -> GenerateResult:
         """One /generate request of token ids, greedy, ignore_eos; timed on our side.
 
         With stream=True the first chunk marks the end of prefill (ttft_s), and
         `on_first_token()` (if given) is called then, e.g. to profile only the decode steps.
+        A server that sends nothing for `stall_timeout_s` (the prefill, or between two chunks)
+        raises ServerError with its state and log tail, instead of a bare read timeout.
         """
         import requests
 
@@ -626,12 +633,31 @@ class SGLangServer:
         if ctx is not None and len(ids) + max_new_tokens > ctx:
             raise ValueError(f"input_ids: {len(ids)} tokens + {max_new_tokens} new exceed the "
                              f"server's context_length {ctx}")
+        if isinstance(stall_timeout_s, bool) or not isinstance(stall_timeout_s, (int, float)) or not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s: must be a positive number of seconds, got {stall_timeout_s!r}")
         payload = {"input_ids": ids, "stream": stream,
                    "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
                                        "temperature": 0.0}}
+        try:
+            return self._generate(payload, stream, stall_timeout_s, on_first_token)
+        except (requests.exceptions.Timeout, requests.exceptions.ConnectionError) as e:
+            # a stalled stream surfaces as a ConnectionError (urllib3's read timeout), one before
+            # the headers as a ReadTimeout; a server that died mid-request as a ConnectionError too
+            code = self.proc.poll() if self.proc is not None else None
+            state = ("not one this SGLangServer started" if self.proc is None
+                     else "still running" if code is None else f"exited with code {code}")
+            stalled = isinstance(e, requests.exceptions.Timeout) or "timed out" in str(e).lower()
+            what = f"no output for {stall_timeout_s:g} s" if stalled else f"connection lost ({e})"
+            raise ServerError(f"/generate: {what}; the server is {state}; log {self.log_path} ends:\n"
+                              f"{self.log_tail(20)}") from e
+
+    def _generate(self, payload: dict, stream: bool, stall_timeout_s: float, on_first_token) -> GenerateResult:
+        import requests
+
         t0 = time.perf_counter()
         ttft, last, latency, first_tokens, chunks, seen = None, None, None, 1, 0, 0
-        with requests.post(self.url + "/generate", json=payload, stream=stream, timeout=timeout_s) as r:
+        with requests.post(self.url + "/generate", json=payload, stream=stream,
+                           timeout=(CONNECT_TIMEOUT_S, stall_timeout_s)) as r:
             if r.status_code != 200:
                 raise ServerError(f"/generate -> HTTP {r.status_code}: {r.text[:500]}")
             if not stream:

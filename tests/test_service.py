@@ -91,6 +91,13 @@ class H(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             time.sleep(0.02)                     # "prefill"
+            if mode == "stall_on_generate":      # one chunk, then a scheduler that never answers
+                meta = {"completion_tokens": 1, "finish_reason": None}
+                self.wfile.write(b"data: " + json.dumps({"output_ids": [0], "meta_info": meta}).encode() + b"\n\n")
+                self.wfile.flush()
+                print("fake: the scheduler is stuck", flush=True)
+                time.sleep(60)
+                return
             if mode == "abort_on_generate":      # SGLang's abort: an ordinary chunk, not an error
                 meta = {"completion_tokens": 0, "finish_reason": {"type": "abort", "message": "fake: out of KV"}}
                 self.wfile.write(b"data: " + json.dumps({"output_ids": [], "meta_info": meta}).encode() + b"\n\n")
@@ -655,6 +662,7 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
     (fail,) = res.failures
     assert fail["status"] == "run_failed" and fail["kv_sort"] is True
     assert "illegal memory access" in fail["log_tail"] and fail["log_path"].endswith(".log")
+    assert fail["error"].startswith("ServerError: /generate: connection lost") and "\n" not in fail["error"]
     assert any("its log ends" in line and "illegal memory access" in line for line in lines)
 
 
@@ -719,6 +727,25 @@ def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkey
 def test_generate_raises_on_an_aborted_request(model_dir, fake, tmp_path, monkeypatch):
     with _server(model_dir, fake, tmp_path, monkeypatch, "abort_on_generate") as srv:
         with pytest.raises(service.ServerError, match="aborted by the server: fake: out of KV"):
+            srv.generate(list(range(100, 164)), 9)
+
+
+def test_generate_names_a_stalled_stream(model_dir, fake, tmp_path, monkeypatch):
+    """A server that stops sending mid-stream: a ServerError after stall_timeout_s that says the
+    server still runs and ends with its log, not requests' bare read timeout after 30 minutes."""
+    with _server(model_dir, fake, tmp_path, monkeypatch, "stall_on_generate") as srv:
+        with pytest.raises(ValueError, match="stall_timeout_s: must be a positive number"):
+            srv.generate(list(range(100, 164)), 9, stall_timeout_s=0)
+        t0 = time.monotonic()
+        with pytest.raises(service.ServerError, match=r"no output for 1 s; the server is still running(.|\n)*"
+                                                      r"the scheduler is stuck"):
+            srv.generate(list(range(100, 164)), 9, stall_timeout_s=1)
+        assert time.monotonic() - t0 < 10
+
+
+def test_generate_names_a_server_that_died_mid_request(model_dir, fake, tmp_path, monkeypatch):
+    with _server(model_dir, fake, tmp_path, monkeypatch, "crash_on_generate") as srv:
+        with pytest.raises(service.ServerError, match=r"connection lost(.|\n)*illegal memory access"):
             srv.generate(list(range(100, 164)), 9)
 
 
