@@ -285,6 +285,20 @@ def test_ablation_variants_build_apart_from_the_default():
 
 
 @pytest.mark.nvcc
+def test_launcher_compiles_for_sm120a_without_a_gpu(tmp_path):
+    """The launcher (mla_verify.cu: argument checks, layouts, launches) with torch's headers, as
+    load_inline builds it, to PTX for sm_120a. It includes c10's CUDA headers only, so no cuBLAS,
+    cuSPARSE or cuSOLVER headers are needed, which a bare nvcc lacks."""
+    import subprocess
+
+    from sm120_workbook.kernels.build import launcher_check_command
+
+    proc = subprocess.run(launcher_check_command(tmp_path / "launcher.o"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "launcher.o").stat().st_size > 0
+
+
+@pytest.mark.nvcc
 def test_ablation_switches_compile_for_sm120a(tmp_path):
     import subprocess
 

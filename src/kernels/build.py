@@ -48,6 +48,23 @@ def _arch_flags(capability: tuple[int, int]) -> list[str]:
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
+def launcher_check_command(obj: str, arch: str = "120a") -> list[str]:
+    """nvcc compiling the launcher (mla_verify.cu) as load_inline does, with torch's headers, but
+    to PTX only (no ptxas, ~2 min): what a machine without a GPU can check of the host code and
+    every template it instantiates. The resource report (resources.py) assembles the kernels."""
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+
+    includes = [KERNEL_DIR, *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    return ["nvcc", *cpp_extension.COMMON_NVCC_FLAGS, *NVCC_FLAGS, "-std=c++20",   # torch's headers need C++20
+            f"-gencode=arch=compute_{arch},code=compute_{arch}", "-diag-suppress=3189",
+            *[f"-I{p}" for p in includes], "-DTORCH_EXTENSION_NAME=sm120_mla_check",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            "-c", str(KERNEL_DIR / "mla_verify.cu"), "-o", str(obj)]
+
+
 def _define_flags(defines: tuple[str, ...]) -> list[str]:
     # sorted: the same defines in another order are the same build (one cache entry, one compile)
     return [f"-D{d}" for d in sorted(defines)]

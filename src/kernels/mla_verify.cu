@@ -2,8 +2,11 @@
 // validates every argument (shapes, dtypes, devices, contiguity, alignment) and raises
 // ValueErrors that name it; this file only re-checks what would fault the launch itself. Everything launches on torch's current stream, allocates
 // nothing and never syncs, so the call can be captured in a CUDA graph.
-#include <ATen/cuda/CUDAContext.h>
+//
+// c10's CUDA headers, not ATen/cuda/CUDAContext.h: that one needs cuBLAS, cuSPARSE and cuSOLVER
+// headers, which a bare nvcc (the CPU CI's) lacks, and then the launcher compiles there too
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -39,6 +42,14 @@ void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, i
   wide::mla_verify_wide_kernel<kBatched><<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
 }
 
+// The current device's compute capability major (PDL and the wide kernel's pool from sm_90 on).
+int compute_major() {
+  int device = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major;
+}
+
 // The combine step, as a programmatic dependent of the attention kernel where COMBINE_PDL and
 // the device (sm_90 and newer) allow it; stream capture records that as a programmatic edge.
 template <int kGroups, bool kBf16Partials, bool kPreload = false>
@@ -51,7 +62,7 @@ void launch_combine(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = COMBINE_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  cfg.numAttrs = COMBINE_PDL && compute_major() >= 9 ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm120_mla::mla_verify_combine_kernel<kGroups, kBf16Partials, kPreload>, prm));
 }
 
@@ -192,11 +203,11 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.num_splits = static_cast<int>(num_splits);
   // the 64-row kernel pools only in its batched build (mla_verify_wide_kernel<true>), and only
   // from sm_90 on (kWidePool); 0 where it does not, so the combine step's launch reads it as is
-  const bool wide_pool = B > 1 && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  const bool wide_pool = B > 1 && compute_major() >= 9;
   prm.balanced_splits = !BALANCED_SPLITS ? 0 : cta_rows != wide::kRows ? 1 : wide_pool ? 2 : 0;
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((max_q_len * H + cta_rows - 1) / cta_rows),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
   if (cta_rows == wide::kRows && B > 1)
@@ -284,7 +295,7 @@ void mma_sync_peak(at::Tensor& out, int64_t iters, int64_t threads_per_block) {
   const c10::cuda::CUDAGuard guard(out.device());
   sm120_mla::mma_sync_peak_kernel<<<static_cast<unsigned>(out.numel() / threads_per_block),
                                     static_cast<unsigned>(threads_per_block), 0,
-                                    at::cuda::getCurrentCUDAStream()>>>(out.data_ptr<float>(),
+                                    c10::cuda::getCurrentCUDAStream()>>>(out.data_ptr<float>(),
                                                                         static_cast<int>(iters));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
