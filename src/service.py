@@ -619,8 +619,9 @@ class SGLangServer:
 
         With stream=True the first chunk marks the end of prefill (ttft_s), and
         `on_first_token()` (if given) is called then, e.g. to profile only the decode steps.
-        A server that sends nothing for `stall_timeout_s` (the prefill, or between two chunks)
-        raises ServerError with its state and log tail, instead of a bare read timeout.
+        A server that sends nothing for `stall_timeout_s` (the prefill, or between two chunks;
+        with stream=False, the whole request) raises ServerError with its state and log tail,
+        instead of a bare read timeout.
         """
         import requests
 
@@ -648,8 +649,8 @@ class SGLangServer:
                      else "still running" if code is None else f"exited with code {code}")
             stalled = isinstance(e, requests.exceptions.Timeout) or "timed out" in str(e).lower()
             what = f"no output for {stall_timeout_s:g} s" if stalled else f"connection lost ({e})"
-            raise ServerError(f"/generate: {what}; the server is {state}; log {self.log_path} ends:\n"
-                              f"{self.log_tail(20)}") from e
+            log = f"; log {self.log_path} ends:\n{self.log_tail(20)}" if self.log_path else ""
+            raise ServerError(f"/generate: {what}; the server is {state}{log}") from e
 
     def _generate(self, payload: dict, stream: bool, stall_timeout_s: float, on_first_token) -> GenerateResult:
         import requests
