@@ -391,6 +391,16 @@ def _finalize_group(pgid: int, grace_s: float) -> None:
         pass
 
 
+def _is_read_timeout(e: Exception) -> bool:
+    """A read timeout: before the response's headers requests raises ReadTimeout; while a stream
+    is read it raises a ConnectionError wrapping urllib3's ReadTimeoutError."""
+    import requests
+    import urllib3
+
+    return isinstance(e, requests.exceptions.ReadTimeout) or any(
+        isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in e.args)
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last `lines` lines of a (possibly large) log file."""
     try:
@@ -641,14 +651,19 @@ class SGLangServer:
                                        "temperature": 0.0}}
         try:
             return self._generate(payload, stream, stall_timeout_s, on_first_token)
-        except (requests.exceptions.Timeout, requests.exceptions.ConnectionError) as e:
-            # a stalled stream surfaces as a ConnectionError (urllib3's read timeout), one before
-            # the headers as a ReadTimeout; a server that died mid-request as a ConnectionError too
+        except (requests.exceptions.Timeout, requests.exceptions.ConnectionError,
+                requests.exceptions.ChunkedEncodingError) as e:
             code = self.proc.poll() if self.proc is not None else None
             state = ("not one this SGLangServer started" if self.proc is None
                      else "still running" if code is None else f"exited with code {code}")
-            stalled = isinstance(e, requests.exceptions.Timeout) or "timed out" in str(e).lower()
-            what = f"no output for {stall_timeout_s:g} s" if stalled else f"connection lost ({e})"
+            if isinstance(e, requests.exceptions.ConnectTimeout):   # also a ConnectionError and a Timeout
+                what = f"could not connect within {CONNECT_TIMEOUT_S:g} s"
+            elif _is_read_timeout(e):
+                what = f"no output for {stall_timeout_s:g} s"
+            elif isinstance(e, requests.exceptions.ChunkedEncodingError):
+                what = f"the stream broke off ({e})"
+            else:
+                what = f"connection failed ({e})"
             log = f"; log {self.log_path} ends:\n{self.log_tail(20)}" if self.log_path else ""
             raise ServerError(f"/generate: {what}; the server is {state}{log}") from e
 
@@ -667,11 +682,13 @@ class SGLangServer:
                 latency = time.perf_counter() - t0
                 _raise_if_aborted(last)
             else:
+                done = False
                 for line in r.iter_lines(decode_unicode=False):
                     if not line.startswith(b"data:"):
                         continue
                     body = line[5:].strip()
                     if body == b"[DONE]":
+                        done = True
                         break
                     chunk = json.loads(body)
                     if "error" in chunk:
@@ -686,6 +703,8 @@ class SGLangServer:
                     if total > seen or latency is None:   # a chunk with new tokens ends the decode so far
                         latency, seen, chunks = now, total, chunks + 1
                     last = chunk
+                if not done:   # SGLang ends every stream with [DONE]; an EOF before it is a cut
+                    raise requests.exceptions.ChunkedEncodingError("the stream ended before [DONE]")
         if last is None:
             raise ServerError("/generate returned no output")
         return GenerateResult(list(last.get("output_ids") or []), dict(last.get("meta_info") or {}),

@@ -91,6 +91,12 @@ class H(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             time.sleep(0.02)                     # "prefill"
+            if mode == "die_mid_stream":         # one chunk, then the process is gone
+                meta = {"completion_tokens": 1, "finish_reason": None}
+                self.wfile.write(b"data: " + json.dumps({"output_ids": [0], "meta_info": meta}).encode() + b"\n\n")
+                self.wfile.flush()
+                print("fake CUDA error: an illegal memory access was encountered", flush=True)
+                os._exit(6)
             if mode == "stall_on_generate":      # one chunk, then a scheduler that never answers
                 meta = {"completion_tokens": 1, "finish_reason": None}
                 self.wfile.write(b"data: " + json.dumps({"output_ids": [0], "meta_info": meta}).encode() + b"\n\n")
@@ -662,7 +668,7 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
     (fail,) = res.failures
     assert fail["status"] == "run_failed" and fail["kv_sort"] is True
     assert "illegal memory access" in fail["log_tail"] and fail["log_path"].endswith(".log")
-    assert fail["error"].startswith("ServerError: /generate: connection lost") and "\n" not in fail["error"]
+    assert fail["error"].startswith("ServerError: /generate: connection failed") and "\n" not in fail["error"]
     assert any("its log ends" in line and "illegal memory access" in line for line in lines)
 
 
@@ -743,9 +749,25 @@ def test_generate_names_a_stalled_stream(model_dir, fake, tmp_path, monkeypatch)
         assert time.monotonic() - t0 < 10
 
 
-def test_generate_names_a_server_that_died_mid_request(model_dir, fake, tmp_path, monkeypatch):
-    with _server(model_dir, fake, tmp_path, monkeypatch, "crash_on_generate") as srv:
-        with pytest.raises(service.ServerError, match=r"connection lost(.|\n)*illegal memory access"):
+def test_read_timeouts_are_told_from_other_connection_errors():
+    import requests
+    import urllib3
+
+    read = urllib3.exceptions.ReadTimeoutError(None, "/generate", "Read timed out.")
+    assert service._is_read_timeout(requests.exceptions.ReadTimeout("before the headers"))
+    assert service._is_read_timeout(requests.exceptions.ConnectionError(read))   # mid-stream
+    connect = urllib3.exceptions.ConnectTimeoutError(None, "Connection to 127.0.0.1 timed out")
+    assert not service._is_read_timeout(requests.exceptions.ConnectTimeout(connect))
+    assert not service._is_read_timeout(requests.exceptions.ConnectionError("Connection refused"))
+
+
+@pytest.mark.parametrize("mode, match", [("crash_on_generate", "connection failed"),   # before the headers
+                                         ("die_mid_stream", r"the stream broke off \(the stream ended before \[DONE\]")])
+def test_generate_names_a_server_that_died_mid_request(model_dir, fake, tmp_path, monkeypatch, mode, match):
+    """Dead before its answer or in the middle of the stream: never a partial output taken as a
+    whole one, always the server's last words."""
+    with _server(model_dir, fake, tmp_path, monkeypatch, mode) as srv:
+        with pytest.raises(service.ServerError, match=match + r"(.|\n)*illegal memory access"):
             srv.generate(list(range(100, 164)), 9)
 
 

@@ -17,7 +17,10 @@ from filelock import FileLock, Timeout
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = ("mla_verify.cuh", "mla_verify_wide.cuh", "mma_peak.cuh", "mla_verify.cu")
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+# No -std: load_inline adds the one its torch's headers need when none is given (newer torch
+# refuses anything below C++20, which a pinned -std=c++17 would have broken); the sources build
+# as C++17 (the resource report) and as C++20 (launcher_check_command).
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 CPP_DECLS = """
 #include <torch/extension.h>
 void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at::Tensor& qo_indptr,
@@ -49,16 +52,17 @@ def _arch_flags(capability: tuple[int, int]) -> list[str]:
 
 
 def launcher_check_command(obj: str, arch: str = "120a") -> list[str]:
-    """nvcc compiling the launcher (mla_verify.cu) as load_inline does, with torch's headers, but
-    to PTX only (no ptxas, ~2 min): what a machine without a GPU can check of the host code and
-    every template it instantiates. The resource report (resources.py) assembles the kernels."""
+    """nvcc compiling the launcher (mla_verify.cu) with this torch's headers and load_inline's
+    flags, to PTX only (no ptxas, ~2 min): what a machine without a GPU can check of the host code
+    and every template it instantiates. The resource report (resources.py) assembles the kernels.
+    C++20, as load_inline picks for torch releases whose headers refuse anything older."""
     import sysconfig
 
     import torch
     from torch.utils import cpp_extension
 
     includes = [KERNEL_DIR, *cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    return ["nvcc", *cpp_extension.COMMON_NVCC_FLAGS, *NVCC_FLAGS, "-std=c++20",   # torch's headers need C++20
+    return ["nvcc", *cpp_extension.COMMON_NVCC_FLAGS, *NVCC_FLAGS, "-std=c++20",
             f"-gencode=arch=compute_{arch},code=compute_{arch}", "-diag-suppress=3189",
             *[f"-I{p}" for p in includes], "-DTORCH_EXTENSION_NAME=sm120_mla_check",
             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
