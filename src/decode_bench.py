@@ -49,8 +49,8 @@ import numpy as np
 from .dummy_models import (heads_per_rank, materialize_draft, materialize_model, max_context,
                            weight_format)
 from .patches import kv_sort
-from .service import (SGLangServer, ServerConfig, ServerError, ServerStartError, check_attention_backend,
-                      check_mem_fraction_static, log_tail, resolve_tp, spec_metrics)
+from .service import (STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError, ServerStartError,
+                      check_attention_backend, check_mem_fraction_static, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -237,7 +237,7 @@ class MatrixResult:
 
 
 def check_run_settings(mem_fraction_static: float, startup_timeout_s: float, nvml_interval_s: float,
-                       time_budget_s: float | None, repeats: int) -> None:
+                       time_budget_s: float | None, repeats: int, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
     """The matrix's numeric settings, checked before any launch: inside the run loop a bad one
     would surface as one failure record per server instead of one error."""
     def positive(name, v):
@@ -246,6 +246,7 @@ def check_run_settings(mem_fraction_static: float, startup_timeout_s: float, nvm
 
     check_mem_fraction_static(mem_fraction_static)
     positive("startup_timeout_s", startup_timeout_s)
+    positive("stall_timeout_s", stall_timeout_s)
     positive("nvml_interval_s", nvml_interval_s)
     if time_budget_s is not None:
         positive("time_budget_s", time_budget_s)
@@ -267,6 +268,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                cuda_graph: bool = True, spec_fallback: str | None = "ngram", nvml: bool = True,
                nvml_interval_s: float = 0.2, expert: bool = True, record: bool = False,
                progress: bool = True, seed: int = 0, startup_timeout_s: float = 900.0,
+               stall_timeout_s: float = STALL_TIMEOUT_S,
                time_budget_s: float | None = None, command: str | None = None,
                launcher: Sequence[str] | None = None, results_dir: Path | None = None,
                log_dir: Path | None = None, profile_steps: int = 0,
@@ -302,7 +304,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         raise ValueError(f"profile_contexts: {sorted(set(profile_contexts) - set(contexts))} are not among "
                          f"the measured contexts {sorted(set(contexts))}")
     check_run_settings(mem_fraction_static=mem_fraction_static, startup_timeout_s=startup_timeout_s,
-                       nvml_interval_s=nvml_interval_s, time_budget_s=time_budget_s, repeats=repeats)
+                       nvml_interval_s=nvml_interval_s, time_budget_s=time_budget_s, repeats=repeats,
+                       stall_timeout_s=stall_timeout_s)
     tp = resolve_tp(tp)
     if not (isinstance(ep_size, int) and ep_size >= 1 and tp % ep_size == 0):
         raise ValueError(f"ep_size: must be a positive divisor of tp={tp}, got {ep_size!r}")
@@ -390,7 +393,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
                 env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0"}
                 with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
-                                  progress=progress, launcher=launcher, env=env) as srv:
+                                  stall_timeout_s=stall_timeout_s, progress=progress, launcher=launcher,
+                                  env=env) as srv:
                     started.add((plan.backend, plan.spec))
                     server_log = srv.log_path
                     log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
@@ -617,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-expert", action="store_true")
     p.add_argument("--no-record", action="store_true", help="do not append to data/results/")
     p.add_argument("--startup-timeout-s", type=float, default=900)
+    p.add_argument("--stall-timeout-s", type=float, default=STALL_TIMEOUT_S,
+                   help="give a request up when its stream is silent this long (the prefill included)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="skip server starts that would not finish within this many seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -656,7 +662,8 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           mem_fraction_static=a.mem_fraction_static, cuda_graph=not a.no_cuda_graph,
                           spec_fallback=a.spec_fallback or None, nvml=not a.no_nvml, expert=not a.no_expert,
                           record=not a.no_record, progress=sys.stderr.isatty(), seed=a.seed,
-                          startup_timeout_s=a.startup_timeout_s, time_budget_s=a.time_budget_s,
+                          startup_timeout_s=a.startup_timeout_s, stall_timeout_s=a.stall_timeout_s,
+                          time_budget_s=a.time_budget_s,
                           command=command, results_dir=a.results_dir, log_dir=a.log_dir,
                           profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
                           profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail)

@@ -450,16 +450,18 @@ class SGLangServer:
     """One `sglang.launch_server` subprocess, healthy inside the `with` block, gone after it.
 
     launcher: the command that precedes the server arguments (default: this Python with
-    `-m sglang.launch_server`); tests point it at a fake server script.
+    `-m sglang.launch_server`); tests point it at a fake server script. stall_timeout_s: the
+    default of `generate`'s (the longest silence of a request's stream).
     """
 
     def __init__(self, config: ServerConfig, log_path: str | Path | None = None,
                  startup_timeout_s: float = 900.0, grace_s: float = 30.0,
                  launcher: Sequence[str] | None = None, env: dict | None = None,
-                 progress: bool = True, validate: bool = True):
+                 progress: bool = True, validate: bool = True, stall_timeout_s: float = STALL_TIMEOUT_S):
         self.config = config
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.grace_s = grace_s
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
         self.env = env
@@ -623,17 +625,20 @@ class SGLangServer:
             raise ServerError(f"POST {path} -> HTTP {r.status_code}: {r.text[:500]}")
         return r
 
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int, stall_timeout_s: float = STALL_TIMEOUT_S,
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int, stall_timeout_s: float | None = None,
                  stream: bool = True, on_first_token=None) -> GenerateResult:
         """One /generate request of token ids, greedy, ignore_eos; timed on our side.
 
         With stream=True the first chunk marks the end of prefill (ttft_s), and
         `on_first_token()` (if given) is called then, e.g. to profile only the decode steps.
-        A server that sends nothing for `stall_timeout_s` (the prefill, or between two chunks;
-        with stream=False, the whole request) raises ServerError with its state and log tail,
-        instead of a bare read timeout.
+        A server that sends nothing for `stall_timeout_s` (default: the server's; the prefill, or
+        between two chunks; with stream=False, the whole request) raises ServerError with its
+        state and log tail, instead of a bare read timeout.
         """
         import requests
+
+        if stall_timeout_s is None:
+            stall_timeout_s = self.stall_timeout_s
 
         ids = [int(i) for i in input_ids]
         if not ids:

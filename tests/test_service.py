@@ -677,6 +677,7 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
     (dict(spec=["ngram"], ngram_draft_tokens=1), "ngram_draft_tokens: ngram needs an int >= 2, got 1"),
     (dict(spec=["none"], mem_fraction_static=1.5), r"mem_fraction_static: must be in \(0, 1\), got 1.5"),
     (dict(spec=["none"], startup_timeout_s=0), "startup_timeout_s: must be a positive number"),
+    (dict(spec=["none"], stall_timeout_s=-5), "stall_timeout_s: must be a positive number"),
     (dict(spec=["none"], nvml_interval_s=-1.0), "nvml_interval_s: must be a positive number"),
     (dict(spec=["none"], time_budget_s=0), "time_budget_s: must be a positive number"),
     (dict(spec=["none"], repeats=0), "repeats: must be a positive int"),
@@ -739,13 +740,13 @@ def test_generate_raises_on_an_aborted_request(model_dir, fake, tmp_path, monkey
 def test_generate_names_a_stalled_stream(model_dir, fake, tmp_path, monkeypatch):
     """A server that stops sending mid-stream: a ServerError after stall_timeout_s that says the
     server still runs and ends with its log, not requests' bare read timeout after 30 minutes."""
-    with _server(model_dir, fake, tmp_path, monkeypatch, "stall_on_generate") as srv:
+    with _server(model_dir, fake, tmp_path, monkeypatch, "stall_on_generate", stall_timeout_s=1) as srv:
         with pytest.raises(ValueError, match="stall_timeout_s: must be a positive number"):
             srv.generate(list(range(100, 164)), 9, stall_timeout_s=0)
         t0 = time.monotonic()
         with pytest.raises(service.ServerError, match=r"no output for 1 s; the server is still running(.|\n)*"
                                                       r"the scheduler is stuck"):
-            srv.generate(list(range(100, 164)), 9, stall_timeout_s=1)
+            srv.generate(list(range(100, 164)), 9)   # the server's stall_timeout_s
         assert time.monotonic() - t0 < 10
 
 
