@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import importlib.metadata as md
 import json
+import math
 import os
 import signal
 import socket
@@ -649,7 +650,8 @@ class SGLangServer:
         if ctx is not None and len(ids) + max_new_tokens > ctx:
             raise ValueError(f"input_ids: {len(ids)} tokens + {max_new_tokens} new exceed the "
                              f"server's context_length {ctx}")
-        if isinstance(stall_timeout_s, bool) or not isinstance(stall_timeout_s, (int, float)) or not stall_timeout_s > 0:
+        if (isinstance(stall_timeout_s, bool) or not isinstance(stall_timeout_s, (int, float))
+                or not math.isfinite(stall_timeout_s) or stall_timeout_s <= 0):
             raise ValueError(f"stall_timeout_s: must be a positive number of seconds, got {stall_timeout_s!r}")
         payload = {"input_ids": ids, "stream": stream,
                    "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,

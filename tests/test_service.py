@@ -743,6 +743,8 @@ def test_generate_names_a_stalled_stream(model_dir, fake, tmp_path, monkeypatch)
     with _server(model_dir, fake, tmp_path, monkeypatch, "stall_on_generate", stall_timeout_s=1) as srv:
         with pytest.raises(ValueError, match="stall_timeout_s: must be a positive number"):
             srv.generate(list(range(100, 164)), 9, stall_timeout_s=0)
+        with pytest.raises(ValueError, match="stall_timeout_s: must be a positive number"):
+            srv.generate(list(range(100, 164)), 9, stall_timeout_s=float("inf"))
         t0 = time.monotonic()
         with pytest.raises(service.ServerError, match=r"no output for 1 s; the server is still running(.|\n)*"
                                                       r"the scheduler is stuck"):
