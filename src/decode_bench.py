@@ -50,7 +50,8 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_model,
                            weight_format)
 from .patches import kv_sort
 from .service import (STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError, ServerStartError,
-                      check_attention_backend, check_mem_fraction_static, log_tail, resolve_tp, spec_metrics)
+                      check_attention_backend, check_mem_fraction_static, check_positive, log_tail, resolve_tp,
+                      spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -240,16 +241,12 @@ def check_run_settings(mem_fraction_static: float, startup_timeout_s: float, nvm
                        time_budget_s: float | None, repeats: int, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
     """The matrix's numeric settings, checked before any launch: inside the run loop a bad one
     would surface as one failure record per server instead of one error."""
-    def positive(name, v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{name}: must be a positive number, got {v!r}")
-
     check_mem_fraction_static(mem_fraction_static)
-    positive("startup_timeout_s", startup_timeout_s)
-    positive("stall_timeout_s", stall_timeout_s)
-    positive("nvml_interval_s", nvml_interval_s)
+    check_positive("startup_timeout_s", startup_timeout_s)
+    check_positive("stall_timeout_s", stall_timeout_s)
+    check_positive("nvml_interval_s", nvml_interval_s)
     if time_budget_s is not None:
-        positive("time_budget_s", time_budget_s)
+        check_positive("time_budget_s", time_budget_s)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: must be a positive int, got {repeats!r}")
 

@@ -185,6 +185,12 @@ def check_mem_fraction_static(value) -> None:
         raise ValueError(f"mem_fraction_static: must be in (0, 1), got {value!r}")
 
 
+def check_positive(name: str, value) -> None:
+    """A finite number above 0 (a timeout, an interval), else an error naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: must be a positive number, got {value!r}")
+
+
 def resolve_config(cfg: ServerConfig) -> ServerConfig:
     """Validate a config before launching and fill in what SGLang would require.
 
@@ -650,9 +656,7 @@ class SGLangServer:
         if ctx is not None and len(ids) + max_new_tokens > ctx:
             raise ValueError(f"input_ids: {len(ids)} tokens + {max_new_tokens} new exceed the "
                              f"server's context_length {ctx}")
-        if (isinstance(stall_timeout_s, bool) or not isinstance(stall_timeout_s, (int, float))
-                or not math.isfinite(stall_timeout_s) or stall_timeout_s <= 0):
-            raise ValueError(f"stall_timeout_s: must be a positive number of seconds, got {stall_timeout_s!r}")
+        check_positive("stall_timeout_s", stall_timeout_s)
         payload = {"input_ids": ids, "stream": stream,
                    "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
                                        "temperature": 0.0}}
