@@ -146,6 +146,9 @@ VARIANTS = {
     # each value warp refills its own columns of a stage right after its P.V (EARLY_REFILL, a
     # candidate: session 14), instead of after the next mid-tile round
     "early_refill": Variant(("EARLY_REFILL=1",)),
+    # the split kernel's partials as fp32 stored straight from the accumulators, as up to v22
+    # (SPLIT_BF16_PARTIALS, v23: bf16 rows staged through the ring, 16-byte stores)
+    "fp32_partials": Variant(("SPLIT_BF16_PARTIALS=0",)),
     # every request num_splits CTAs whatever its length, as up to v18n (v19 shares a row tile's
     # CTAs out by keys: BALANCED_SPLITS); differs only on a batch of mixed lengths (--short-ctx)
     "unbalanced": Variant(("BALANCED_SPLITS=0",)),

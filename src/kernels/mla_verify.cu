@@ -224,7 +224,7 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
     launch_split<16>(prm, grid, stream, device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
-  if (cta_rows == wide::kRows && wide::kBf16Partials)   // the wide kernel's partials are bf16
+  if (cta_rows == wide::kRows ? wide::kBf16Partials : kSplitBf16Partials)   // the partials are bf16
     launch_combine_for<true>(prm, rows, device, stream);
   else
     launch_combine_for<false>(prm, rows, device, stream);

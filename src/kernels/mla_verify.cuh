@@ -198,6 +198,20 @@ static_assert(!EARLY_REFILL || (!GROUP_BARRIERS && !PV_LAG && !LATE_REFILL && !S
 #ifndef DECODE_ROWS_AS_N
 #define DECODE_ROWS_AS_N 1
 #endif
+// SPLIT_BF16_PARTIALS (v23): the split kernel's normalised partial outputs. 0 (up to v22): fp32
+// stored straight from the accumulators: 8-byte stores of 8 rows a warp (rows as M; 32 a thread
+// at 16 rows), or 4-byte ones (rows as N: 32 a thread at 8 rows). The CTA timeline put decode
+// h16's epilogue at ~1.0 us against h8's ~0.7 (NOTES.md, session 23). 1: bf16, as the wide
+// kernel's (WIDE_BF16_PARTIALS: one more rounding, <= 2^-9 relative, before the fp32 merge),
+// staged through the idle ring so that the value warps store whole rows in 16-byte pieces:
+// 8 stores a thread at 16 rows, 4 at 8, and half the bytes for the combine step to read.
+#ifndef SPLIT_BF16_PARTIALS
+#define SPLIT_BF16_PARTIALS 1
+#endif
+constexpr bool kSplitBf16Partials = SPLIT_BF16_PARTIALS;
+// Staged bf16 partial rows in shared memory: 260 words apart, so that a warp's 4-byte stores
+// (8 rows x 4 lanes, or with the rows as N 4 row pairs x 8 lanes) hit the 32 banks once.
+constexpr int kOutRowStride = kDimV + 8;
 
 // STAGES_16: the cp.async ring of 16-key tiles. Two stages are always being read (the score
 // warps on tile t+1, the value warps on tile t), so 4 stages keep 2 tiles in flight and 3
@@ -342,6 +356,11 @@ __device__ __forceinline__ uint64_t select_u64(bool a, uint64_t x, uint64_t y) {
       : "=l"(r) : "r"(static_cast<int>(a)), "l"(x), "l"(y));
   return r;
 }
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 template <typename T>
 __device__ __forceinline__ T* select_ptr(bool a, T* x, T* y) {
   return reinterpret_cast<T*>(select_u64(a, reinterpret_cast<uint64_t>(x), reinterpret_cast<uint64_t>(y)));
@@ -1313,14 +1332,63 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   cta_sync();   // the score warps' final row sums are in smem
 
   // Normalised partial output of each row of this split.
-  if constexpr (ROWS_AS_N) {
+  auto inv_sum = [&](int r) {
+    const float l = sm.row_sum[r];
+    return l > 0.f ? 1.f / l : 0.f;
+  };
+  if constexpr (kSplitBf16Partials) {
+    // bf16 rows through the ring (every warp is done with it: the cta_sync above), then whole
+    // rows (1 KB, 64 pieces of 16 B) stored by the value warps' 128 threads.
+    static_assert(kComputedRows * kOutRowStride <= kStages * Cfg::kStageElems, "staged partial rows fit the ring");
+    __nv_bfloat16* staged = &sm.kv[0][0];
+    if constexpr (ROWS_AS_N) {
+      // ot[cp] holds columns g and g+8 of rows 2 t4, +1. Lanes g and g^1 (lane ^ 4) swap one value,
+      // so that each packs two adjacent columns: an even g columns g, g+1; an odd g columns g+7, g+8.
+      const bool even = (g & 1) == 0;
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int r = 2 * t4 + hi;
+        const float inv = inv_sum(r);
+        __nv_bfloat16* dst = staged + r * kOutRowStride + pv_col0 + (even ? g : g + 7);
+#pragma unroll
+        for (int cp = 0; cp < kVColsPerWarp / 16; ++cp) {
+          const float lo = ot[cp][hi] * inv, up = ot[cp][2 + hi] * inv;
+          const float theirs = __shfl_xor_sync(0xffffffffu, even ? up : lo, 4);
+          *reinterpret_cast<uint32_t*>(dst + cp * 16) = even ? pack_bf16(lo, theirs) : pack_bf16(theirs, up);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const int r = mt * 16 + g + hi * 8;
+          const float inv = inv_sum(r);
+          __nv_bfloat16* dst = staged + r * kOutRowStride + pv_col0 + 2 * t4;
+#pragma unroll
+          for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)
+            *reinterpret_cast<uint32_t*>(dst + nt * 8) = pack_bf16(o[mt][nt][2 * hi] * inv, o[mt][nt][2 * hi + 1] * inv);
+        }
+      }
+    }
+    barrier_sync(kBarValue, kGroupThreads);   // the staged rows are in (the score warps have left)
+    constexpr int kPiecesPerRow = kDimV * 2 / 16;                 // 64
+    constexpr int kRowsPerStep = kGroupThreads / kPiecesPerRow;   // 2
+    const int piece = gtid % kPiecesPerRow;
+#pragma unroll
+    for (int r = gtid / kPiecesPerRow; r < kComputedRows; r += kRowsPerStep) {
+      const int64_t pi = partial_index(r);
+      if (pi >= 0)
+        reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(prm.ws_o) + pi * kDimV)[piece] =
+            *reinterpret_cast<const uint4*>(staged + r * kOutRowStride + piece * 8);
+    }
+  } else if constexpr (ROWS_AS_N) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {   // rows 2 t4 and 2 t4+1; a warp's store fills 32-byte sectors
       const int r = 2 * t4 + hi;
       const int64_t pi = partial_index(r);
       if (pi < 0) continue;
-      const float l = sm.row_sum[r];
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = inv_sum(r);
       float* dst = prm.ws_o + pi * kDimV + pv_col0 + g;
 #pragma unroll
       for (int cp = 0; cp < kVColsPerWarp / 16; ++cp) {
@@ -1336,8 +1404,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
         const int r = mt * 16 + g + hi * 8;
         const int64_t pi = partial_index(r);
         if (pi < 0) continue;
-        const float l = sm.row_sum[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = inv_sum(r);
         float* dst = prm.ws_o + pi * kDimV + pv_col0 + 2 * t4;
 #pragma unroll
         for (int nt = 0; nt < kVColsPerWarp / 8; ++nt)

@@ -131,7 +131,6 @@ constexpr bool kBf16Partials = WIDE_BF16_PARTIALS;
 #ifndef WIDE_PREFETCH_FIRST_TILES
 #define WIDE_PREFETCH_FIRST_TILES 1
 #endif
-constexpr int kOutRowStride = kDimV + 8;   // bf16: 4-byte stores of 8 rows x 4 lanes hit 32 banks once
 static_assert(kStages >= 2 + kLag && kStages <= 4, "WIDE_STAGES: 2..4, 3..4 with ping-pong (5 x 18.7 KB exceeds 99 KB)");
 constexpr int kStageElems = kKeys * kKvRowStride;
 static_assert(!WIDE_Q_SMEM || kRows * kKvRowStride <= kStages * kStageElems, "WIDE_Q_SMEM: Q fills a 4-stage ring");
@@ -171,11 +170,6 @@ struct Shared {
 };
 constexpr int kSmemBytes = sizeof(Shared);
 static_assert(kSmemBytes <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // The softmax row of thread `tid` (reduce-scatter: warp dq of a row pair owns 8 of its 32 rows,
 // one row per 4 lanes).

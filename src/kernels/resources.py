@@ -42,10 +42,12 @@ def _nvcc() -> str:
 
 # The combine step's instantiations: (split groups, bf16 partials, preload). combine_groups in
 # mla_verify.cuh picks 1, 4 or 16 groups without the preload; with it (COMBINE_PRELOAD) the launcher
-# takes 16, 8 or 4 for the 32-row kernel's fp32 partials and the 64-row kernel's bf16 ones.
-COMBINE_INSTANCES = ((1, False, False), (4, False, False), (16, False, False), (16, True, False),
-                     (16, False, True), (8, False, True), (4, False, True),
-                     (16, True, True), (8, True, True), (4, True, True))
+# takes 16, 8 or 4. Both kernels' partials are bf16 (SPLIT_BF16_PARTIALS, WIDE_BF16_PARTIALS); the
+# fp32 ones are the SPLIT_BF16_PARTIALS=0 build's.
+COMBINE_INSTANCES = ((1, True, False), (4, True, False), (16, True, False),
+                     (16, True, True), (8, True, True), (4, True, True),
+                     (1, False, False), (4, False, False), (16, False, False),
+                     (16, False, True), (8, False, True), (4, False, True))
 _COMBINE = re.compile(r"mla_verify_combine_kernelILi(\d+)ELb(\d)ELb(\d)E")
 
 
