@@ -149,6 +149,9 @@ VARIANTS = {
     # the split kernel's partials as fp32 stored straight from the accumulators, as up to v22
     # (SPLIT_BF16_PARTIALS, v23: bf16 rows staged through the ring, 16-byte stores)
     "fp32_partials": Variant(("SPLIT_BF16_PARTIALS=0",)),
+    # the split kernel's Q fragments as 4-byte loads straight into registers, as up to v23
+    # (SPLIT_Q_SMEM, v24: 16-byte loads through a free ring stage, then ldmatrix)
+    "q_regs": Variant(("SPLIT_Q_SMEM=0",)),
     # every request num_splits CTAs whatever its length, as up to v18n (v19 shares a row tile's
     # CTAs out by keys: BALANCED_SPLITS); differs only on a batch of mixed lengths (--short-ctx)
     "unbalanced": Variant(("BALANCED_SPLITS=0",)),

@@ -209,6 +209,19 @@ static_assert(!EARLY_REFILL || (!GROUP_BARRIERS && !PV_LAG && !LATE_REFILL && !S
 #define SPLIT_BF16_PARTIALS 1
 #endif
 constexpr bool kSplitBf16Partials = SPLIT_BF16_PARTIALS;
+// SPLIT_Q_SMEM (v24): how the split kernel's score warps get their Q fragments. 0 (up to v23):
+// straight from memory, one 4-byte load a fragment register: 36 a thread at 16 rows (18 at 8, 72
+// at 32), each warp instruction touching 8 rows' lines. In decode h16's CTA timeline Q is
+// requested ~0.35 us later than at h8 and tile 0 lands ~0.65 us later: the score warps' loads
+// queue in the same load units as the value warps' index loads and first copies. 1: each score
+// warp reads its rows' 144 dims in 16-byte pieces (9 loads a thread at 16 rows, lanes along each
+// row's 288 bytes), puts them in a ring stage that the prologue leaves free (PROLOGUE_EARLY_STAGES:
+// the value warps copy stages past it only after tile 0's hand-over, by when Q is in registers)
+// and takes the fragments with ldmatrix. Builds with no free stage (32-key tiles, all stages
+// copied first) keep 0.
+#ifndef SPLIT_Q_SMEM
+#define SPLIT_Q_SMEM 1
+#endif
 // Staged bf16 partial rows in shared memory: 260 words apart, so that a warp's 4-byte stores
 // (8 rows x 4 lanes, or with the rows as N 4 row pairs x 8 lanes) hit the 32 banks once.
 constexpr int kOutRowStride = kDimV + 8;
@@ -230,6 +243,9 @@ template <int KEYS>
 struct TileConfig {
   static constexpr int kKeys = KEYS;
   static constexpr int kStages = KEYS == 16 ? STAGES_16 : 2;
+  // the ring stages the value warps copy before tile 0's hand-over (PROLOGUE_EARLY_STAGES)
+  static constexpr int kEarlyStages =
+      STAGED_PROLOGUE && PROLOGUE_EARLY_STAGES > 0 && PROLOGUE_EARLY_STAGES < kStages ? PROLOGUE_EARLY_STAGES : kStages;
   static constexpr int kStageElems = KEYS * kKvRowStride;
   static constexpr int kPRowStride = KEYS + 8;        // bf16 elements: conflict-free ldmatrix rows
   static constexpr int kLoadThreadsPerKey = kGroupThreads / KEYS;
@@ -814,6 +830,46 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[MT][kQkSteps][4]
   }
 }
 
+// The same fragments through shared memory (SPLIT_Q_SMEM): this warp's kRows rows x 144 dims in
+// 16-byte loads, all in flight at once, stored at `staged` (rows kKvRowStride apart), then read
+// with ldmatrix. Rows past `rows` are 0. With ROWS_AS_N only qf[0][ks][0] and [2] are operands
+// (row g's dims): the other two stay 0. A token's heads are consecutive rows of q, so row gr of
+// the request is q row q_start * H + gr.
+template <int MT, int kRows, bool ROWS_AS_N>
+__device__ __forceinline__ void load_q_fragments_staged(uint32_t (&qf)[MT][kQkSteps][4], const Params& prm,
+                                                        int q_start, int rows, int first_row, int dim_part, int lane,
+                                                        __nv_bfloat16* staged) {
+  constexpr int kPieces = kQkSteps * 2;                 // 16-byte pieces of a row's 144 dims: 18
+  constexpr int kSteps = (kRows * kPieces + 31) / 32;   // 9 at 16 rows
+  const __nv_bfloat16* q0 = prm.q + (static_cast<int64_t>(q_start) * prm.heads + first_row) * kDimQK +
+                            dim_part * (kQkSteps * 16);
+  __nv_bfloat16* s0 = staged + dim_part * (kQkSteps * 16);
+  uint4 v[kSteps];
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int p = lane + 32 * i, r = p / kPieces, c = p % kPieces;
+    v[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (r < kRows && first_row + r < rows) v[i] = *reinterpret_cast<const uint4*>(q0 + r * kDimQK + c * 8);
+  }
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int p = lane + 32 * i, r = p / kPieces, c = p % kPieces;
+    if (r < kRows) *reinterpret_cast<uint4*>(s0 + r * kKvRowStride + c * 8) = v[i];
+  }
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int ks = 0; ks < kQkSteps; ++ks) {
+      if constexpr (ROWS_AS_N) {   // lanes 0-7 rows 0-7 at dims 0-7, lanes 8-15 the same rows at dims 8-15
+        ldmatrix_x2(qf[mt][ks][0], qf[mt][ks][2], s0 + (lane & 7) * kKvRowStride + ks * 16 + ((lane >> 3) & 1) * 8);
+        qf[mt][ks][1] = qf[mt][ks][3] = 0u;
+      } else {   // the A operand: rows 0-7 / 8-15 at dims 0-7, then the same at dims 8-15
+        ldmatrix_x4(qf[mt][ks], s0 + (mt * 16 + (lane & 15)) * kKvRowStride + ks * 16 + (lane >> 4) * 8);
+      }
+    }
+}
+
 // grid: (row tiles of max_q_len*heads, num_splits, batch); block: kThreads.
 //
 // handover_model.py states this schedule step by step and checks it for races and
@@ -1023,7 +1079,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
     // ---------------- score warps: S = Q.K^T over this warp's 144 dims, then softmax ----------------
     const int dim_part = warp;
     uint32_t qf[MT][kQkSteps][4];   // MT * 16 rows x 144 dims, for the whole split
-    load_q_fragments(qf, prm, q_start, rows, row0, dim_part, g, t4);
+    // SPLIT_Q_SMEM: through the first ring stage the prologue leaves free (see there)
+    constexpr bool kQSmem = SPLIT_Q_SMEM && (kStages - Cfg::kEarlyStages) * KEYS >= kComputedRows;
+    if constexpr (kQSmem)
+      load_q_fragments_staged<MT, kComputedRows, ROWS_AS_N>(qf, prm, q_start, rows, row0, dim_part, lane,
+                                                            sm.kv[Cfg::kEarlyStages]);
+    else
+      load_q_fragments(qf, prm, q_start, rows, row0, dim_part, g, t4);
     timeline_stamp(0, kEvQRequested);
 
     // Softmax layout: 4 threads per row, KEYS/4 keys each. The row's running max and sum
@@ -1225,10 +1287,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 #pragma unroll
   for (int i = 0; i < kStages + kIndexAhead; ++i) stage_index(i, false);
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
-  constexpr int kEarlyStages = PROLOGUE_EARLY_STAGES > 0 && PROLOGUE_EARLY_STAGES < kStages ? PROLOGUE_EARLY_STAGES : kStages;
+  constexpr int kEarlyStages = Cfg::kEarlyStages;
   copy_first_tiles(0, kEarlyStages);
 #else
-  constexpr int kEarlyStages = kStages;
+  constexpr int kEarlyStages = Cfg::kEarlyStages;   // kStages
   for (int s = 0; s < kStages; ++s) {
     if (s < num_tiles) load_tile(row_of(s, false), s, 0, Cfg::kLoadSteps);
     cp_async_commit();
