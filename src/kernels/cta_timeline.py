@@ -32,7 +32,8 @@ MILESTONES = {
 }
 # Spans of one CTA: (kernel, name, from slot, to slot). The names are v17e's, as recorded: since
 # v18 (WIDE_Q_SMEM) Q arrives with the indices, so "indices staged" and the prologue include
-# Q, and the first tile no longer waits for it.
+# Q, and the first tile no longer waits for it. In the split kernel since v24 (SPLIT_Q_SMEM) "Q
+# requested" is stamped once the fragments are in registers: Q's arrival, not its request.
 SPANS = (
     ("attention", "prologue (indptr, indices)", 0, 1),
     ("attention", "indptr reads", 0, 6),
