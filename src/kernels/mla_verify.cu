@@ -148,6 +148,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   TORCH_CHECK(on_dev(kv_pool) && on_dev(qo_indptr) && on_dev(kv_indptr) && on_dev(kv_indices) && on_dev(out) &&
                   on_dev(lse) && on_dev(ws_o) && on_dev(ws_lse), "every tensor must be on q's device");
   TORCH_CHECK(q.size(1) >= 1 && q.size(1) <= 128, "heads must be in 1..128");
+  // both kernels read q in 16-byte pieces (the 64-row kernel's WIDE_Q_LDG, the split kernel's SPLIT_Q_SMEM)
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0, "q must start on a 16-byte boundary");
   TORCH_CHECK(qo_indptr.scalar_type() == at::kInt && kv_indptr.scalar_type() == at::kInt &&
                   qo_indptr.dim() == 1 && kv_indptr.numel() == qo_indptr.numel(),
               "qo_indptr and kv_indptr must be int32 [B+1]");

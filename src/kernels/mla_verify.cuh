@@ -217,8 +217,9 @@ constexpr bool kSplitBf16Partials = SPLIT_BF16_PARTIALS;
 // warp reads its rows' 144 dims in 16-byte pieces (9 loads a thread at 16 rows, lanes along each
 // row's 288 bytes), puts them in a ring stage that the prologue leaves free (PROLOGUE_EARLY_STAGES:
 // the value warps copy stages past it only after tile 0's hand-over, by when Q is in registers)
-// and takes the fragments with ldmatrix. Builds with no free stage (32-key tiles, all stages
-// copied first) keep 0.
+// and takes the fragments with ldmatrix. Where the free stages hold fewer keys than the CTA has
+// rows (32-key tiles with both stages copied first; STAGED_PROLOGUE=0; PROLOGUE_EARLY_STAGES=0;
+// 32 rows with 3 stages) the kernel keeps 0's register loads.
 #ifndef SPLIT_Q_SMEM
 #define SPLIT_Q_SMEM 1
 #endif
@@ -330,8 +331,8 @@ struct Params {
   const void* mask_indptr;         // int32 or int64, [B+1]
   float* ws_o;                     // [B*num_splits*max_q_len*H, 512] (partial_slot): each split's
                                    // normalised output, fp32, or
-                                   // bf16 in the first half of the same buffer (the wide kernel's
-                                   // WIDE_BF16_PARTIALS; the combine step's kBf16Partials)
+                                   // bf16 in the first half of the same buffer (WIDE_BF16_PARTIALS,
+                                   // SPLIT_BF16_PARTIALS; the combine step's kBf16Partials)
   float* ws_lse;                   // [B*num_splits*max_q_len*H]: each split's LSE (log2 domain)
   __nv_bfloat16* out;              // [T, H, 512]
   float* lse;                      // [T, H] natural-log LSE of sm_scale * q.k
