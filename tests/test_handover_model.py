@@ -171,3 +171,30 @@ def test_checker_catches_a_wide_in_step_refill_of_the_stage_being_read():
 def test_wide_pingpong_needs_three_stages():
     with pytest.raises(ValueError):
         list(wide_pair_steps(0, 4, 2, pingpong=True))
+
+
+@pytest.mark.parametrize("q_rows", [8, 16, 32])     # decode at 8 rows (rows as N), 16 (one m16 tile), 32 (two)
+@pytest.mark.parametrize("stages,early_stages", [(4, 2), (4, 1), (3, 2), (3, 1), (4, 0)])
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 5, 9])
+def test_prologue_q_staging_and_staged_partials_are_race_free(num_tiles, stages, early_stages, q_rows):
+    # SPLIT_Q_SMEM: Q through the stages PROLOGUE_EARLY_STAGES leaves free until tile 0's hand-over;
+    # SPLIT_BF16_PARTIALS: the partial rows through the ring after the last round
+    check(num_tiles, stages, schedules=60, early_stages=early_stages, q_rows=q_rows)
+    check(num_tiles, stages, schedules=20, early_stages=early_stages, q_rows=q_rows, pv_lag=stages >= 3)
+
+
+def test_q_stages_are_the_free_ones_where_they_fit():
+    from sm120_workbook.kernels.handover_model import q_stages_of
+
+    assert q_stages_of(4, 2, 16) == (2,) and q_stages_of(4, 2, 32) == (2, 3) and q_stages_of(4, 2, 8) == (2,)
+    assert q_stages_of(4, 1, 32) == (1, 2) and q_stages_of(3, 2, 16) == (2,)
+    assert q_stages_of(3, 2, 32) == () and q_stages_of(4, 4, 16) == ()   # no room: Q in registers
+    assert q_stages_of(2, 1, 32, stage_keys=32) == (1,)   # 32-key tiles, PROLOGUE_EARLY_STAGES=1
+
+
+def test_checker_catches_q_staged_in_a_stage_the_prologue_fills():
+    # stage 0 holds tile 0 before the hand-over; stage 2 is free only after it with early_stages=3
+    for q_stages, early in (((0,), 2), ((1,), 2), ((2,), 3)):
+        with pytest.raises(ProtocolError, match="race on \\('stage'"):
+            check(5, 4, schedules=100, early_stages=early, q_stages=q_stages)
+

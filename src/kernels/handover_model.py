@@ -19,8 +19,17 @@ round (the shipped GROUP_BARRIERS=0) or through the group's own named barrier (k
 kBarValue with GROUP_BARRIERS=1), which this model does not need to see. A cp.async copy is
 a write at the time it is issued, which is when its slot must be free.
 
+The ring is used outside the loop too, and `check` models the shipped build's use of it: the
+value warps copy the first `early_stages` tiles before tile 0's hand-over and the rest after it
+(PROLOGUE_EARLY_STAGES); the score warps stage their Q rows in the stages after those, before
+that hand-over (SPLIT_Q_SMEM, where they fit); and after the last round the value warps stage
+their partial rows in the ring (SPLIT_BF16_PARTIALS). The score warps' last ring read comes
+before the last hand-over, so what orders that staging is among the value warps themselves
+(the final cta_sync, then kBarValue): one agent here, so outside this model.
+
     from sm120_workbook.kernels.handover_model import check
     check(num_tiles=9, stages=4)               # raises ProtocolError on a broken schedule
+    check(num_tiles=9, stages=4, q_rows=32)    # the shipped build's prologue with 32 rows of Q
     check(num_tiles=9, stages=4, pv_lag=True)  # the PV_LAG=1 build
     check_wide(num_tiles=9, stages=4)          # the wide kernel's ring (mla_verify_wide.cuh)
 """
@@ -38,16 +47,28 @@ class ProtocolError(AssertionError):
     pass
 
 
+def q_stages_of(stages: int, early_stages: int, q_rows: int, stage_keys: int = 16) -> tuple[int, ...]:
+    """The ring stages the score warps stage Q in (SPLIT_Q_SMEM): from the first stage the
+    prologue leaves free, as many as q_rows rows take at stage_keys rows a stage; none where they
+    do not fit (the kernel's kQSmem)."""
+    need = -(-q_rows // stage_keys)
+    return tuple(range(early_stages, early_stages + need)) if early_stages + need <= stages else ()
+
+
 def score_steps(num_tiles: int, stages: int, parity: bool = True, group_barriers: bool = False,
-                split_loads: bool = False):
+                split_loads: bool = False, q_stages: tuple[int, ...] = ()):
     """The score warps' steps, in the kernel's order. `parity` False puts P(t) and the row
     scale of every tile in one buffer: a deliberate bug, for testing the checker.
     `group_barriers` is the GROUP_BARRIERS=1 build: the mid-tile round is the group's own.
     `split_loads` is SPLIT_LOADS=1: after the mid-tile round the score warps copy the upper
     part of each key row of tile t-1+stages into tile t-1's stage (the value warps copy the
-    lower part, "stage"; the upper part is "stage_hi")."""
+    lower part, "stage"; the upper part is "stage_hi"). `q_stages`: the stages Q goes through
+    before tile 0's hand-over (SPLIT_Q_SMEM; q_stages_of)."""
     if split_loads and group_barriers:
         raise ValueError("split_loads is a schedule of the GROUP_BARRIERS=0 build")
+    for s in q_stages:
+        yield "write", ("stage", s)                  # Q's rows, then the fragments by ldmatrix
+        yield "read", ("stage", s)
     yield "sync", HANDOVER                           # tile 0 has landed
     for t in range(num_tiles):
         par = t & 1 if parity else 0
@@ -65,7 +86,34 @@ def score_steps(num_tiles: int, stages: int, parity: bool = True, group_barriers
     yield "sync", END
 
 
-def value_steps_pv_lag(num_tiles: int, stages: int, parity: bool = True, refill_distance: int = 2):
+def value_prologue(num_tiles: int, stages: int, early_stages: int | None = None, split_loads: bool = False):
+    """The value warps up to and through tile 0's hand-over: the ring's first `early_stages` tiles
+    (PROLOGUE_EARLY_STAGES; None: all of them) copied before it, the rest right after it."""
+    early = stages if early_stages is None else early_stages
+
+    def copy(first, end):
+        for s in range(first, min(end, num_tiles)):
+            yield "write", ("stage", s)
+            if split_loads:
+                yield "write", ("stage_hi", s)
+
+    yield from copy(0, early)
+    yield "sync", HANDOVER                           # tile 0 has landed
+    yield from copy(early, stages)
+
+
+def value_epilogue(stages: int, staged_partials: bool):
+    """After the last round (END): the row sums, and with SPLIT_BF16_PARTIALS the partial rows
+    staged through the ring, which no warp reads as keys any more."""
+    yield "read", ("row_sums",)
+    if staged_partials:
+        for s in range(stages):
+            yield "write", ("stage", s)
+            yield "read", ("stage", s)
+
+
+def value_steps_pv_lag(num_tiles: int, stages: int, parity: bool = True, refill_distance: int = 2,
+                       early_stages: int | None = None, staged_partials: bool = False):
     """The value warps' steps in the PV_LAG=1 build: round t refills the stage of tile t-2,
     meets the mid-tile round, multiplies tile t-1 beside the softmax(t), then hands over;
     the last tile is multiplied after the last hand-over. `refill_distance` 0 refills the
@@ -78,9 +126,7 @@ def value_steps_pv_lag(num_tiles: int, stages: int, parity: bool = True, refill_
         yield "read", ("p", par)
         yield "read", ("stage", t % stages)
 
-    for s in range(min(stages, num_tiles)):
-        yield "write", ("stage", s)
-    yield "sync", HANDOVER
+    yield from value_prologue(num_tiles, stages, early_stages)
     for t in range(num_tiles):
         done = t - refill_distance
         if done >= 0 and done + stages < num_tiles:
@@ -92,13 +138,13 @@ def value_steps_pv_lag(num_tiles: int, stages: int, parity: bool = True, refill_
     if num_tiles:
         yield from multiply(num_tiles - 1)
     yield "sync", END
-    yield "read", ("row_sums",)
+    yield from value_epilogue(stages, staged_partials)
 
 
 def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: bool = False,
                 refill_before_handover: bool = False, group_barriers: bool = False,
                 pv_lag: bool = False, refill_distance: int = 2, split_loads: bool = False,
-                early_refill: bool = False):
+                early_refill: bool = False, early_stages: int | None = None, staged_partials: bool = False):
     """The value warps' steps, in the kernel's order. In the shipped build a barrier-0 round
     opens every tile, then the stage of tile t-1 is refilled. `group_barriers` is the
     GROUP_BARRIERS=1 build: no mid-tile round, the stage of tile t is refilled at the end of
@@ -108,7 +154,9 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
     the checker (with group_barriers). `early_refill` is EARLY_REFILL=1: the stage of tile t is
     refilled right after P.V(t) instead of after the next mid-tile round. Each value warp then
     writes only the columns it alone reads (and rope, which no value warp reads), so the four
-    warps need no round among themselves for it; the model checks it against the score warps."""
+    warps need no round among themselves for it; the model checks it against the score warps.
+    `early_stages` and `staged_partials`: the prologue and the epilogue (value_prologue,
+    value_epilogue)."""
     if (late_refill or refill_before_handover) and not group_barriers:
         raise ValueError("late_refill and refill_before_handover are GROUP_BARRIERS=1 schedules")
     if split_loads and (group_barriers or late_refill or refill_before_handover or pv_lag):
@@ -118,14 +166,10 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
     if pv_lag:
         if group_barriers or late_refill or refill_before_handover:
             raise ValueError("pv_lag is a schedule of the GROUP_BARRIERS=0 build")
-        yield from value_steps_pv_lag(num_tiles, stages, parity, refill_distance)
+        yield from value_steps_pv_lag(num_tiles, stages, parity, refill_distance, early_stages, staged_partials)
         return
     rounds = not group_barriers
-    for s in range(min(stages, num_tiles)):
-        yield "write", ("stage", s)                  # prologue: fill the ring
-        if split_loads:
-            yield "write", ("stage_hi", s)
-    yield "sync", HANDOVER
+    yield from value_prologue(num_tiles, stages, early_stages, split_loads)
     for t in range(num_tiles):
         par = t & 1 if parity else 0
         if rounds:
@@ -147,7 +191,7 @@ def value_steps(num_tiles: int, stages: int, parity: bool = True, late_refill: b
         if not (late_refill or refill_before_handover or rounds) and t + stages < num_tiles:
             yield "write", ("stage", t % stages)     # refill with tile t + stages
     yield "sync", END
-    yield "read", ("row_sums",)
+    yield from value_epilogue(stages, staged_partials)
 
 
 @dataclass
@@ -199,15 +243,25 @@ def run(score, value, rng: random.Random, names=("score", "value")) -> None:
         raise ProtocolError(f"unfinished barrier rounds at exit: {sorted(rounds)}")
 
 
-def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, **variant) -> None:
-    """Run the kernel's protocol under `schedules` random interleavings."""
+def check(num_tiles: int, stages: int, schedules: int = 200, seed: int = 0, early_stages: int = 2,
+          q_rows: int = 16, stage_keys: int = 16, staged_partials: bool = True,
+          q_stages: tuple[int, ...] | None = None, **variant) -> None:
+    """Run the kernel's protocol under `schedules` random interleavings. The defaults are the
+    shipped build's prologue and epilogue: PROLOGUE_EARLY_STAGES=2 (0, or not below `stages`:
+    every stage first), Q's `q_rows` rows staged where they fit (`q_stages` names other stages,
+    () none), and the partials staged through the ring."""
     rng = random.Random(seed)
     parity = variant.pop("parity", True)
     group_barriers = variant.get("group_barriers", False)
     split_loads = variant.get("split_loads", False)
+    early = early_stages if 0 < early_stages < stages else stages
+    if q_stages is None:
+        q_stages = q_stages_of(stages, early, q_rows, stage_keys)
     for _ in range(schedules):
-        run(score_steps(num_tiles, stages, parity, group_barriers=group_barriers, split_loads=split_loads),
-            value_steps(num_tiles, stages, parity, **variant), rng)
+        run(score_steps(num_tiles, stages, parity, group_barriers=group_barriers, split_loads=split_loads,
+                        q_stages=q_stages),
+            value_steps(num_tiles, stages, parity, early_stages=early, staged_partials=staged_partials, **variant),
+            rng)
 
 
 # The wide kernel (mla_verify_wide.cuh). Its two row pairs share only the cp.async ring: every
