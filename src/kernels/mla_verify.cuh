@@ -1283,15 +1283,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
       cp_async_commit();
     }
   };
+  constexpr int kEarlyStages = Cfg::kEarlyStages;   // kStages with STAGED_PROLOGUE=0
 #if STAGED_PROLOGUE
   static_assert(kStages + kIndexAhead <= kIndexRing, "STAGED_PROLOGUE: the first tiles' indices fill the ring");
 #pragma unroll
   for (int i = 0; i < kStages + kIndexAhead; ++i) stage_index(i, false);
   __syncwarp();   // a key row's index is read by the 8 lanes of its warp that copy the row
-  constexpr int kEarlyStages = Cfg::kEarlyStages;
   copy_first_tiles(0, kEarlyStages);
 #else
-  constexpr int kEarlyStages = Cfg::kEarlyStages;   // kStages
   for (int s = 0; s < kStages; ++s) {
     if (s < num_tiles) load_tile(row_of(s, false), s, 0, Cfg::kLoadSteps);
     cp_async_commit();
