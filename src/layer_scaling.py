@@ -7,9 +7,10 @@ by least squares, step_ms = fixed_ms + per_layer_ms * layers, and the fit's step
 layers is a projection: labelled so wherever it is shown, never mixed with measured points.
 Accept length is taken as measured (dummy weights: it does not depend on depth here).
 
-    from sm120_workbook.layer_scaling import fit_layer_scaling, holdout_check, projected_speedup
-    fit = fit_layer_scaling(decode_points(records))
-    holdout_check(decode_points(records), held_out=24)   # does the line predict a depth it never saw?
+    from sm120_workbook.layer_scaling import fit_layer_scaling, holdout_check, line_points, projected_speedup
+    lines = line_points(decode_points(records, every_run=True))   # one run's line where one run has it
+    fit = fit_layer_scaling(lines)
+    holdout_check(lines, held_out=24)   # does the line predict a depth it never saw?
 """
 from __future__ import annotations
 
@@ -21,6 +22,26 @@ from .service_charts import POINT_KEYS, chart_title, ctx_label, label_of
 
 # A configuration is a point less its layer count.
 CONFIG_KEYS = [k for k in POINT_KEYS if k != "layers"]
+
+
+def line_points(run_points: pd.DataFrame) -> pd.DataFrame:
+    """The points each configuration's line is fitted on, from decode_points(..., every_run=True).
+    Where one run (commit) measured the configuration at every layer count the records hold, the
+    newest such run's points, so that the line joins points of one kernel, machine and session:
+    a newer run at one layer count does not displace them, since a line through two sessions
+    reads their difference in load as a per-layer cost. Otherwise each layer count's newest run
+    (decode_points's rule), and the fit's `commits` column names the runs."""
+    need = set(CONFIG_KEYS) | {"layers", "commit", "date"}
+    missing = need - set(run_points.columns)
+    if missing:
+        raise ValueError(f"run_points: missing columns {sorted(missing)}")
+    chosen = []
+    for _, g in run_points.groupby(CONFIG_KEYS, dropna=False):
+        runs = g.groupby("commit").agg(counts=("layers", "nunique"), date=("date", "max"))
+        whole = runs[runs["counts"] == g["layers"].nunique()].sort_values("date")
+        chosen.append(g[g["commit"] == whole.index[-1]] if len(whole) and g["layers"].nunique() >= 2
+                      else g.sort_values("date").groupby("layers").tail(1))
+    return pd.concat(chosen).reset_index(drop=True) if chosen else run_points.iloc[:0]
 
 
 def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.DataFrame:

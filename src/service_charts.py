@@ -240,6 +240,27 @@ def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", laye
                          "commits": f"{c_off} -> {c_on}"}, columns=cols)
 
 
+def recorder_cost(points) -> pd.DataFrame:
+    """What SGLang's expert distribution recorder costs a decode step: every point measured with
+    the recorder on and with it off at one commit (the same code; two servers, one after the
+    other), side by side. `points` from decode_points(..., every_run=True); empty where no
+    configuration was run both ways. `recorder_off_gain` is tok/s off over on."""
+    cols = ["config", "spec", "ctx_label", "on_tok_s", "off_tok_s", "recorder_off_gain", "on_step_ms",
+            "off_step_ms", "commit"]
+    d = _need_runs(points)
+    same = [k for k in POINT_KEYS if k != "expert_record"] + ["commit"]
+    m = d[d["expert_record"]].merge(d[~d["expert_record"]], on=same, suffixes=("_on", "_off"))
+    if len(m) == 0:
+        return pd.DataFrame(columns=cols)
+    m = m.sort_values(["layers", "backend", "spec", "ctx", "commit"])
+    return pd.DataFrame({"config": [label_of(r, layers=True) for r in m.assign(expert_record=True).itertuples()],
+                         "spec": m["spec"], "ctx_label": m["ctx"].map(ctx_label),
+                         "on_tok_s": m["tok_s_on"].round(1), "off_tok_s": m["tok_s_off"].round(1),
+                         "recorder_off_gain": (m["tok_s_off"] / m["tok_s_on"]).round(2),
+                         "on_step_ms": m["verify_step_ms_on"].round(2), "off_step_ms": m["verify_step_ms_off"].round(2),
+                         "commit": m["commit"]}, columns=cols).reset_index(drop=True)
+
+
 def startup_summary(records) -> str:
     """How long the recorded servers took to start: one start per server (run_id)."""
     _need(records, ["run_id", "startup_s"], "records")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from sm120_workbook.layer_scaling import (fit_layer_scaling, holdout_check, layer_scaling_chart, projected_speedup,
-                                          scaling_table)
+from sm120_workbook.layer_scaling import (fit_layer_scaling, holdout_check, layer_scaling_chart, line_points,
+                                          projected_speedup, scaling_table)
 from sm120_workbook.service_charts import decode_points
 
 # step_ms = fixed + per_layer * layers, per backend and context (triton's per-layer cost grows with ctx)
@@ -118,3 +118,22 @@ def test_fit_names_the_commits_behind_each_line():
     assert fit.loc[("sm120_mla", 65536), "commits"] == "c/newer"
     assert fit.loc[("triton", 65536), "commits"] == "c"
     assert "commits" in scaling_table(fit.reset_index()).columns
+
+
+def test_line_points_keep_a_line_within_the_run_that_measured_every_layer_count():
+    one_session = _records((4, 16, 24))                                   # run "c": every layer count
+    later = [dict(r, commit="d", date="2026-12-01", verify_step_ms=2 * r["verify_step_ms"])
+             for r in _records((16,))]                                     # a newer run at 16 layers only
+    runs = decode_points(pd.DataFrame(one_session + later), every_run=True)
+    lines = line_points(runs)
+    assert set(lines["commit"]) == {"c"} and sorted(set(lines["layers"])) == [4, 16, 24]
+    fit = fit_layer_scaling(lines).set_index(["backend", "ctx"])
+    assert fit.loc[("triton", 4096), "per_layer_ms"] == pytest.approx(1.0)
+    assert set(fit["commits"]) == {"c"}
+    # no run measured every layer count (here "e" has two of three): each layer count's newest run
+    split = [dict(r, commit="e", date="2026-11-30") for r in _records((4, 16))] + \
+            [dict(r, commit="f", date="2026-11-30T12") for r in _records((24,))]
+    lines = line_points(decode_points(pd.DataFrame(split + later), every_run=True))
+    assert lines.groupby("layers")["commit"].agg(set).to_dict() == {4: {"e"}, 16: {"d"}, 24: {"f"}}
+    with pytest.raises(ValueError, match="run_points: missing columns"):
+        line_points(runs.drop(columns="commit"))

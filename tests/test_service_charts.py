@@ -139,6 +139,25 @@ def test_ngram_fix_gain_compares_adjacent_runs():
     assert sc.ngram_fix_gain(runs[~runs["ngram_tail"]]).empty
 
 
+def test_recorder_cost_pairs_on_and_off_at_one_commit():
+    recs = []
+    for backend, on, off in (("sm120_mla", 1300.0, 1400.0), ("flashmla", 1200.0, 1500.0)):
+        for rep in (0, 1):   # two repeats a point: the median of each side
+            recs += [_rec(backend, 4096, on + 10 * rep, "same", "2026-12-01T04:48", layers=16, verify_step_ms=5.0),
+                     _rec(backend, 4096, off + 10 * rep, "same", "2026-12-01T04:51", layers=16,
+                          expert_record=False, verify_step_ms=4.0)]
+    recs += [_rec("sm120_mla", 65536, 900.0, "older", "2026-11-30T15:00", layers=16),          # on only
+             _rec("sm120_mla", 65536, 990.0, "other", "2026-11-30T16:00", layers=16, expert_record=False)]
+    runs = sc.decode_points(pd.DataFrame(recs), every_run=True)
+    c = sc.recorder_cost(runs)
+    assert list(c["config"]) == ["flashmla, 16 layers + ngram_tail", "sm120_mla, 16 layers + ngram_tail"]
+    assert list(c["on_tok_s"]) == [1205.0, 1305.0] and list(c["off_tok_s"]) == [1505.0, 1405.0]
+    assert list(c["recorder_off_gain"]) == [1.25, 1.08] and set(c["ctx_label"]) == {"4k"}
+    assert list(c["on_step_ms"]) == [5.0, 5.0] and list(c["off_step_ms"]) == [4.0, 4.0]
+    # runs of two commits are never paired: the code differs
+    assert sc.recorder_cost(runs[runs["commit"] != "same"]).empty
+
+
 def test_startup_summary_counts_each_server_once():
     recs = pd.DataFrame({"run_id": ["a", "a", "a", "b", "c"], "startup_s": [46.2, 46.2, 46.2, 98.3, 259.8]})
     assert sc.startup_summary(recs) == "3 server starts: 46-260 s (median 98 s)"
