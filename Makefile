@@ -25,7 +25,7 @@ help:
 	@echo "make test     pytest + nbval over every notebook"
 	@echo "make lab      JupyterLab with widgets"
 	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
-	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1 .. .whl5)"
+	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1, .whl2, ...: one device call each)"
 	@echo "make gpu-check OUT=dir [TAG=vN] [NCU=1] [JOBS=\"tests targets\"]   on the GPU machine: every kernel check (or those named), over all GPUs"
 
 setup: $(STAMP)
@@ -66,11 +66,9 @@ kernel-resources: $(STAMP)
 wheelhouse:
 	@test -x ../shared/device/wheelhouse.sh || { echo "error: ../shared/device/wheelhouse.sh not found"; exit 1; }
 	../shared/device/wheelhouse.sh
-	@# a call ships the tracked tree (~19 MB, mostly data/results, and growing) beside its one folder,
-	@# within 64 MiB: FlashInfer's 15 MB wheel gets a folder of its own, .whl5, so no folder is over ~46 MB
-	@mkdir -p .whl5 && cp .whl1/install.sh .whl5/
-	@for d in .whl1 .whl4; do if ls $$d/flashinfer_python-*.whl >/dev/null 2>&1; then mv $$d/flashinfer_python-*.whl .whl5/; fi; done
-	@du -sh .whl1 .whl2 .whl3 .whl4 .whl5
+	@# a call ships the tracked tree (~19 MB, mostly data/results, and growing) beside its folder, within
+	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
+	$(PYTHON) src/wheel_folders.py
 
 # On the GPU machine, where the wheels sit in /tmp/site (README): tests, sanitizers, backend
 # tests, benchmark and ablation side by side over the visible GPUs, into $(OUT).

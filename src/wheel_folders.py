@@ -1,0 +1,158 @@
+"""Pack the GPU machine's SGLang wheels into folders that each fit one device call.
+
+The GPU machine has no network, so the wheels travel with the calls: one folder a call, beside
+the tracked tree, 64 MiB in all. The tree (mostly data/results) grows with every session, so
+folders made once by ../shared/device/wheelhouse.sh stop fitting. This repacks every wheel of
+the `.whl*` folders into `.whl1`, `.whl2`, ... of at most the room the tree leaves, largest
+first (first-fit decreasing), writes each folder's install.sh, and removes the folders left over.
+
+Wheels that share a top-level directory (a namespace package such as `opentelemetry`) stay in
+one folder: `pip install --target --upgrade` replaces a top-level directory that exists, so a
+later call would delete what an earlier one put there. Static archives (`*.a`) are dropped from
+the wheels first: they are for linking C++ against a package, and Python never loads them.
+xgrammar 0.2.1 ships a 31 MB `libxgrammar.a` in its 45 MB wheel, which would otherwise stop
+fitting a call once the tree passes ~21 MiB. (wheelhouse.sh strips sgl_kernel's unused kernels
+the same way.)
+
+    python -m sm120_workbook.wheel_folders            # from the project root (make wheelhouse runs it)
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+CALL_LIMIT_BYTES = 64 << 20    # what one device call ships: the tree, plus the folders it carries
+MARGIN_BYTES = 2 << 20         # for the scripts and .whlp a call carries, and a session's records
+INSTALL_SH = """#!/bin/bash
+# install this folder's wheels into /tmp/site on the GPU machine
+cd "$(dirname "$0")" && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site ./*.whl 2>&1 | grep -v 'already exists' ; echo "installed $(ls ./*.whl | wc -l) wheels from $(basename "$PWD")"
+"""
+
+
+def tracked_tree_bytes(root: Path) -> int:
+    """The size of the files git tracks under `root`: what every device call ships."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    return sum((root / p).stat().st_size for p in out.decode().split("\0") if p and (root / p).is_file())
+
+
+def top_level_names(wheel: Path) -> set[str]:
+    """What a wheel installs at the top of site-packages (packages and single-file modules)."""
+    names = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+    return {n for n in names if not n.endswith((".dist-info", ".data"))}
+
+
+def strip_static_archives(wheel: Path) -> int:
+    """Rewrite `wheel` without its static archives (*.a); return the bytes saved (0: none there).
+    Its RECORD still lists them: pip installs what the wheel holds and does not miss the rest."""
+    with zipfile.ZipFile(wheel) as z:
+        drop = [i for i in z.infolist() if i.filename.endswith(".a")]
+        if not drop:
+            return 0
+        before = wheel.stat().st_size
+        tmp = wheel.with_name(wheel.name + ".tmp")
+        with zipfile.ZipFile(tmp, "w") as out:
+            for i in z.infolist():
+                if i not in drop:
+                    out.writestr(i, z.read(i), compress_type=i.compress_type)
+    tmp.replace(wheel)
+    return before - wheel.stat().st_size
+
+
+def install_groups(wheels: list[Path]) -> list[list[Path]]:
+    """Wheels joined wherever they share a top-level name (transitively): each group must be
+    installed by one pip call."""
+    groups: list[tuple[set[str], list[Path]]] = []
+    for w in wheels:
+        names, members = top_level_names(w), [w]
+        for g in [g for g in groups if g[0] & names]:
+            groups.remove(g)
+            names |= g[0]
+            members += g[1]
+        groups.append((names, members))
+    return [sorted(m) for _, m in groups]
+
+
+def pack(sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of `sizes` in bins of at most `limit`, first-fit decreasing."""
+    too_big = [s for s in sizes if s > limit]
+    if too_big:
+        raise ValueError(f"limit: an item of {max(too_big)} bytes is larger than the {limit} bytes a folder may hold")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        j = next((j for j, r in enumerate(room) if r >= sizes[i]), None)
+        if j is None:
+            bins.append([])
+            room.append(limit)
+            j = len(bins) - 1
+        bins[j].append(i)
+        room[j] -= sizes[i]
+    return bins
+
+
+def repack(root: Path, limit: int) -> list[Path]:
+    """Move every wheel of root/.whl*/ into root/.whl1, .whl2, ... of at most `limit` bytes each
+    (install groups kept whole), write install.sh in each, remove the rest; return the folders.
+    The wheels pass through root/.whl-pool, so a rerun after an interruption finds them all."""
+    pool = root / ".whl-pool"
+    old = sorted(p for p in root.glob(".whl*") if p.is_dir() and p.name[4:].isdigit())
+    pool.mkdir(exist_ok=True)
+    for w in (w for d in old for w in d.glob("*.whl")):
+        shutil.move(str(w), pool / w.name)
+    wheels = sorted(pool.glob("*.whl"))
+    if not wheels:
+        pool.rmdir()
+        raise FileNotFoundError(f"no wheels in {root}/.whl*/: run ../shared/device/wheelhouse.sh first")
+    for w in wheels:
+        strip_static_archives(w)
+    groups = install_groups(wheels)
+    sizes = [sum(w.stat().st_size for w in g) for g in groups]
+    try:
+        bins = pack(sizes, limit)
+    except ValueError:
+        big = max(range(len(groups)), key=lambda i: sizes[i])
+        raise ValueError(f"{', '.join(w.name for w in groups[big])} ({sizes[big] / 2**20:.1f} MiB) does not fit "
+                         f"the {limit / 2**20:.1f} MiB a call leaves beside the tracked tree; shrink the tree "
+                         f"(data/results) or that wheel (the wheels wait in {pool})") from None
+    for d in old:
+        shutil.rmtree(d)
+    folders = []
+    for n, b in enumerate(bins, start=1):
+        folder = root / f".whl{n}"
+        folder.mkdir()
+        for w in (w for i in b for w in groups[i]):
+            shutil.move(str(w), folder / w.name)
+        (folder / "install.sh").write_text(INSTALL_SH)
+        folders.append(folder)
+    pool.rmdir()
+    return folders
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path("."), help="the project root (holds .whl1 ...)")
+    ap.add_argument("--limit-mib", type=float, default=None,
+                    help="bytes a folder may hold, in MiB (default: 64 MiB less the tracked tree and a 2 MiB margin)")
+    a = ap.parse_args(argv)
+    root = a.root.resolve()
+    tree = tracked_tree_bytes(root)
+    limit = int(a.limit_mib * 2**20) if a.limit_mib else CALL_LIMIT_BYTES - tree - MARGIN_BYTES
+    if limit <= 0:
+        sys.exit(f"the tracked tree ({tree / 2**20:.1f} MiB) leaves no room in a 64 MiB call")
+    try:
+        folders = repack(root, limit)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"wheel_folders: {e}")
+    print(f"tracked tree {tree / 2**20:.1f} MiB; folders of at most {limit / 2**20:.1f} MiB, one device call each:")
+    for f in folders:
+        size = sum(w.stat().st_size for w in f.glob("*.whl"))
+        print(f"  {f.name}: {len(list(f.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""wheel_folders: the SGLang wheels repacked into folders that each fit one device call
+(synthetic wheels: zip files of known size and top-level names)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import zipfile
+
+import pytest
+
+from sm120_workbook import wheel_folders as wf
+
+KIB = 1024
+
+
+def _wheel(folder, name, top, size_kib):
+    """A wheel `name` installing the top-level directory `top`, ~size_kib KiB on disk (stored)."""
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{top}/__init__.py", os.urandom(size_kib * KIB))
+        z.writestr(f"{name}-1.0.dist-info/METADATA", "Name: " + name)
+    return path
+
+
+def test_pack_first_fit_decreasing_within_the_limit():
+    bins = wf.pack([40, 30, 20, 15, 10], limit=50)
+    assert sorted(sorted(b) for b in bins) == [[0, 4], [1, 2], [3]]
+    with pytest.raises(ValueError, match="larger than the 50 bytes"):
+        wf.pack([60, 10], limit=50)
+
+
+def test_wheels_sharing_a_top_level_name_form_one_install_group(tmp_path):
+    a = _wheel(tmp_path, "otel_api", "opentelemetry", 1)
+    b = _wheel(tmp_path, "otel_sdk", "opentelemetry", 1)
+    c = _wheel(tmp_path, "torchao", "torchao", 1)
+    groups = wf.install_groups([a, c, b])
+    assert sorted(len(g) for g in groups) == [1, 2]
+    assert [a, b] in groups and wf.top_level_names(c) == {"torchao"}
+
+
+def test_repack_fits_every_folder_keeps_groups_and_leaves_the_project_wheel(tmp_path):
+    _wheel(tmp_path / ".whl1", "big", "big", 300)
+    _wheel(tmp_path / ".whl1", "otel_api", "opentelemetry", 120)
+    _wheel(tmp_path / ".whl2", "otel_sdk", "opentelemetry", 120)
+    _wheel(tmp_path / ".whl2", "small", "small", 50)
+    _wheel(tmp_path / ".whl5", "flashinfer", "flashinfer", 200)
+    _wheel(tmp_path / ".whlp", "sm120_workbook", "sm120_workbook", 10)
+    limit = 330 * KIB
+    folders = wf.repack(tmp_path, limit)
+    assert [f.name for f in folders] == [f".whl{n}" for n in range(1, len(folders) + 1)]
+    assert not (tmp_path / ".whl-pool").exists() and (tmp_path / ".whlp").is_dir()
+    assert sorted(p.name for p in tmp_path.glob(".whl*")) == sorted([f.name for f in folders] + [".whlp"])
+    where = {}
+    for f in folders:
+        assert (f / "install.sh").read_text() == wf.INSTALL_SH
+        assert sum(w.stat().st_size for w in f.glob("*.whl")) <= limit
+        where.update({w.name.split("-")[0]: f.name for w in f.glob("*.whl")})
+    assert set(where) == {"big", "otel_api", "otel_sdk", "small", "flashinfer"}
+    assert where["otel_api"] == where["otel_sdk"]          # one pip call for the namespace
+    # a second run finds the same wheels and packs them the same way
+    again = wf.repack(tmp_path, limit)
+    assert {w.name: f.name for f in again for w in f.glob("*.whl")} == \
+        {w.name: f.name for f in folders for w in f.glob("*.whl")}
+
+
+def test_a_wheel_too_big_for_any_call_is_named_and_kept(tmp_path):
+    _wheel(tmp_path / ".whl3", "xgrammar", "xgrammar", 400)
+    _wheel(tmp_path / ".whl3", "small", "small", 10)
+    with pytest.raises(ValueError, match=r"xgrammar-1\.0-py3-none-any\.whl .* does not fit"):
+        wf.repack(tmp_path, 300 * KIB)
+    assert len(list((tmp_path / ".whl-pool").glob("*.whl"))) == 2   # nothing lost: a rerun finds them
+    folders = wf.repack(tmp_path, 500 * KIB)
+    assert [f.name for f in folders] == [".whl1"] and len(list(folders[0].glob("*.whl"))) == 2
+
+
+def test_no_wheels_is_an_error_that_says_how_to_make_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="wheelhouse.sh"):
+        wf.repack(tmp_path, 100)
+
+
+def test_the_limit_is_what_the_tracked_tree_leaves(tmp_path, capsys):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "tracked.bin").write_bytes(os.urandom(100 * KIB))
+    (tmp_path / "untracked.bin").write_bytes(os.urandom(50 * KIB))
+    subprocess.run(["git", "add", "tracked.bin"], cwd=tmp_path, check=True)
+    assert wf.tracked_tree_bytes(tmp_path) == 100 * KIB
+    _wheel(tmp_path / ".whl1", "a", "a", 20)
+    assert wf.main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    limit_mib = (wf.CALL_LIMIT_BYTES - 100 * KIB - wf.MARGIN_BYTES) / 2**20
+    assert f"folders of at most {limit_mib:.1f} MiB" in out and ".whl1: 1 wheels" in out
+
+
+def test_static_archives_are_stripped_and_the_rest_kept(tmp_path):
+    w = _wheel(tmp_path, "xgrammar", "xgrammar", 4)
+    with zipfile.ZipFile(w, "a") as z:
+        z.writestr("xgrammar/lib/libxgrammar.a", os.urandom(300 * KIB))
+    saved = wf.strip_static_archives(w)
+    assert saved > 290 * KIB and wf.strip_static_archives(w) == 0       # once, then nothing to do
+    names = zipfile.ZipFile(w).namelist()
+    assert "xgrammar/lib/libxgrammar.a" not in names
+    assert {"xgrammar/__init__.py", "xgrammar-1.0.dist-info/METADATA"} <= set(names)
+    assert zipfile.ZipFile(w).testzip() is None
