@@ -30,16 +30,18 @@ def line_points(run_points: pd.DataFrame) -> pd.DataFrame:
     newest such run's points, so that the line joins points of one kernel, machine and session:
     a newer run at one layer count does not displace them, since a line through two sessions
     reads their difference in load as a per-layer cost. Otherwise each layer count's newest run
-    (decode_points's rule), and the fit's `commits` column names the runs."""
+    (decode_points's rule), and the fit's `commits` column names the runs. Records without a
+    commit ("?") never count as one run; between whole runs of one date the later commit name
+    wins, so the choice is deterministic."""
     need = set(CONFIG_KEYS) | {"layers", "commit", "date"}
     missing = need - set(run_points.columns)
     if missing:
         raise ValueError(f"run_points: missing columns {sorted(missing)}")
     chosen = []
     for _, g in run_points.groupby(CONFIG_KEYS, dropna=False):
-        runs = g.groupby("commit").agg(counts=("layers", "nunique"), date=("date", "max"))
-        whole = runs[runs["counts"] == g["layers"].nunique()].sort_values("date")
-        chosen.append(g[g["commit"] == whole.index[-1]] if len(whole) and g["layers"].nunique() >= 2
+        runs = g[g["commit"] != "?"].groupby("commit").agg(counts=("layers", "nunique"), date=("date", "max"))
+        whole = runs[runs["counts"] == g["layers"].nunique()].reset_index().sort_values(["date", "commit"])
+        chosen.append(g[g["commit"] == whole["commit"].iloc[-1]] if len(whole) and g["layers"].nunique() >= 2
                       else g.sort_values("date").groupby("layers").tail(1))
     return pd.concat(chosen).reset_index(drop=True) if chosen else run_points.iloc[:0]
 

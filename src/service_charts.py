@@ -243,11 +243,14 @@ def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", laye
 def recorder_cost(points) -> pd.DataFrame:
     """What SGLang's expert distribution recorder costs a decode step: every point measured with
     the recorder on and with it off at one commit (the same code; two servers, one after the
-    other), side by side. `points` from decode_points(..., every_run=True); empty where no
-    configuration was run both ways. `recorder_off_gain` is tok/s off over on."""
+    other), side by side. `points` from decode_points(..., every_run=True) (no rows: ValueError,
+    as for its siblings); the frame is empty where no configuration was run both ways. Records
+    without a commit ("?") are never paired: nothing says they ran the same code.
+    `recorder_off_gain` is tok/s off over on."""
     cols = ["config", "spec", "ctx_label", "on_tok_s", "off_tok_s", "recorder_off_gain", "on_step_ms",
             "off_step_ms", "commit"]
     d = _need_runs(points)
+    d = d[d["commit"] != "?"]
     same = [k for k in POINT_KEYS if k != "expert_record"] + ["commit"]
     m = d[d["expert_record"]].merge(d[~d["expert_record"]], on=same, suffixes=("_on", "_off"))
     if len(m) == 0:

@@ -154,8 +154,10 @@ def test_recorder_cost_pairs_on_and_off_at_one_commit():
     assert list(c["on_tok_s"]) == [1205.0, 1305.0] and list(c["off_tok_s"]) == [1505.0, 1405.0]
     assert list(c["recorder_off_gain"]) == [1.25, 1.08] and set(c["ctx_label"]) == {"4k"}
     assert list(c["on_step_ms"]) == [5.0, 5.0] and list(c["off_step_ms"]) == [4.0, 4.0]
-    # runs of two commits are never paired: the code differs
+    # runs of two commits are never paired: the code differs; nor records without a commit
     assert sc.recorder_cost(runs[runs["commit"] != "same"]).empty
+    unknown = [dict(r, commit=None) for r in recs[:4]]
+    assert sc.recorder_cost(sc.decode_points(pd.DataFrame(unknown), every_run=True)).empty
 
 
 def test_startup_summary_counts_each_server_once():
