@@ -8,7 +8,7 @@ first (first-fit decreasing), writes each folder's install.sh, and removes the f
 
 Wheels that share a top-level directory (a namespace package such as `opentelemetry`) stay in
 one folder: `pip install --target --upgrade` replaces a top-level directory that exists, so a
-later call would delete what an earlier one put there. Static archives (`*.a`) are dropped from
+later call would delete what an earlier one put there. Static archives (`lib*.a`) are dropped from
 the wheels first: they are for linking C++ against a package, and Python never loads them.
 xgrammar 0.2.1 ships a 31 MB `libxgrammar.a` in its 45 MB wheel, which would otherwise stop
 fitting a call once the tree passes ~21 MiB. (wheelhouse.sh strips sgl_kernel's unused kernels
@@ -46,10 +46,10 @@ def top_level_names(wheel: Path) -> set[str]:
 
 
 def strip_static_archives(wheel: Path) -> int:
-    """Rewrite `wheel` without its static archives (*.a); return the bytes saved (0: none there).
-    Its RECORD still lists them: pip installs what the wheel holds and does not miss the rest."""
+    """Rewrite `wheel` without its static archives (lib*.a); return the bytes saved (0: none
+    there). Its RECORD still lists them: pip installs what the wheel holds and does not miss the rest."""
     with zipfile.ZipFile(wheel) as z:
-        drop = [i for i in z.infolist() if i.filename.endswith(".a")]
+        drop = [i for i in z.infolist() if Path(i.filename).name.startswith("lib") and i.filename.endswith(".a")]
         if not drop:
             return 0
         before = wheel.stat().st_size
