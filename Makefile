@@ -65,6 +65,8 @@ kernel-resources: $(STAMP)
 
 wheelhouse:
 	@test -x ../shared/device/wheelhouse.sh || { echo "error: ../shared/device/wheelhouse.sh not found"; exit 1; }
+	@# from empty folders: a stale wheel left by an earlier run would sit beside its newer version
+	rm -rf .whl[0-9]* .whl-pool
 	../shared/device/wheelhouse.sh
 	@# a call ships the tracked tree (~19 MB, mostly data/results, and growing) beside its folder, within
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)

@@ -8,7 +8,9 @@ first (first-fit decreasing), writes each folder's install.sh, and removes the f
 
 Wheels that share a top-level directory (a namespace package such as `opentelemetry`) stay in
 one folder: `pip install --target --upgrade` replaces a top-level directory that exists, so a
-later call would delete what an earlier one put there. Static archives (`lib*.a`) are dropped from
+later call would delete what an earlier one put there. (`bin/`, where 18 wheels put console
+scripts, is the exception: grouping on it would make one folder too big, and nothing here runs
+/tmp/site/bin, so each call's scripts may replace the last's.) Static archives (`lib*.a`) are dropped from
 the wheels first: they are for linking C++ against a package, and Python never loads them.
 xgrammar 0.2.1 ships a 31 MB `libxgrammar.a` in its 45 MB wheel, which would otherwise stop
 fitting a call once the tree passes ~21 MiB. (wheelhouse.sh strips sgl_kernel's unused kernels
@@ -28,8 +30,13 @@ from pathlib import Path
 CALL_LIMIT_BYTES = 64 << 20    # what one device call ships: the tree, plus the folders it carries
 MARGIN_BYTES = 2 << 20         # for the scripts and .whlp a call carries, and a session's records
 INSTALL_SH = """#!/bin/bash
-# install this folder's wheels into /tmp/site on the GPU machine
-cd "$(dirname "$0")" && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site ./*.whl 2>&1 | grep -v 'already exists' ; echo "installed $(ls ./*.whl | wc -l) wheels from $(basename "$PWD")"
+# install this folder's wheels into /tmp/site on the GPU machine; exits with pip's status
+cd "$(dirname "$0")" || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site ./*.whl 2>&1 | grep -v 'already exists'
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 0 ]; then echo "installed $(ls ./*.whl | wc -l) wheels from $(basename "$PWD")"
+else echo "pip failed (exit $rc) installing the wheels of $(basename "$PWD")" >&2; fi
+exit "$rc"
 """
 
 
@@ -40,9 +47,26 @@ def tracked_tree_bytes(root: Path) -> int:
 
 
 def top_level_names(wheel: Path) -> set[str]:
-    """What a wheel installs at the top of site-packages (packages and single-file modules)."""
-    names = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
-    return {n for n in names if not n.endswith((".dist-info", ".data"))}
+    """What a wheel installs at the top of site-packages (packages, single-file modules, and what
+    its .data/purelib and .data/platlib hold), less `bin` (see the module's docstring)."""
+    try:
+        members = zipfile.ZipFile(wheel).namelist()
+    except zipfile.BadZipFile:
+        raise ValueError(f"{wheel}: not a readable wheel (a truncated download?); delete it and rerun "
+                         "../shared/device/wheelhouse.sh") from None
+    names = set()
+    for m in members:
+        parts = m.split("/")
+        if parts[0].endswith(".data") and len(parts) > 2 and parts[1] in ("purelib", "platlib"):
+            names.add(parts[2])
+        elif not parts[0].endswith((".dist-info", ".data")):
+            names.add(parts[0])
+    return names - {"bin"}
+
+
+def project_of(wheel: Path) -> str:
+    """A wheel's project name, normalized (its file name's first field, PEP 427/503)."""
+    return wheel.name.split("-")[0].lower().replace("_", "-").replace(".", "-")
 
 
 def strip_static_archives(wheel: Path) -> int:
@@ -97,27 +121,38 @@ def pack(sizes: list[int], limit: int) -> list[list[int]]:
 def repack(root: Path, limit: int) -> list[Path]:
     """Move every wheel of root/.whl*/ into root/.whl1, .whl2, ... of at most `limit` bytes each
     (install groups kept whole), write install.sh in each, remove the rest; return the folders.
-    The wheels pass through root/.whl-pool, so a rerun after an interruption finds them all."""
+    Nothing moves until the packing is known to fit. The wheels then pass through
+    root/.whl-pool, so a rerun after an interruption finds them all."""
     pool = root / ".whl-pool"
     old = sorted(p for p in root.glob(".whl*") if p.is_dir() and p.name[4:].isdigit())
-    pool.mkdir(exist_ok=True)
-    for w in (w for d in old for w in d.glob("*.whl")):
-        shutil.move(str(w), pool / w.name)
-    wheels = sorted(pool.glob("*.whl"))
-    if not wheels:
-        pool.rmdir()
+    found = sorted({w.name: w for w in [*pool.glob("*.whl"), *(w for d in old for w in d.glob("*.whl"))]}.values())
+    if not found:
         raise FileNotFoundError(f"no wheels in {root}/.whl*/: run ../shared/device/wheelhouse.sh first")
-    for w in wheels:
+    by_project: dict[str, list[str]] = {}
+    for w in found:
+        by_project.setdefault(project_of(w), []).append(w.name)
+    twice = {p: names for p, names in by_project.items() if len(names) > 1}
+    if twice:
+        raise ValueError("two versions of one project (pip would refuse their folder): "
+                         + "; ".join(", ".join(n) for n in twice.values())
+                         + ". Remove the stale wheel, or rerun make wheelhouse, which starts from empty folders")
+    for w in found:
         strip_static_archives(w)
-    groups = install_groups(wheels)
+    groups = install_groups(found)
     sizes = [sum(w.stat().st_size for w in g) for g in groups]
     try:
         bins = pack(sizes, limit)
     except ValueError:
         big = max(range(len(groups)), key=lambda i: sizes[i])
         raise ValueError(f"{', '.join(w.name for w in groups[big])} ({sizes[big] / 2**20:.1f} MiB) does not fit "
-                         f"the {limit / 2**20:.1f} MiB a call leaves beside the tracked tree; shrink the tree "
-                         f"(data/results) or that wheel (the wheels wait in {pool})") from None
+                         f"a folder of {limit / 2**20:.1f} MiB. A call ships the tracked tree beside its folder: "
+                         "shrink the tree (data/results) or that wheel. Nothing was moved") from None
+    pool.mkdir(exist_ok=True)
+    name_of = {}
+    for w in found:
+        if w.parent != pool:
+            shutil.move(str(w), pool / w.name)
+        name_of[w] = pool / w.name
     for d in old:
         shutil.rmtree(d)
     folders = []
@@ -125,10 +160,10 @@ def repack(root: Path, limit: int) -> list[Path]:
         folder = root / f".whl{n}"
         folder.mkdir()
         for w in (w for i in b for w in groups[i]):
-            shutil.move(str(w), folder / w.name)
+            shutil.move(str(name_of[w]), folder / w.name)
         (folder / "install.sh").write_text(INSTALL_SH)
         folders.append(folder)
-    pool.rmdir()
+    pool.rmdir()   # every wheel is in a folder now
     return folders
 
 
@@ -139,15 +174,20 @@ def main(argv=None) -> int:
                     help="bytes a folder may hold, in MiB (default: 64 MiB less the tracked tree and a 2 MiB margin)")
     a = ap.parse_args(argv)
     root = a.root.resolve()
-    tree = tracked_tree_bytes(root)
-    limit = int(a.limit_mib * 2**20) if a.limit_mib else CALL_LIMIT_BYTES - tree - MARGIN_BYTES
-    if limit <= 0:
-        sys.exit(f"the tracked tree ({tree / 2**20:.1f} MiB) leaves no room in a 64 MiB call")
+    if a.limit_mib is not None:
+        if a.limit_mib <= 0:
+            ap.error(f"--limit-mib: must be positive, got {a.limit_mib}")
+        limit, where = int(a.limit_mib * 2**20), "given"
+    else:
+        tree = tracked_tree_bytes(root)
+        limit, where = CALL_LIMIT_BYTES - tree - MARGIN_BYTES, f"tracked tree {tree / 2**20:.1f} MiB"
+        if limit <= 0:
+            sys.exit(f"the tracked tree ({tree / 2**20:.1f} MiB) leaves no room in a 64 MiB call")
     try:
         folders = repack(root, limit)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"wheel_folders: {e}")
-    print(f"tracked tree {tree / 2**20:.1f} MiB; folders of at most {limit / 2**20:.1f} MiB, one device call each:")
+    print(f"{where}; folders of at most {limit / 2**20:.1f} MiB, one device call each:")
     for f in folders:
         size = sum(w.stat().st_size for w in f.glob("*.whl"))
         print(f"  {f.name}: {len(list(f.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB")

@@ -64,14 +64,63 @@ def test_repack_fits_every_folder_keeps_groups_and_leaves_the_project_wheel(tmp_
         {w.name: f.name for f in folders for w in f.glob("*.whl")}
 
 
-def test_a_wheel_too_big_for_any_call_is_named_and_kept(tmp_path):
+def test_a_wheel_too_big_for_any_call_is_named_and_nothing_moves(tmp_path):
     _wheel(tmp_path / ".whl3", "xgrammar", "xgrammar", 400)
     _wheel(tmp_path / ".whl3", "small", "small", 10)
-    with pytest.raises(ValueError, match=r"xgrammar-1\.0-py3-none-any\.whl .* does not fit"):
+    with pytest.raises(ValueError, match=r"xgrammar-1\.0-py3-none-any\.whl .* does not fit.*Nothing was moved"):
         wf.repack(tmp_path, 300 * KIB)
-    assert len(list((tmp_path / ".whl-pool").glob("*.whl"))) == 2   # nothing lost: a rerun finds them
+    assert len(list((tmp_path / ".whl3").glob("*.whl"))) == 2 and not (tmp_path / ".whl-pool").exists()
     folders = wf.repack(tmp_path, 500 * KIB)
     assert [f.name for f in folders] == [".whl1"] and len(list(folders[0].glob("*.whl"))) == 2
+
+
+def test_an_interrupted_run_leaves_wheels_in_the_pool_and_a_rerun_finds_them(tmp_path):
+    _wheel(tmp_path / ".whl-pool", "a", "a", 10)       # moved before the interruption
+    _wheel(tmp_path / ".whl2", "b", "b", 10)           # not yet
+    folders = wf.repack(tmp_path, 100 * KIB)
+    assert sorted(w.name for f in folders for w in f.glob("*.whl")) == ["a-1.0-py3-none-any.whl",
+                                                                          "b-1.0-py3-none-any.whl"]
+    assert [f.name for f in folders] == [".whl1"]
+    assert not (tmp_path / ".whl-pool").exists() and not (tmp_path / ".whl2").exists()
+
+
+def test_two_versions_of_one_project_are_refused(tmp_path):
+    _wheel(tmp_path / ".whl1", "tomlkit", "tomlkit", 1)                       # tomlkit-1.0
+    stale = _wheel(tmp_path / ".whl5", "tomlkit", "tomlkit", 1)               # left by an earlier run
+    stale = stale.rename(stale.with_name("TomlKit-0.9-py3-none-any.whl"))     # names normalize alike
+    with pytest.raises(ValueError, match="two versions of one project") as e:
+        wf.repack(tmp_path, 100 * KIB)
+    assert "TomlKit-0.9-py3-none-any.whl" in str(e.value) and "tomlkit-1.0-py3-none-any.whl" in str(e.value)
+    assert stale.exists()
+
+
+def test_top_level_names_read_data_purelib_and_leave_bin_out(tmp_path):
+    w = _wheel(tmp_path, "pkg", "pkg", 1)
+    with zipfile.ZipFile(w, "a") as z:
+        z.writestr("pkg-1.0.data/purelib/extra_mod.py", "x = 1")
+        z.writestr("pkg-1.0.data/scripts/tool", "#!/bin/sh")
+        z.writestr("bin/pkg-cli", "#!/bin/sh")
+    assert wf.top_level_names(w) == {"pkg", "extra_mod.py"}
+    broken = tmp_path / "broken-1.0-py3-none-any.whl"
+    broken.write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a readable wheel"):
+        wf.top_level_names(broken)
+
+
+def test_install_sh_exits_with_pips_status(tmp_path):
+    folder = tmp_path / ".whl1"
+    _wheel(folder, "a", "a", 1)
+    (folder / "install.sh").write_text(wf.INSTALL_SH)
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\necho 'ERROR: ResolutionImpossible'\nexit 3\n")
+    (fake / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}")
+    r = subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "pip failed (exit 3)" in r.stderr and "ResolutionImpossible" in r.stdout
+    (fake / "python3").write_text("#!/bin/sh\nexit 0\n")
+    r = subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "installed 1 wheels from .whl1" in r.stdout
 
 
 def test_no_wheels_is_an_error_that_says_how_to_make_them(tmp_path):
@@ -96,9 +145,19 @@ def test_static_archives_are_stripped_and_the_rest_kept(tmp_path):
     w = _wheel(tmp_path, "xgrammar", "xgrammar", 4)
     with zipfile.ZipFile(w, "a") as z:
         z.writestr("xgrammar/lib/libxgrammar.a", os.urandom(300 * KIB))
+        z.writestr("xgrammar/data/table.a", "not an archive: kept")
     saved = wf.strip_static_archives(w)
     assert saved > 290 * KIB and wf.strip_static_archives(w) == 0       # once, then nothing to do
     names = zipfile.ZipFile(w).namelist()
     assert "xgrammar/lib/libxgrammar.a" not in names
-    assert {"xgrammar/__init__.py", "xgrammar-1.0.dist-info/METADATA"} <= set(names)
+    assert {"xgrammar/__init__.py", "xgrammar-1.0.dist-info/METADATA", "xgrammar/data/table.a"} <= set(names)
     assert zipfile.ZipFile(w).testzip() is None
+
+
+def test_a_given_limit_needs_no_git_and_must_be_positive(tmp_path, capsys):
+    _wheel(tmp_path / ".whl1", "a", "a", 20)                  # tmp_path is no git checkout
+    assert wf.main(["--root", str(tmp_path), "--limit-mib", "1"]) == 0
+    assert "given; folders of at most 1.0 MiB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        wf.main(["--root", str(tmp_path), "--limit-mib", "0"])
+    assert "--limit-mib: must be positive" in capsys.readouterr().err
