@@ -5,7 +5,9 @@ scheduler, sampling, NGRAM's draft search, the LM head) plus one forward pass of
 decoder layer. The same configuration measured at two or more layer counts splits the two
 by least squares, step_ms = fixed_ms + per_layer_ms * layers, and the fit's step at K2's 61
 layers is a projection: labelled so wherever it is shown, never mixed with measured points.
-Accept length is taken as measured (dummy weights: it does not depend on depth here).
+Tokens per step are taken as measured (dummy weights: they do not depend on depth here), as
+tok/s x step time: the decode tokens a step adds, which is SGLang's accept length less the
+first token's share (accept_len counts the token the prefill made; tok/s does not).
 
     from sm120_workbook.layer_scaling import fit_layer_scaling, holdout_check, line_points, projected_speedup
     lines = line_points(decode_points(records, every_run=True))   # one run's line where one run has it
@@ -49,7 +51,7 @@ def line_points(run_points: pd.DataFrame) -> pd.DataFrame:
 def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.DataFrame:
     """One row per configuration measured at two or more layer counts: the least-squares
     fixed and per-layer step time, and the projected step and tok/s at `project_to` layers."""
-    need = set(CONFIG_KEYS) | {"layers", "verify_step_ms", "accept_len"}
+    need = set(CONFIG_KEYS) | {"layers", "verify_step_ms", "accept_len", "tok_s"}
     missing = need - set(points.columns)
     if missing:
         raise ValueError(f"points: missing columns {sorted(missing)}")
@@ -66,6 +68,7 @@ def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.D
         residual = (np.abs(steps - (fixed + per_layer * layers)) / steps).max() * 100 \
             if len(np.unique(layers)) > 2 else float("nan")
         accept = float(g["accept_len"].median())
+        tokens_per_step = float((g["tok_s"].astype(float) * steps / 1e3).median())
         step = fixed + per_layer * project_to
         r = dict(zip(CONFIG_KEYS, key))
         # The commits behind the line: points re-measured with newer code replace older ones
@@ -77,7 +80,7 @@ def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.D
                      "fixed_ms": fixed, "per_layer_ms": per_layer, "max_residual_pct": residual,
                      "accept_len": accept,
                      "projected_layers": project_to, "projected_step_ms": step,
-                     "projected_tok_s": 1e3 * accept / step if step > 0 else float("nan")})
+                     "projected_tok_s": 1e3 * tokens_per_step / step if step > 0 else float("nan")})
     return pd.DataFrame(rows)
 
 

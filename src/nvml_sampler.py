@@ -103,11 +103,15 @@ class NvmlSampler:
         self._nvml = init_nvml()
         try:
             self._gpus = visible_gpus(self._nvml)
-        except self._nvml.NVMLError as e:  # e.g. a visible index NVML cannot resolve
-            self._nvml.nvmlShutdown()
-            raise NvmlUnavailableError(f"NVML could not open the visible GPUs: {e}") from e
+        except BaseException as e:  # whatever visible_gpus raised, NVML is shut again, once
+            nv, self._nvml = self._nvml, None
+            nv.nvmlShutdown()
+            if isinstance(e, nv.NVMLError):  # e.g. a visible index NVML cannot resolve
+                raise NvmlUnavailableError(f"NVML could not open the visible GPUs: {e}") from e
+            raise
         if not self._gpus:
-            self._nvml.nvmlShutdown()
+            nv, self._nvml = self._nvml, None
+            nv.nvmlShutdown()
             raise NvmlUnavailableError("NVML lists no visible GPU")
         self._t0 = time.monotonic()
         self._stop.clear()

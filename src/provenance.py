@@ -23,12 +23,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
     """Short commit of the checkout, with '+dirty' when tracked files differ from it.
 
     $SM120_COMMIT wins: the GPU machine runs a copy of the tree without .git, so the
-    command that ships the tree there passes the commit along.
+    command that ships the tree there passes the commit along. Not cached: a long Jupyter
+    session may commit or edit between two recorded runs, and each record names the code it ran.
     """
     if os.environ.get("SM120_COMMIT"):
         return os.environ["SM120_COMMIT"]
@@ -76,8 +76,10 @@ def gpu_info() -> dict:
         import pynvml
 
         pynvml.nvmlInit()
-        info["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        pynvml.nvmlShutdown()
+        try:
+            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
     except Exception:  # NVML missing or not permitted: the driver stays unknown, not guessed
         info["driver"] = None
     return info

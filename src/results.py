@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Iterable
@@ -18,8 +19,8 @@ def results_dir() -> Path:
 
 def cli_command(module: str, argv=None) -> str:
     """The command line a `python -m module` run was given (argv, or this process's own), as
-    its records' `command`."""
-    return f"python -m {module} " + " ".join(argv or sys.argv[1:])
+    its records' `command`, quoted so that it runs again as written (an empty argument too)."""
+    return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def append_records(name: str, records: Iterable[dict], command: str | None = None,

@@ -731,11 +731,6 @@ class SGLangServer:
             time.sleep(0.5)  # refused while requests are still running
         raise ServerError(f"/flush_cache kept failing: HTTP {r.status_code}")
 
-    def server_info(self) -> dict:
-        import requests
-
-        return requests.get(self.url + "/server_info", timeout=60).json()
-
     def metrics(self) -> dict[str, float]:
         """/metrics (Prometheus text) as {name: value summed over label sets}."""
         import requests

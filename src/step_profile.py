@@ -84,6 +84,11 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     busy_share, per_step_ms (window / steps), gpu_ms_per_step {category: ms}, kernels (count),
     graph_launches (cudaGraphLaunch calls), top_kernels [(name, calls, ms per step)] and, for a
     trace taken with_stack, top_python [(function, calls, inclusive ms per step)].
+
+    The window runs from the first step's first kernel to the last step's last kernel, so it
+    holds `steps` GPU passes but only steps - 1 of the host gaps between them: per_step_ms and
+    the idle share (1 - busy_share) read low by up to one gap over `steps` (a tenth of the
+    between-step gap at 10 steps). Step boundaries are not in the trace, so it is not corrected.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected a positive int, got {steps!r}")

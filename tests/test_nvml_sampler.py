@@ -74,6 +74,29 @@ def test_mixed_gpu_models_need_pci_bus_order(monkeypatch):
     assert ns.visible_gpus(nv) == [(0, ("h", 1))]
 
 
+def test_start_samples_stops_and_always_shuts_nvml(monkeypatch):
+    """start/stop drive the sampling thread; NVML is shut once on every path, including
+    visible_gpus' own errors (a MIG entry), which used to leave it initialised."""
+    calls = {"init": 0, "shutdown": 0}
+    def fake(n=2):
+        nv = _fake_nvml(n)
+        nv.nvmlShutdown = lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1)
+        return nv
+    def init():
+        calls["init"] += 1
+        return fake()
+    monkeypatch.setattr(ns, "init_nvml", init)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with ns.NvmlSampler(interval_s=0.01) as s:
+        time.sleep(0.1)
+    assert calls == {"init": 1, "shutdown": 1}
+    assert set(s.dataframe()["gpu"]) == {0, 1} and len(s.dataframe()) >= 2 * 5
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-abc")
+    with pytest.raises(ns.NvmlUnavailableError, match="MIG-abc"):
+        ns.NvmlSampler().start()
+    assert calls == {"init": 2, "shutdown": 2}
+
+
 def test_sample_once_units_and_unsupported_metrics():
     s = ns.NvmlSampler(interval_s=0.1)
     s._nvml = _fake_nvml(2)

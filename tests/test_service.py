@@ -435,7 +435,7 @@ def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):
     assert r["graph_launches"] == 4 and r["kernels"] == 12
     assert r["window_ms"] == pytest.approx(3.45) and r["busy_ms"] == pytest.approx(1.8)
     assert r["gpu_ms_per_step"] == {"gemm": 0.2, "moe": 0.15, "attention: sm120_mla": 0.1}
-    assert r["request_step_ms"] > 0 and "commit" in prof.columns
+    assert r["profiled_request_step_ms"] > 0 and "commit" in prof.columns
     assert (tmp_path / "traces" / r["trace_file"]).is_file()   # beside results/, as data/traces
 
 
