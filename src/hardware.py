@@ -6,6 +6,7 @@ GPU; `target_hardware_table` lists the GPUs the workbook targets (from roofline.
 """
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 
@@ -23,6 +24,28 @@ def _require_cuda(what: str):
     if not torch.cuda.is_available():
         raise NoGPUError(f"{what} needs a CUDA GPU; torch.cuda.is_available() is False on this machine")
     return torch
+
+
+# Set by notebooks/conftest.py for nbval: cell outputs are compared with those the notebooks were
+# saved with, which render data/results/, so a GPU machine must render those too.
+RECORDED_ONLY_ENV = "SM120_RECORDED_ONLY"
+
+
+def live_gpu() -> tuple[bool, str]:
+    """Whether a notebook may run its GPU cells live here, and if not, why (for its SKIPPED line).
+
+    No CUDA GPU, or $SM120_RECORDED_ONLY set (nbval, `make test`): the notebook shows the
+    recorded results instead. The reason names the GPU first, so a machine without one prints
+    the same line either way.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU (torch.cuda.is_available() is False)"
+    if os.environ.get(RECORDED_ONLY_ENV, "") not in ("", "0"):
+        return False, (f"{RECORDED_ONLY_ENV} is set (nbval compares the recorded results the "
+                       "notebooks were saved with)")
+    return True, ""
 
 
 def describe_machine() -> dict:

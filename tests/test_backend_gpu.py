@@ -257,6 +257,38 @@ def _cpu_wiring_checks() -> dict:
             graph="replay")
     out["graph_qo_indptr_dtype"] = str(sm120.qo_indptr.dtype)
 
+    # A replay padded to the captured batch: 3 requests on the graph of 4, the metadata from
+    # SGLang's own replay view (build_replay_fb_view) over buffers whose tail is a pad request
+    # (req_pool_indices 0, seq_len the runner's fill value 1). The real rows must match Triton.
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+
+    def compare_padded(name, batch, width):
+        fb, q, k, v = batch
+        calls = ops.calls
+        want = run_eager(triton, layer, fb, q, k, v)
+        raw_bs, bs = fb.batch_size, max_requests
+        def pad(t, value, n=bs - raw_bs):
+            return torch.cat([t, t.new_full((n,) + tuple(t.shape[1:]), value)])
+        buffers = SimpleNamespace(input_ids=torch.zeros(bs * width, dtype=torch.int64),
+                                  positions=torch.zeros(bs * width, dtype=torch.int64),
+                                  req_pool_indices=pad(fb.req_pool_indices, 0), seq_lens=pad(fb.seq_lens, 1),
+                                  seq_lens_cpu=pad(fb.seq_lens_cpu, 1), encoder_lens=None,
+                                  mamba_track_indices=None)
+        view = build_replay_fb_view(fb, buffers, bs, raw_bs, bs * width, 1, fb.forward_mode, False)
+        sm120.init_forward_metadata_out_graph(view, in_capture=False)
+        # the graph's forward runs on padded tensors; the pad tokens write the dummy slot 0
+        run = SimpleNamespace(**{**vars(view), "out_cache_loc": pad(fb.out_cache_loc, 0, (bs - raw_bs) * width)})
+        qp, kp = pad(q, 0.0, (bs - raw_bs) * width), pad(k, 0.0, (bs - raw_bs) * width)
+        forward = sm120.forward_decode if fb.forward_mode.is_decode() else sm120.forward_extend
+        got = forward(qp, kp, kp[..., :DIM_V].clone(), layer, run)[: q.shape[0]]
+        out[name] = {"max_abs_diff": float((want - got).abs().max()),
+                     "kernel_calls": ops.calls - calls, "shape_ok": want.shape == got.shape}
+
+    compare_padded("graph_decode_padded", decode_batch(runner, [13, 4, 41], gen), 1)
+    compare_padded("graph_verify_padded", verify_batch(runner, [21, 2, 11], ndt, gen, True), ndt)
+
     # A layer the parent would run without a causal mask is refused, not masked causally.
     from sglang.srt.layers.radix_attention import AttentionType
 
@@ -290,7 +322,8 @@ def test_cpu_wiring_against_triton_in_interpreter():
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line[len("RESULT "):])
     for name in ("decode", "verify_tree_mask", "verify_causal", "graph_decode_capture",
-                 "graph_decode_replay", "graph_verify_capture", "graph_verify_replay"):
+                 "graph_decode_replay", "graph_verify_capture", "graph_verify_replay",
+                 "graph_decode_padded", "graph_verify_padded"):
         assert out[name]["shape_ok"], name
         assert out[name]["kernel_calls"] == 1, f"{name} did not reach the kernel: {out[name]}"
         assert out[name]["max_abs_diff"] < 1e-4, f"{name}: {out[name]}"

@@ -290,11 +290,73 @@ def test_rows_outside_requests(cta_rows, seed):
     mla_verify_attention(q, *rest, max_q_len=8, **kw)
     assert_matches_reference(case, out[:T], lse[:T], "requests")
     assert (out[T:] == 0).all() and torch.isinf(lse[T:]).all() and (lse[T:] < 0).all()
-    # Request 1 has 6 tokens but the grid is sized for 5: its 6th token comes out NaN.
+    good_out, good_lse = out[:T].float().clone(), lse[:T].clone()
+    # Request 1 has 6 tokens but the grid is sized for 5: its 6th token comes out NaN, and its
+    # other tokens keep their values (the 6th's rows once landed in the next pool CTA's slots).
     kw.update(out=out[:T], lse=lse[:T], k_extend=case["k_extend"])
     mla_verify_attention(case["q"], *rest, max_q_len=5, **kw)
     assert torch.isnan(out[9].float()).all() and torch.isnan(lse[9]).all()
-    assert not torch.isnan(out[:9].float()).any() and not torch.isnan(lse[:9]).any()
+    assert_same_rows(out[:9], lse[:9], good_out[:9], good_lse[:9], "tokens within max_q_len")
+
+
+def assert_same_rows(out, lse, good_out, good_lse, label):
+    """Rows of a second call that must equal the first's: within bf16 rounding of the two calls'
+    split plans (1e-2 of the largest output, as the reference tolerance), LSE within 1e-3."""
+    out = out.float()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), f"{label}: NaN where a value belongs"
+    assert (out - good_out).abs().max() <= 1e-2 * good_out.abs().max(), f"{label}: output moved"
+    assert (lse - good_lse).abs().max() <= 1e-3, f"{label}: lse moved"
+
+
+@pytest.mark.parametrize("cta_rows", [32, 64])
+def test_broken_index_values_give_nan_rows(cta_rows, seed):
+    """Index values that a graph replay cannot check on the host (check_values does, eagerly): a
+    request whose qo_indptr range runs past q's T rows, tokens before qo_indptr[0], a decreasing
+    kv_indptr. The tokens they touch come out NaN, and the other requests keep their values
+    (or, where a broken request moved their share of the pool, come out NaN: never wrong).
+    The attention kernels do not know T, so they read the rows past it: here q and k_extend are
+    views of longer tensors, so those reads stay inside an allocation."""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    H, T = 8, 13
+    # no custom_mask (DFlash's implicit chain): a mask sized for the valid q_lens would be read
+    # past its end by the broken ones
+    case = make_verify_case(batch=3, heads=H, q_len=[4, 6, 3], ctx_lens=[500, 70, 900], mask=None, seed=seed,
+                            device="cuda")
+    ws = MlaVerifyWorkspace(T, H, "cuda", cta_rows=cta_rows)
+    q = torch.cat([case["q"], torch.randn(2, H, 576, device="cuda").bfloat16()])[:T]
+    k_extend = torch.cat([case["k_extend"], torch.randn(2, 1, 576, device="cuda").bfloat16()])[:T]
+
+    def call(qo_indptr, kv_indptr):
+        out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((T, H), float("nan"), device="cuda")
+        mla_verify_attention(q, case["kv_pool"], qo_indptr, kv_indptr, case["kv_indices"], out=out,
+                             lse=lse, workspace=ws, sm_scale=case["sm_scale"], max_q_len=6,
+                             k_extend=k_extend)
+        torch.cuda.synchronize()
+        return out, lse
+
+    def nan_rows(out, lse, rows, label):
+        assert torch.isnan(out[rows].float()).all() and torch.isnan(lse[rows]).all(), f"{label}: not NaN"
+
+    qo, kv = case["qo_indptr"], case["kv_indptr"]
+    good_out, good_lse = call(qo, kv)
+    assert_matches_reference(case, good_out, good_lse, "valid indices")
+    good_out = good_out.float()
+    def indptr(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    out, lse = call(indptr([0, 4, 10, 15]), kv)           # request 2 runs past q's 13 rows
+    nan_rows(out, lse, slice(10, 13), "request past T")
+    assert_same_rows(out[:10], lse[:10], good_out[:10], good_lse[:10], "requests inside q")
+    out, lse = call(indptr([1, 4, 10, 13]), kv)           # token 0 belongs to no request
+    nan_rows(out, lse, slice(0, 1), "token before qo_indptr[0]")
+    assert_same_rows(out[4:], lse[4:], good_out[4:], good_lse[4:], "requests 1 and 2")
+    k = kv.tolist()
+    out, lse = call(qo, indptr([k[0], k[2] + 100, k[2], k[3]]))   # request 1's prefix is -100 keys
+    nan_rows(out, lse, slice(4, 10), "negative prefix")
+    if not torch.isnan(out[10:].float()).all():
+        assert_same_rows(out[10:], lse[10:], good_out[10:], good_lse[10:], "request 2 beside a negative prefix")
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")

@@ -151,10 +151,16 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   // both kernels read q in 16-byte pieces (the 64-row kernel's WIDE_Q_LDG, the split kernel's SPLIT_Q_SMEM)
   TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0, "q must start on a 16-byte boundary");
   TORCH_CHECK(qo_indptr.scalar_type() == at::kInt && kv_indptr.scalar_type() == at::kInt &&
-                  qo_indptr.dim() == 1 && kv_indptr.numel() == qo_indptr.numel(),
-              "qo_indptr and kv_indptr must be int32 [B+1]");
-  TORCH_CHECK(kv_indices.scalar_type() == at::kInt || kv_indices.scalar_type() == at::kLong,
-              "kv_indices must be int32 or int64");
+                  qo_indptr.dim() == 1 && qo_indptr.numel() >= 2 && kv_indptr.numel() == qo_indptr.numel() &&
+                  qo_indptr.is_contiguous() && kv_indptr.is_contiguous(),
+              "qo_indptr and kv_indptr must be contiguous int32 [B+1], B >= 1");
+  TORCH_CHECK((kv_indices.scalar_type() == at::kInt || kv_indices.scalar_type() == at::kLong) &&
+                  kv_indices.is_contiguous(), "kv_indices must be contiguous int32 or int64");
+  TORCH_CHECK(ws_o.is_contiguous() && ws_lse.is_contiguous(), "workspace tensors must be contiguous");
+  // 16-byte pieces: the gathers read kv_pool and k_extend rows, the combine step writes out rows
+  auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  TORCH_CHECK(aligned16(kv_pool) && aligned16(out) && (!k_extend.has_value() || aligned16(*k_extend)),
+              "kv_pool, out and k_extend must start on a 16-byte boundary");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == q.size(0) * q.size(1) * kDimV,
               "out must be contiguous bf16 [T, H, 512]");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == q.size(0) * q.size(1),
@@ -167,7 +173,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   TORCH_CHECK(!custom_mask.has_value() ||
                   (on_dev(*custom_mask) && on_dev(*mask_indptr) && custom_mask->element_size() == 1 &&
                    (mask_indptr->scalar_type() == at::kInt || mask_indptr->scalar_type() == at::kLong) &&
-                   mask_indptr->numel() == qo_indptr.numel()),
+                   mask_indptr->numel() == qo_indptr.numel() && custom_mask->is_contiguous() &&
+                   mask_indptr->is_contiguous()),
               "custom_mask must be 1-byte and mask_indptr int32/int64 [B+1], on q's device");
   TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits out of range");
   TORCH_CHECK(max_q_len >= 1 && max_q_len <= 16, "max_q_len must be in 1..16");
@@ -179,6 +186,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int64_t slots = B * num_splits * max_q_len * H;
   TORCH_CHECK(ws_o.numel() >= slots * kDimV && ws_lse.numel() >= slots, "workspace too small");
   TORCH_CHECK(B <= 65535, "batch must be <= 65535 (grid z)");
+  // partial_slot's rows without a pool: (q_start * H + row) * num_splits, inside the workspace
+  TORCH_CHECK(T <= B * max_q_len, "q has more tokens than batch * max_q_len");
   if (T == 0 || B == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());

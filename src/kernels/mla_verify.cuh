@@ -348,6 +348,9 @@ struct Params {
   // padding: at 255 registers, a Params that grew or moved its fields changed what ptxas spilled
   // in the 64-row kernel on sm_86/sm_89 (4 -> 12 bytes).
   int balanced_splits;
+  // No field more: a Params of 128 bytes instead of 120 moved ptxas's schedule of both attention
+  // kernels' loops on sm_90 and made a combine step spill on sm_120a (session 26). The combine
+  // step finds T, the rows of q and out, from its grid.
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -721,6 +724,16 @@ __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
           __reduce_max_sync(0xffffffffu, min(first_cta(prm, pool, r + 1) - first, kMaxSplits))};
 }
 
+// The (token, head) rows of a request that the attention kernels compute: q_len * H, or fewer
+// where the caller broke the contract, which only check_values can see before a graph replay.
+// Tokens past max_q_len have no workspace slots (their rows would overwrite the next pool CTA's
+// slots, or run past the workspace), and a request starting before q is not read at all; the
+// combine step writes NaN for both, so it shows. A request running past q's T rows is read out
+// of bounds here (the kernels do not know T: see Params) and comes out NaN there.
+__device__ __forceinline__ int request_rows(const Params& prm, int q_start, int q_len) {
+  return q_start >= 0 ? min(q_len, prm.max_q_len) * prm.heads : 0;
+}
+
 // Workspace slot of (token, head) row `gr` of a request (q_start: its first token) for its split
 // `split`, or -1 for a padding row past `rows`.
 // kBalanced (BALANCED_SPLITS): each pool CTA has max_q_len * H rows of slots, so a request may
@@ -907,7 +920,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
-  const int rows = q_len * H;
+  const int rows = request_rows(prm, q_start, q_len);
   if (row0 >= rows || split >= work.count) {       // request shorter than max_q_len; a spare CTA
     timeline_stamp(0, kEvExit);
     return;
@@ -1537,8 +1550,9 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(v.z, v.w);
   };
   // Rows the attention kernel never wrote: tokens past the last request (CUDA-graph padding)
-  // get 0 and lse -inf; tokens past max_q_len within their request broke the caller's
-  // contract and get NaN, so it shows. The test is uniform across the CTA.
+  // get 0 and lse -inf. Tokens of a broken contract get NaN, so it shows: past max_q_len within
+  // their request, before the first request, or in a request that request_rows did not compute
+  // (its tokens leave [0, T)) or whose prefix is negative. The test is uniform across the CTA.
   const int64_t token = row / prm.heads;
   int request = 0;   // the request holding token: last b with qo_indptr[b] <= token
   {
@@ -1549,7 +1563,12 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
         const int mid = (request + hi + 1) >> 1;
         if (prm.qo_indptr[mid] <= token) request = mid; else hi = mid - 1;
       }
-      unwritten = token - prm.qo_indptr[request] >= prm.max_q_len ? 2 : 0;
+      const int q0 = prm.qo_indptr[request], q1 = prm.qo_indptr[request + 1];
+      const int num_tokens = gridDim.x / prm.heads;   // the grid's rows are q's T x H
+      const bool computed = q0 <= token && token < q1 && token - q0 < prm.max_q_len &&
+                            request_rows(prm, q0, q1 - q0) > 0 && q1 <= num_tokens &&
+                            prm.kv_indptr[request] <= prm.kv_indptr[request + 1];
+      unwritten = computed ? 0 : 2;
     }
     if (unwritten) {
       const float fill = unwritten == 1 ? 0.f : NAN;
@@ -1567,6 +1586,14 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const PoolSpan span = pool_span_of_request(prm, request);
   const int first_split = span.first;
   const int S = min(span.next - first_split, kMaxSplits);
+  // A pool that left the workspace (only index values no check saw make one: a decreasing
+  // kv_indptr elsewhere in the batch) is not read: NaN instead.
+  if (pooled(prm) && (first_split < 0 || S < 1 || span.next > prm.batch * prm.num_splits)) {
+    if (group == 0) store(make_float4(NAN, NAN, NAN, NAN));
+    if (tid == 0 && blockIdx.y == 0) prm.lse[row] = NAN;
+    timeline_stamp(1, kEvExit);
+    return;
+  }
   pool_trace_row(row, first_split, S);
   const int64_t split_stride = pooled(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
   const int64_t slot0 = pooled(prm)

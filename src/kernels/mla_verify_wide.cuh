@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
-  const int rows = q_len * H;
+  const int rows = request_rows(prm, q_start, q_len);
   // request shorter than max_q_len; a spare CTA (tested in the pooled build only: the unused
   // test alone made ptxas spill 4 bytes in the batch-1 build's loop on sm_90)
   if (row0 >= rows || (kPool && split >= work.count)) {

@@ -166,12 +166,14 @@ def recorded_report() -> dict:
 
 
 def resources_frame(report: dict):
-    """One row per (arch, kernel): registers, shared memory, spill stores and stack bytes."""
+    """One row per (arch, kernel): registers, shared memory, spill stores and stack bytes. Kernels
+    by name within each arch, so that a live build and the recorded report (whose kernels come in
+    another order) print alike."""
     import pandas as pd
 
     cols = ("registers", "smem_bytes", "spill_store_bytes", "stack_bytes")
     return pd.DataFrame([{"arch": arch, "kernel": name, **{c: k[c] for c in cols}}
-                         for arch, kernels in report["archs"].items() for name, k in kernels.items()])
+                         for arch, kernels in report["archs"].items() for name, k in sorted(kernels.items())])
 
 
 def budget_lines(frame) -> list[str]:

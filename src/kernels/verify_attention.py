@@ -259,15 +259,22 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             mask the draft tokens form a causal chain (DFlash).
         out: [T, H, 512] bf16 and lse: [T, H] float32, written in full (lse is the natural
             log of sum exp(sm_scale * q.k)). Tokens past qo_indptr[-1] (graph padding) get
-            0 and -inf; tokens past max_q_len within a request get NaN (a broken contract).
+            0 and -inf. A broken contract gives NaN rows, never a write outside out, lse and
+            the workspace: tokens past max_q_len within a request, tokens before
+            qo_indptr[0], and every token of a request that runs past q's T rows (whose
+            rows past T are still read) or whose kv_indptr range is negative.
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
         check_values: also check the index tensors' values first (`check_index_values`):
             one host sync, so for eager calls and debugging, never under graph capture.
 
     Returns out. Launches on the current stream, with no allocation and no host sync.
-    Preconditions that only check_values checks: qo_indptr[-1] <= T, every q_len <=
-    max_q_len (rows past it come out NaN), kv_indices in range of the pool, the mask's length.
+    Preconditions that only check_values checks (the host cannot read index values without
+    a sync, so a graph replay trusts them): monotone indptrs and every q_len <= max_q_len
+    (the kernels contain these: NaN rows, as above); qo_indptr[-1] <= T (NaN rows, but q and
+    k_extend rows past T are read); and, not contained, kv_indices inside the pool,
+    kv_indptr[-1] <= len(kv_indices) and the mask's length: values outside those are read
+    out of bounds.
     """
     if isinstance(q, torch.Tensor) and not q.is_cuda and any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in (kv_pool, qo_indptr, kv_indptr, kv_indices, out, lse)):

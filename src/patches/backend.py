@@ -78,6 +78,9 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
             if not ok:
                 raise RuntimeError(f"sm120_mla: the MLA kernel cannot run here: {why}")
         self.kernel_ops = kernel_ops
+        # Out of torch.compile's tracing, as the parent keeps its Triton kernels: the launch's
+        # host checks (data_ptr alignment) would break every layer's graph (--enable-torch-compile).
+        self._mla_verify_attention = torch.compiler.disable(kernel_ops.mla_verify_attention)
         self._check_runner(model_runner)
         self.kernel_heads = self.num_head
         # Verify puts num_draft_tokens queries per request, decode one.
@@ -188,7 +191,7 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
                 mask_indptr=None):
         tokens = q.shape[0]
         meta = self.forward_metadata
-        self.kernel_ops.mla_verify_attention(
+        self._mla_verify_attention(
             q.view(tokens, layer.tp_q_head_num, DIM_QK),
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             qo_indptr, meta.kv_indptr, meta.kv_indices,
