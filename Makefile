@@ -72,9 +72,10 @@ wheelhouse:
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
 
-# On the GPU machine, where the wheels sit in /tmp/site (README): tests, sanitizers, backend
-# tests, benchmark and ablation side by side over the visible GPUs, into $(OUT).
-GPU_PY ?= python3
+# On a GPU machine: tests, sanitizers, backend tests, benchmark and ablation side by side over
+# the visible GPUs, into $(OUT). The project's .venv where it has one; python3 on the lent GPU
+# machine, whose wheels sit in /tmp/site (README).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	@test -n "$(OUT)" || { echo "error: set OUT=<folder> for the logs and records"; exit 1; }
 	$(GPU_PY) -m sm120_workbook.kernels.gpu_check --out $(OUT) $(if $(TAG),--tag $(TAG)) $(if $(NCU),--ncu) $(if $(JOBS),--jobs $(JOBS))

@@ -40,9 +40,9 @@ TARGET_GPUS: dict[str, dict] = {
         "sms": 132,
         "mem_gbps_spec": 4800.0,
         "mem_gbps": 4180.0,
-        "mem_source": "device-to-device copy: median of the 36 runs in ceilings.jsonl (4,030-4,215 GB/s)",
+        "mem_source": "device-to-device copy: median of the first 36 runs in ceilings.jsonl, to 2026-11-30 (4,030-4,215 GB/s)",
         "bf16_tflops": 780.0,
-        "tflops_source": "bf16 torch.matmul: median of the 36 runs in ceilings.jsonl (749-809 TFLOP/s)",
+        "tflops_source": "bf16 torch.matmul: median of the first 36 runs in ceilings.jsonl, to 2026-11-30 (749-809 TFLOP/s)",
         "smem_per_block_optin": 232448,   # 227 KB opt-in per block
         "wgmma": True,
     },

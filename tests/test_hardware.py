@@ -1,6 +1,8 @@
 """Machine description, the target table, and the GPU ceilings (which refuse to run on CPU)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -106,3 +108,41 @@ def test_describe_provenance_counts_many_commits():
     line = describe_provenance(df)
     assert "commits=5 (newest bbbbbbbbbbbb)" in line and "dates=2026-11-25..2026-11-29" in line
     assert f"commit={'a' * 40},{'b' * 40};" in describe_provenance(df.iloc[:2])
+
+
+def test_live_gpu_is_off_under_nbval(monkeypatch):
+    """nbval (notebooks/conftest.py) sets SM120_RECORDED_ONLY: a GPU machine then renders the
+    recorded results the notebooks were saved with, instead of running live; the reason names
+    the GPU first, so a machine without one prints the same line either way."""
+    import torch
+
+    from sm120_workbook.hardware import RECORDED_ONLY_ENV, live_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv(RECORDED_ONLY_ENV, raising=False)
+    assert live_gpu() == (True, "")
+    monkeypatch.setenv(RECORDED_ONLY_ENV, "1")
+    ok, why = live_gpu()
+    assert not ok and RECORDED_ONLY_ENV in why
+    monkeypatch.setenv(RECORDED_ONLY_ENV, "0")
+    assert live_gpu()[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(RECORDED_ONLY_ENV, "1")
+    assert live_gpu() == (False, "no CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def test_nbval_conftest_sets_recorded_only():
+    import runpy
+    from pathlib import Path
+
+    from sm120_workbook.hardware import RECORDED_ONLY_ENV
+
+    conftest = Path(__file__).resolve().parent.parent / "notebooks" / "conftest.py"
+    saved = os.environ.pop(RECORDED_ONLY_ENV, None)
+    try:
+        runpy.run_path(str(conftest))
+        assert os.environ.get(RECORDED_ONLY_ENV) == "1"
+    finally:
+        os.environ.pop(RECORDED_ONLY_ENV, None)
+        if saved is not None:
+            os.environ[RECORDED_ONLY_ENV] = saved

@@ -259,10 +259,12 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             mask the draft tokens form a causal chain (DFlash).
         out: [T, H, 512] bf16 and lse: [T, H] float32, written in full (lse is the natural
             log of sum exp(sm_scale * q.k)). Tokens past qo_indptr[-1] (graph padding) get
-            0 and -inf. A broken contract gives NaN rows, never a write outside out, lse and
-            the workspace: tokens past max_q_len within a request, tokens before
-            qo_indptr[0], and every token of a request that runs past q's T rows (whose
-            rows past T are still read) or whose kv_indptr range is negative.
+            0 and -inf. Some broken contracts give NaN rows: tokens past max_q_len within a
+            request, tokens before qo_indptr[0], and every token of a request that runs past
+            q's T rows (whose rows past T are still read) or whose kv_indptr range is
+            negative. Not contained: a non-monotone qo_indptr, a decreasing kv_indptr in a
+            pooled batch (the pool's spans can overlap, so other requests may come out
+            wrong), and qo_indptr past T in the unpooled layout (workspace slots past its end).
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
         check_values: also check the index tensors' values first (`check_index_values`):
@@ -270,9 +272,9 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
 
     Returns out. Launches on the current stream, with no allocation and no host sync.
     Preconditions that only check_values checks (the host cannot read index values without
-    a sync, so a graph replay trusts them): monotone indptrs and every q_len <= max_q_len
-    (the kernels contain these: NaN rows, as above); qo_indptr[-1] <= T (NaN rows, but q and
-    k_extend rows past T are read); and, not contained, kv_indices inside the pool,
+    a sync, so a graph replay trusts them): every q_len <= max_q_len (contained: NaN rows);
+    qo_indptr[0] >= 0 and monotone indptrs (partly contained, as above); qo_indptr[-1] <= T
+    (NaN rows, but q and k_extend rows past T are read); and, not contained, kv_indices inside the pool,
     kv_indptr[-1] <= len(kv_indices) and the mask's length: values outside those are read
     out of bounds.
     """
