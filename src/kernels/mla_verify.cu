@@ -148,8 +148,9 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   TORCH_CHECK(on_dev(kv_pool) && on_dev(qo_indptr) && on_dev(kv_indptr) && on_dev(kv_indices) && on_dev(out) &&
                   on_dev(lse) && on_dev(ws_o) && on_dev(ws_lse), "every tensor must be on q's device");
   TORCH_CHECK(q.size(1) >= 1 && q.size(1) <= 128, "heads must be in 1..128");
+  auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   // both kernels read q in 16-byte pieces (the 64-row kernel's WIDE_Q_LDG, the split kernel's SPLIT_Q_SMEM)
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0, "q must start on a 16-byte boundary");
+  TORCH_CHECK(aligned16(q), "q must start on a 16-byte boundary");
   TORCH_CHECK(qo_indptr.scalar_type() == at::kInt && kv_indptr.scalar_type() == at::kInt &&
                   qo_indptr.dim() == 1 && qo_indptr.numel() >= 2 && kv_indptr.numel() == qo_indptr.numel() &&
                   qo_indptr.is_contiguous() && kv_indptr.is_contiguous(),
@@ -158,7 +159,6 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                   kv_indices.is_contiguous(), "kv_indices must be contiguous int32 or int64");
   TORCH_CHECK(ws_o.is_contiguous() && ws_lse.is_contiguous(), "workspace tensors must be contiguous");
   // 16-byte pieces: the gathers read kv_pool and k_extend rows, the combine step writes out rows
-  auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   TORCH_CHECK(aligned16(kv_pool) && aligned16(out) && (!k_extend.has_value() || aligned16(*k_extend)),
               "kv_pool, out and k_extend must start on a 16-byte boundary");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == q.size(0) * q.size(1) * kDimV,
