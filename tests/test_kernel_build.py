@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sm120_workbook.kernels import MlaVerifyWorkspace, choose_num_splits, mla_verify_attention
-from sm120_workbook.kernels.verify_attention import choose_cta_rows, most_keys_a_cta, pool_first_ctas
+from sm120_workbook.kernels.verify_attention import POOL_KEY_CAP, choose_cta_rows, most_keys_a_cta, pool_first_ctas
 from sm120_workbook.kernels.resources import ATTENTION_INSTANCES, SM120_SMEM_LIMIT, resource_report
 
 # nvcc's report for both archs, compiled once for the tests that read it
@@ -136,6 +136,9 @@ def test_pool_schedule_minimises_the_slowest_cta():
     assert pool_first_ctas([7], 33) == [0, 33]
     assert counts(pool_first_ctas([5000, 1], 1)) == [1, 1]                          # no spare CTA
     assert pool_first_ctas([100] * 129 + [5000], 2) == pool_first_ctas([100] * 129 + [5000], 2, min_max=False)   # past 128
+    # the search counts at most POOL_KEY_CAP keys a request, so no sum over 128 of them wraps
+    assert pool_first_ctas([POOL_KEY_CAP * 4, 3, POOL_KEY_CAP], 8) == pool_first_ctas([POOL_KEY_CAP, 3, POOL_KEY_CAP], 8)
+    assert counts(pool_first_ctas([POOL_KEY_CAP * 4, 3, POOL_KEY_CAP], 8)) == [11, 1, 12]
     rng = random.Random(0)
     for _ in range(300):
         batch, splits = rng.choice([(2, 33), (4, 16), (8, 16), (16, 8), (32, 4), (48, 2), (64, 2), (100, 1)])

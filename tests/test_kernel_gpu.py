@@ -355,8 +355,54 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
     k = kv.tolist()
     out, lse = call(qo, indptr([k[0], k[2] + 100, k[2], k[3]]))   # request 1's prefix is -100 keys
     nan_rows(out, lse, slice(4, 10), "negative prefix")
-    if not torch.isnan(out[10:].float()).all():
-        assert_same_rows(out[10:], lse[10:], good_out[10:], good_lse[10:], "request 2 beside a negative prefix")
+    # the pool counts a negative prefix as no keys, so the others' CTAs stay apart (v26)
+    for rows in (slice(0, 4), slice(10, 13)):
+        assert_same_rows(out[rows], lse[rows], good_out[rows], good_lse[rows], "requests beside a negative prefix")
+    pooled = cta_rows == 32 or torch.cuda.get_device_capability() >= (9, 0)   # kWidePool
+    if pooled:
+        out, lse = call(indptr([0, 4, 2, 8]), kv)   # request 2's tokens 2..7 overlap request 0's 0..3
+        nan_rows(out, lse, slice(0, 8), "decreasing qo_indptr")
+        assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
+
+
+@pytest.mark.parametrize("batch, cta_rows", [(1, 64), (1, 32), (2, 64), (130, 32)])
+def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, seed):
+    """Whatever the indptrs hold, no workspace slot past the call's batch x max_q_len x H x
+    splits rows is written: here the last request's qo_indptr range starts past q's T rows (the
+    batch-1 64-row kernel's slots go row by row, v25 wrote past them), and at 130 requests (v19's
+    pool rule) kv_indptr also decreases, so some CTAs would fall before their request's first.
+    The workspace is sized for 4x the tokens, its tail poisoned, and checked after the call."""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    H, q_len = 8, 16 if batch < 130 else 1
+    ctx = [300 + 37 * b for b in range(batch)]
+    case = make_verify_case(batch=batch, heads=H, q_len=q_len, ctx_lens=ctx, mask=None, seed=seed,
+                            with_k_extend=q_len > 1, device="cuda")
+    T = batch * q_len
+    # two splits a request at 130: a pool with spare CTAs, shared out by keys
+    ws = MlaVerifyWorkspace(4 * T, H, "cuda", cta_rows=cta_rows, num_splits=2 if batch >= 130 else None)
+    splits = ws.num_splits_for(batch, q_len)
+    used = batch * q_len * H * splits
+    ws.partial_lse.fill_(12345.0)
+    qo = case["qo_indptr"].clone()
+    qo[-2:] += q_len // 2 + 1 if q_len > 1 else 1   # the last request starts past its place and ends past T
+    kv = case["kv_indptr"].clone()
+    if batch >= 130:
+        kv[batch // 2] = kv[batch // 2 + 1] + 500   # request batch/2 - 1 gains keys, batch/2 goes negative
+    # q and k_extend rows past T are read (see the test above): views of longer tensors
+    q = torch.cat([case["q"], torch.randn(T, H, 576, device="cuda").bfloat16()])[:T]
+    k_extend = None if case["k_extend"] is None else torch.cat(
+        [case["k_extend"], torch.randn(T, 1, 576, device="cuda").bfloat16()])[:T]
+    out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((T, H), float("nan"), device="cuda")
+    mla_verify_attention(q, case["kv_pool"], qo, kv, case["kv_indices"], out=out, lse=lse, workspace=ws,
+                         sm_scale=case["sm_scale"], max_q_len=q_len, k_extend=k_extend)
+    torch.cuda.synchronize()
+    assert (ws.partial_lse[used:] == 12345.0).all(), f"slots past {used} rows written"
+    last = int(qo[-2])
+    assert torch.isnan(out[last:].float()).all() and torch.isnan(lse[last:]).all(), "the request past T: not NaN"
+    if batch >= 130:
+        assert torch.isnan(out[batch // 2].float()).all(), "the negative prefix: not NaN"
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")

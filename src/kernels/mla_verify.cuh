@@ -572,6 +572,8 @@ __device__ __forceinline__ int pool_cta() {
 // got 49 CTAs of ~1,340 keys; the search gives it 64 of ~1,020. Over random batches (log-uniform 0.5k-128k,
 // NOTES.md session 16) v19's slowest CTA walks 1-3% more keys than needed at 2-8 requests, 10%
 // at 32 and 25% at 64 (num_splits 4 and 2); the search's 1/64 tolerance stays within 1%.
+// A decreasing qo_indptr (a broken contract that no request sees alone: two requests' tokens may
+// overlap) gives every request an empty span: no CTA computes, and the combine step writes NaN.
 // Equal lengths skip the search: num_splits CTAs each, exactly as before. Warp 0 runs it, one
 // request a lane (up to four), so it serves up to kPoolScanMax requests; larger batches have no
 // spare CTAs at the workspace's split counts, and keep v19's rule.
@@ -587,6 +589,14 @@ __device__ __forceinline__ bool pool_min_max(const Params& prm) {
   return POOL_MIN_MAX && pooled(prm) && prm.batch > 1 && prm.batch <= kPoolScanMax;
 }
 __device__ __forceinline__ unsigned ceil_div(unsigned a, unsigned b) { return (a + b - 1) / b; }
+// A request's keys for the pool's balance: b - a, 0 where an indptr decreases (a broken contract:
+// that request comes out NaN, and the others' spans stay apart), and at most kPoolKeyCap, so that
+// no sum over 128 requests wraps. The cap only shapes the balance (16M keys, 64x the largest
+// context): a split's keys come from the indptrs themselves.
+constexpr unsigned kPoolKeyCap = 1u << 24;
+__device__ __forceinline__ unsigned key_gap(int a, int b) {
+  return b > a ? min(static_cast<unsigned>(b) - static_cast<unsigned>(a), kPoolKeyCap) : 0u;
+}
 // Block-wide (every thread calls it). kFindCta: the span of the request that holds pool CTA
 // `at`; otherwise that of request `at`.
 template <bool kFindCta>
@@ -599,13 +609,16 @@ __device__ __forceinline__ PoolSpan pool_span_min_max(const Params& prm, int at)
     // request lane + 32 j, for the j that hold any (a uniform test: no work past the batch)
     auto has = [&](int j) { return 32 * j < B; };
     unsigned keys[kPerLane], total = 0;
+    bool broken = false;   // a decreasing qo_indptr: its requests' tokens may overlap
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int r = lane + 32 * j;
       keys[j] = 0;
       if (has(j) && r < B) {
-        keys[j] = prm.kv_indptr[r + 1] - prm.kv_indptr[r];
-        if (prm.k_extend) keys[j] += prm.qo_indptr[r + 1] - prm.qo_indptr[r];
+        const int q0 = prm.qo_indptr[r], q1 = prm.qo_indptr[r + 1];
+        broken |= q1 < q0;
+        keys[j] = min(key_gap(prm.kv_indptr[r], prm.kv_indptr[r + 1]) + (prm.k_extend ? key_gap(q0, q1) : 0u),
+                      kPoolKeyCap);
       }
       total += keys[j];
     }
@@ -614,7 +627,9 @@ __device__ __forceinline__ PoolSpan pool_span_min_max(const Params& prm, int at)
     bool equal = true;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) equal &= lane + 32 * j >= B || keys[j] == keys0;
-    if (__all_sync(0xffffffffu, equal) || spare == 0) {   // num_splits CTAs each
+    if (__any_sync(0xffffffffu, broken)) {   // no CTAs for any request: none computes, the combine gives NaN
+      if (lane == 0) span[0] = span[1] = span[2] = 0;
+    } else if (__all_sync(0xffffffffu, equal) || spare == 0) {   // num_splits CTAs each
       if (lane == 0) {
         const int r = kFindCta ? at / prm.num_splits : at;
         span[0] = r;
@@ -700,10 +715,12 @@ __device__ __forceinline__ void pool_trace_cta(const SplitOf& w) {
   }
 #endif
 }
-// The combine step's side: where combine row `row` found its splits.
+// The combine step's side: where combine row `row` found its splits. Every thread of every
+// column slice writes the same two values: a test on threadIdx / blockIdx here kept that
+// predicate live to the lse store and spilled it on sm_120a.
 __device__ __forceinline__ void pool_trace_row(int64_t row, int first_split, int splits) {
 #ifdef POOL_TRACE
-  if (threadIdx.x == 0 && blockIdx.y == 0 && row < kPoolTraceSlots) {
+  if (row < kPoolTraceSlots) {
     pool_trace_rows[row][0] = first_split;
     pool_trace_rows[row][1] = splits;
   }
@@ -720,7 +737,9 @@ __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
   const int r = request_of_cta(prm, pool, c);
   const int first = first_cta(prm, pool, r);
   // uniform registers, as the request (request_of_cta): the same in every lane
-  return {r, __reduce_max_sync(0xffffffffu, c - first),
+  // a CTA before its request's first (decreasing indptrs, past 128 requests) has no work
+  const int split = c >= first ? c - first : kMaxSplits;
+  return {r, __reduce_max_sync(0xffffffffu, split),
           __reduce_max_sync(0xffffffffu, min(first_cta(prm, pool, r + 1) - first, kMaxSplits))};
 }
 
@@ -743,8 +762,12 @@ template <bool kBalanced>
 __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, int rows, int gr, int split) {
   if (gr >= rows) return -1;
   if (kBalanced) return static_cast<int64_t>(pool_cta()) * prm.max_q_len * prm.heads + gr;
-  // row (q_start + gr / H) * H + gr % H of the [T * H] rows, i.e. q_start * H + gr: no division
-  return (static_cast<int64_t>(q_start) * prm.heads + gr) * prm.num_splits + split;
+  // row (q_start + gr / H) * H + gr % H of the [T * H] rows, i.e. q_start * H + gr: no division.
+  // The workspace holds batch x max_q_len x H rows (>= T x H); a qo_indptr past T (a broken
+  // contract: the combine step writes NaN for it) must not write past them.
+  const int64_t row = static_cast<int64_t>(q_start) * prm.heads + gr;
+  if (row >= static_cast<int64_t>(prm.batch) * prm.max_q_len * prm.heads) return -1;
+  return row * prm.num_splits + split;
 }
 
 // The split's slice of kv_indices (a few KB) to L2 up front: each index load of the gather then
@@ -1551,49 +1574,45 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   };
   // Rows the attention kernel never wrote: tokens past the last request (CUDA-graph padding)
   // get 0 and lse -inf. Tokens of a broken contract get NaN, so it shows: past max_q_len within
-  // their request, before the first request, or in a request that request_rows did not compute
-  // (its tokens leave [0, T)) or whose prefix is negative. The test is uniform across the CTA.
+  // their request, before the first request, in a request that request_rows did not compute
+  // (its tokens leave [0, T)) or whose prefix is negative, or whose pool span left the workspace
+  // or is empty (a decreasing qo_indptr: see pool_span_min_max). The test is uniform across the CTA.
   const int64_t token = row / prm.heads;
   int request = 0;   // the request holding token: last b with qo_indptr[b] <= token
-  {
-    int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
-    if (!unwritten) {
-      int hi = prm.batch - 1;
-      while (request < hi) {
-        const int mid = (request + hi + 1) >> 1;
-        if (prm.qo_indptr[mid] <= token) request = mid; else hi = mid - 1;
-      }
-      const int q0 = prm.qo_indptr[request], q1 = prm.qo_indptr[request + 1];
-      const int num_tokens = gridDim.x / prm.heads;   // the grid's rows are q's T x H
-      const bool computed = q0 <= token && token < q1 && token - q0 < prm.max_q_len &&
-                            request_rows(prm, q0, q1 - q0) > 0 && q1 <= num_tokens &&
-                            prm.kv_indptr[request] <= prm.kv_indptr[request + 1];
-      unwritten = computed ? 0 : 2;
+  int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
+  if (!unwritten) {
+    int hi = prm.batch - 1;
+    while (request < hi) {
+      const int mid = (request + hi + 1) >> 1;
+      if (prm.qo_indptr[mid] <= token) request = mid; else hi = mid - 1;
     }
-    if (unwritten) {
-      const float fill = unwritten == 1 ? 0.f : NAN;
-      if (group == 0) store(make_float4(fill, fill, fill, fill));
-      if (tid == 0 && blockIdx.y == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
-      // No griddepcontrol.wait needed: these rows read nothing the attention kernel writes, and
-      // the grid still ends after it, since any row it does write has a CTA below that waits.
-      timeline_stamp(1, kEvExit);
-      return;
-    }
+    const int q0 = prm.qo_indptr[request], q1 = prm.qo_indptr[request + 1];
+    const int num_tokens = gridDim.x / prm.heads;   // the grid's rows are q's T x H
+    const bool computed = q0 <= token && token < q1 && token - q0 < prm.max_q_len &&
+                          request_rows(prm, q0, q1 - q0) > 0 && q1 <= num_tokens &&
+                          prm.kv_indptr[request] <= prm.kv_indptr[request + 1];
+    unwritten = computed ? 0 : 2;
   }
-  // This row's splits: S pool CTAs from `first_split`, each with max_q_len * H rows of slots, or
+  // This row's splits: S pool CTAs from span.first, each with max_q_len * H rows of slots, or
   // num_splits slots of the row itself (partial_slot). The indptrs are inputs, so they are read
-  // before the wait.
-  const PoolSpan span = pool_span_of_request(prm, request);
-  const int first_split = span.first;
-  const int S = min(span.next - first_split, kMaxSplits);
-  // A pool that left the workspace (only index values no check saw make one: a decreasing
-  // kv_indptr elsewhere in the batch) is not read: NaN instead.
-  if (pooled(prm) && (first_split < 0 || S < 1 || span.next > prm.batch * prm.num_splits)) {
-    if (group == 0) store(make_float4(NAN, NAN, NAN, NAN));
-    if (tid == 0 && blockIdx.y == 0) prm.lse[row] = NAN;
+  // before the wait. Block-wide, in a branch the whole CTA takes or skips.
+  PoolSpan span{0, 0, 0};
+  if (!unwritten) {
+    span = pool_span_of_request(prm, request);
+    if (pooled(prm) && (span.first < 0 || span.next <= span.first || span.next > prm.batch * prm.num_splits))
+      unwritten = 2;
+  }
+  if (unwritten) {
+    const float fill = unwritten == 1 ? 0.f : NAN;
+    if (group == 0) store(make_float4(fill, fill, fill, fill));
+    if (tid == 0 && blockIdx.y == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
+    // No griddepcontrol.wait needed: these rows read nothing the attention kernel writes, and
+    // the grid still ends after it, since any row it does write has a CTA below that waits.
     timeline_stamp(1, kEvExit);
     return;
   }
+  const int first_split = span.first;
+  const int S = min(span.next - first_split, kMaxSplits);
   pool_trace_row(row, first_split, S);
   const int64_t split_stride = pooled(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
   const int64_t slot0 = pooled(prm)

@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   constexpr bool kPool = kBatched && BALANCED_SPLITS && kWidePool;
   const SplitOf work = kPool ? split_of_cta(prm, pool_cta())
                              : SplitOf{static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y), prm.num_splits};
-  pool_trace_cta(work);
+  if (kPool) pool_trace_cta(work);   // the batch-1 layout has no pool to trace
   const int b = work.request, split = work.split;
   const int H = prm.heads;
 

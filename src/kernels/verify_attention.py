@@ -100,6 +100,9 @@ def choose_num_splits(batch: int, heads: int, max_q_len: int, num_sms: int, cta_
     return max(1, min(MAX_SPLITS, num_sms // row_ctas))
 
 
+POOL_KEY_CAP = 1 << 24   # mla_verify.cuh kPoolKeyCap
+
+
 def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
     """Where each request's CTAs start in its row tile's pool of batch x num_splits CTAs, and
     the pool's size last: the kernels' schedule for a batch (BALANCED_SPLITS and POOL_MIN_MAX
@@ -109,7 +112,8 @@ def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
     Each request gets max(1, ceil(keys / L)) CTAs for the smallest load L (within 1/64) whose
     CTAs fit the pool, and the last request the leftover; equal lengths get num_splits each.
     Batches over 128 requests keep v19's rule, one CTA each and the spare ones by keys, which
-    min_max=False gives at any batch (the `POOL_MIN_MAX=0` build).
+    min_max=False gives at any batch (the `POOL_MIN_MAX=0` build). The search counts at most
+    POOL_KEY_CAP keys a request (kPoolKeyCap: no sum over the batch wraps a 32-bit register).
     """
     batch = len(keys)
     if batch == 0 or num_splits < 1 or min(keys) < 0:
@@ -120,6 +124,8 @@ def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
     if batch > 128 or (not min_max and batch > 1):
         before = [0, *itertools.accumulate(keys)]   # each request's keys before it, and the total last
         return [r + spare * before[r] // total if total else r * num_splits for r in range(batch + 1)]
+    keys = [min(k, POOL_KEY_CAP) for k in keys]
+    total = sum(keys)
     if batch == 1 or spare == 0 or len(set(keys)) == 1:
         ctas = [num_splits] * batch
     else:
@@ -262,9 +268,12 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             0 and -inf. Some broken contracts give NaN rows: tokens past max_q_len within a
             request, tokens before qo_indptr[0], and every token of a request that runs past
             q's T rows (whose rows past T are still read) or whose kv_indptr range is
-            negative. Not contained: a non-monotone qo_indptr, a decreasing kv_indptr in a
-            pooled batch (the pool's spans can overlap, so other requests may come out
-            wrong), and qo_indptr past T in the unpooled layout (workspace slots past its end).
+            negative (the other requests keep their values). A decreasing qo_indptr gives
+            NaN for every token before qo_indptr[-1] in batches of 2 to 128 requests from
+            sm_90 on (the pooled layouts); past 128 requests, or in the 64-row kernel's
+            batches on sm_80-89, it and a decreasing kv_indptr are not contained (another
+            request may come out wrong). No workspace slot past the call's own
+            batch x max_q_len x H x splits rows is written, whatever the indptrs hold.
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
         check_values: also check the index tensors' values first (`check_index_values`):
@@ -273,7 +282,7 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     Returns out. Launches on the current stream, with no allocation and no host sync.
     Preconditions that only check_values checks (the host cannot read index values without
     a sync, so a graph replay trusts them): every q_len <= max_q_len (contained: NaN rows);
-    qo_indptr[0] >= 0 and monotone indptrs (partly contained, as above); qo_indptr[-1] <= T
+    qo_indptr[0] >= 0 and monotone indptrs (contained, but for the cases above); qo_indptr[-1] <= T
     (NaN rows, but q and k_extend rows past T are read); and, not contained, kv_indices inside the pool,
     kv_indptr[-1] <= len(kv_indices) and the mask's length: values outside those are read
     out of bounds.
