@@ -2,7 +2,7 @@
 
 A target such as "at least as fast as FlashMLA" is a ratio of two medians, and one benchmark
 run gives one ratio. From run to run FlashMLA's own time moves: at q16 h8 32k it measured 43.7
-to 50.7 µs over 23 H200 runs (11 near 50, 12 between 43.7 and 46.8), while this kernel's
+to 50.7 µs over 25 H200 runs (11 near 50, 14 between 43.7 and 46.8), while this kernel's
 stayed within 50.4-51.3 µs over the last ten. So a ratio within a few percent of 1 says little on its
 own (METHOD.md: a difference smaller than the spread of repeated timings is noise).
 
