@@ -430,11 +430,37 @@ def test_build_in_parallel_names_the_builds_that_failed(monkeypatch):
     from sm120_workbook.kernels import build
 
     ran = []
-    monkeypatch.setattr(build, "build_command", lambda d: ran.append(d) or
+    monkeypatch.setattr(build, "build_command", lambda d, src=None: ran.append((d, src)) or
                         [sys.executable, "-c", f"raise SystemExit({int('BAD=1' in d)})"])
     with pytest.raises(RuntimeError, match=r"variant build failed: \[\('BAD=1', 'X=1'\)\]"):
         build.build_in_parallel([("X=1", "BAD=1"), ("BAD=1", "X=1"), (), ("Y=1",)])
-    assert sorted(ran) == [(), ("BAD=1", "X=1"), ("Y=1",)]   # one build a set, whatever the order of its defines
+    # one build a set, whatever the order of its defines
+    assert sorted(ran) == [((), None), (("BAD=1", "X=1"), None), (("Y=1",), None)]
+    ran.clear()
+    with pytest.raises(RuntimeError, match=r"variant build failed: \[\('BAD=1',\), \(\('BAD=1',\), '/old'\)\]"):
+        build.build_in_parallel([(), ("BAD=1",)], source_dirs=(None, "/old"))   # each set from each source
+    assert sorted(ran, key=repr) == sorted([((), None), (("BAD=1",), None), ((), "/old"), (("BAD=1",), "/old")], key=repr)
+
+
+def test_a_build_of_other_sources_has_its_own_key(tmp_path):
+    """An A/B run (ab.py) builds another revision's sources beside the shipped ones: the key
+    hashes the folder's sources, so the two builds never share a cache entry, and the shipped
+    build's key is the same whether its folder is named or not. A folder without the sources is
+    refused by name."""
+    import shutil
+
+    from sm120_workbook.kernels import build
+
+    for name in build.SOURCES:
+        shutil.copy(build.KERNEL_DIR / name, tmp_path / name)
+    assert build.build_key((9, 0), (), tmp_path) == build.build_key((9, 0))
+    assert build.build_key((9, 0), (), build.KERNEL_DIR) == build.build_key((9, 0))
+    (tmp_path / "mla_verify.cuh").write_text((tmp_path / "mla_verify.cuh").read_text() + "\n// older\n")
+    assert build.build_key((9, 0), (), tmp_path) != build.build_key((9, 0))
+    assert "source_dir=" + repr(str(tmp_path)) in build.build_command((), tmp_path)[-1]
+    (tmp_path / "mla_verify.cu").unlink()
+    with pytest.raises(ValueError, match=r"^source_dir: .* lacks mla_verify\.cu"):
+        build.build_key((9, 0), (), tmp_path)
 
 
 def test_gpu_check_gives_timed_jobs_a_gpu_of_their_own(tmp_path):

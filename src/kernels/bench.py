@@ -112,13 +112,14 @@ class Inputs:
 # returns its output [T, heads, 512] (check_against_reference reads it).
 
 def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None,
-                    kernel_defines: tuple[str, ...] = (), cta_rows: int | None = None):
+                    kernel_defines: tuple[str, ...] = (), cta_rows: int | None = None, kernel_source=None):
     s = x.shape
     T = s.batch * s.q_len
     out = torch.empty(T, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
     lse = torch.empty(T, s.heads, device=x.q.device, dtype=torch.float32)
     ws = MlaVerifyWorkspace(T, s.heads, x.q.device, num_splits=num_splits, kernel_defines=kernel_defines,
-                            cta_rows=cta_rows, **({"tile_keys": tile_keys} if tile_keys else {}))
+                            cta_rows=cta_rows, kernel_source=kernel_source,
+                            **({"tile_keys": tile_keys} if tile_keys else {}))
     if s.q_len == 1:   # decode: the token is already in the pool, no k_extend
         args = (x.q, x.pool, x.qo_indptr, x.kv_indptr_full, x.kv_indices_full)
         kw = {}

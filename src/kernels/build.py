@@ -82,10 +82,23 @@ def _toolchain() -> str:
     return f"torch {torch.__version__} cuda {torch.version.cuda} py{sys.version_info[0]}.{sys.version_info[1]}"
 
 
-def build_key(capability: tuple[int, int], defines: tuple[str, ...] = ()) -> str:
+def source_dir_of(source_dir=None) -> Path:
+    """The folder whose kernel sources a build compiles: the shipped ones (None), or another
+    revision's (an A/B run, ab.py). It must hold every file of SOURCES."""
+    if source_dir is None:
+        return KERNEL_DIR
+    d = Path(source_dir).resolve()
+    missing = [n for n in SOURCES if not (d / n).is_file()]
+    if missing:
+        raise ValueError(f"source_dir: {d} lacks {', '.join(missing)} (a kernel source folder holds {', '.join(SOURCES)})")
+    return d
+
+
+def build_key(capability: tuple[int, int], defines: tuple[str, ...] = (), source_dir=None) -> str:
+    src = source_dir_of(source_dir)
     h = hashlib.sha256()
     for name in SOURCES:
-        h.update((KERNEL_DIR / name).read_bytes())
+        h.update((src / name).read_bytes())
     h.update(CPP_DECLS.encode())
     h.update(" ".join(NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines)).encode())
     h.update(_toolchain().encode())
@@ -98,52 +111,58 @@ LOCK_TIMEOUT_S = float(os.environ.get("SM120_BUILD_LOCK_TIMEOUT_S", 1800))
 
 
 def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool = False,
-                       defines: tuple[str, ...] = ()):
+                       defines: tuple[str, ...] = (), source_dir=None):
     """Compile (once, cached and locked) and import the extension for a GPU capability
     (default: the current device's). `defines` builds a variant (the ablation switches in
-    mla_verify.cuh, e.g. ("ABLATE_NO_LOADS",)); the default build has none."""
+    mla_verify.cuh, e.g. ("ABLATE_NO_LOADS",)); the default build has none. `source_dir`: another
+    revision's kernel sources (source_dir_of), for an A/B run in one process."""
     import torch
 
     if capability is None:
         if not torch.cuda.is_available():
             raise RuntimeError("the sm120_mla kernel needs a CUDA GPU; none is visible to torch")
         capability = torch.cuda.get_device_capability()
-    return _load_for(tuple(capability), verbose, tuple(defines))
+    src = source_dir_of(source_dir)
+    return _load_for(tuple(capability), verbose, tuple(defines), None if src == KERNEL_DIR else str(src))
 
 
-def build_command(defines: tuple[str, ...] = ()) -> list[str]:
+def build_command(defines: tuple[str, ...] = (), source_dir=None) -> list[str]:
     """A child process that compiles (or finds cached) one build: for building variants in
     parallel, or before a tool (compute-sanitizer) that would make nvcc crawl."""
+    src = None if source_dir is None else str(source_dir_of(source_dir))
     return [sys.executable, "-c", "from sm120_workbook.kernels.build import load_kernel_module as l; "
-            f"l(defines={tuple(defines)!r})"]
+            f"l(defines={tuple(defines)!r}, source_dir={src!r})"]
 
 
-def build_in_parallel(define_sets) -> None:
+def build_in_parallel(define_sets, source_dirs=(None,)) -> None:
     """Compile (or find cached) each build of `define_sets`, as many at once as there are CPUs
     (nvcc is single-threaded, and one build holds ~1-2 GB). On the H200 machine's 16 cores, 34
-    builds took 249 s (session 19); one after another, at ~65 s each, they take ~35 minutes."""
+    builds took 249 s (session 19); one after another, at ~65 s each, they take ~35 minutes.
+    Each define set is built from each of `source_dirs` (None: the shipped sources)."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
     sets = sorted({tuple(sorted(d)) for d in define_sets})   # the build key ignores the order
+    builds = [(d, src) for src in source_dirs for d in sets]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        codes = list(pool.map(lambda d: subprocess.run(build_command(d)).returncode, sets))
-    failed = [d for d, rc in zip(sets, codes) if rc != 0]
+        codes = list(pool.map(lambda b: subprocess.run(build_command(*b)).returncode, builds))
+    failed = [b if b[1] else b[0] for b, rc in zip(builds, codes) if rc != 0]
     if failed:
         raise RuntimeError(f"variant build failed: {failed}")
 
 
 @functools.lru_cache(maxsize=None)
-def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ...] = ()):
+def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ...] = (), source_dir=None):
     from torch.utils.cpp_extension import load_inline
 
+    src = source_dir_of(source_dir)
     if capability < (8, 0):
         raise RuntimeError(f"the sm120_mla kernel needs sm_80 or newer (mma.sync bf16, cp.async); "
                            f"this GPU is sm_{capability[0]}{capability[1]}")
-    name = f"sm120_mla_{build_key(capability, defines)}"
+    name = f"sm120_mla_{build_key(capability, defines, source_dir)}"
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    cu = (KERNEL_DIR / "mla_verify.cu").read_text()
+    cu = (src / "mla_verify.cu").read_text()
     lock = FileLock(str(build_dir) + ".lock", timeout=LOCK_TIMEOUT_S)
     try:
         lock.acquire()
@@ -156,8 +175,8 @@ def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ..
             cpp_sources=[CPP_DECLS],
             cuda_sources=[cu],
             functions=["mla_verify_forward", "mma_sync_peak", "wide_phase_trace", "cta_timeline", "pool_trace"],
-            extra_cuda_cflags=NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines) + [f"-I{KERNEL_DIR}"],
-            extra_include_paths=[str(KERNEL_DIR)],
+            extra_cuda_cflags=NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines) + [f"-I{src}"],
+            extra_include_paths=[str(src)],
             build_directory=str(build_dir),
             verbose=verbose,
         )

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..mla import DIM_QK, DIM_V
-from .build import load_kernel_module
+from .build import load_kernel_module, source_dir_of
 
 MAX_SPLITS = 128   # the kernels' kMaxSplits (mla_verify.cuh), the combine step's bound
 MAX_Q_LEN = 16
@@ -158,12 +158,14 @@ class MlaVerifyWorkspace:
     queries. With num_splits=None the split count follows `choose_num_splits` for each call's
     batch; the buffer is sized so that any batch up to max_tokens fits. With cta_rows=None
     the kernel follows `choose_cta_rows` for each call's batch and max_q_len (32-key tiles
-    exist only in the 32-row kernel); 32 or 64 fixes it.
+    exist only in the 32-row kernel); 32 or 64 fixes it. `kernel_defines` and `kernel_source`
+    (a folder with another revision's kernel sources) pick another build, for ablations and
+    A/B runs.
     """
 
     def __init__(self, max_tokens: int, heads: int, device=None, num_splits: int | None = None,
                  tile_keys: int = DEFAULT_TILE_KEYS, kernel_defines: tuple[str, ...] = (),
-                 cta_rows: int | None = None):
+                 cta_rows: int | None = None, kernel_source=None):
         _check_int("max_tokens", max_tokens)
         _check_int("heads", heads, 1, 128)
         if num_splits is not None:
@@ -176,6 +178,11 @@ class MlaVerifyWorkspace:
             _fail("tile_keys", f"the 64-row kernel has 16-key tiles only, got {tile_keys!r}")
         self.tile_keys, self.fixed_cta_rows = tile_keys, cta_rows
         self.kernel_defines = tuple(kernel_defines)   # a build variant, for ablations only
+        # another revision's kernel sources (build.source_dir_of), for A/B runs (ab.py) only
+        try:
+            self.kernel_source = None if kernel_source is None else str(source_dir_of(kernel_source))
+        except ValueError as e:
+            _fail("kernel_source", str(e).removeprefix("source_dir: "))
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -353,7 +360,8 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     if dev.type != "cuda":
         _fail("q", f"must be a CUDA tensor, got {dev}")
 
-    mod = load_kernel_module(torch.cuda.get_device_capability(dev), defines=workspace.kernel_defines)
+    mod = load_kernel_module(torch.cuda.get_device_capability(dev), defines=workspace.kernel_defines,
+                             source_dir=workspace.kernel_source)
     mod.mla_verify_forward(q, kv_rows, qo_indptr, kv_indptr, kv_indices, ke_rows, custom_mask,
                            mask_indptr, out, lse, workspace.partial_o, workspace.partial_lse,
                            float(sm_scale), max_q_len, splits, workspace.tile_keys,

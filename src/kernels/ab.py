@@ -1,0 +1,123 @@
+"""Two revisions of the kernel timed side by side in one process: an A/B run.
+
+Separate processes make a poor comparison: v24's two processes and v25's, whose sm_90 loops
+were the same, differed by up to 1.3% at q16 h8 16k. This tool builds the shipped sources and
+another revision's (`--baseline`, a folder holding build.SOURCES), then times every shape with
+both builds in interleaved rounds, the order alternating from shape to shape and round to
+round. Each timing is a CUDA-graph replay after an L2 flush (bench.time_graph_us). The
+table gives, per shape, each build's median and the shipped build's time over the baseline's
+(the median of the rounds' ratios, and their range). Round 0 also checks that the two builds
+give the same output (`max_abs_diff`).
+
+The records go to data/results/kernel_ablation.jsonl, as variant `full` (the shipped sources)
+and `src_<name>` (the baseline), both under the run's --tag, so `ablation.recorded_table`
+shows them beside the other ablations.
+
+    git archive REV src/kernels | tar -x -C .ab/REV       # the baseline's sources, on this machine
+    python -m sm120_workbook.kernels.ab --baseline .ab/REV/src/kernels --baseline-name v25 --tag v26
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from ..results import add_record_args
+from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
+from .build import build_in_parallel, source_dir_of
+
+SHIPPED = "full"
+
+
+def target_shapes() -> list[Shape]:
+    """The shapes the kernel issue's targets read (targets.target_grid's sm120_mla rows)."""
+    from .targets import target_grid
+
+    return [s for impl, s, _ in target_grid() if impl == "sm120_mla"]
+
+
+def run_ab(shapes, baseline: str, baseline_variant: str, rounds: int = 5, reps: int = 50) -> list[dict]:
+    """Time each shape with the shipped build and the baseline's, `rounds` times over."""
+    from tqdm.auto import tqdm
+
+    inputs = {s: Inputs(s) for s in shapes}
+    builds = {SHIPPED: None, baseline_variant: baseline}
+    records = []
+    with tqdm(total=rounds * len(shapes) * 2, desc="A/B") as bar:
+        for r in range(rounds):
+            for i, s in enumerate(shapes):
+                order = list(builds) if (r + i) % 2 == 0 else list(builds)[::-1]
+                outs = {}
+                for name in order:
+                    fn = build_sm120_mla(inputs[s], kernel_source=builds[name])
+                    if r == 0:
+                        outs[name] = fn().float().clone()
+                    t = time_graph_us(fn, reps=reps)
+                    records.append({"impl": "sm120_mla", "variant": name, "defines": [], **s.__dict__,
+                                    "tile_keys": fn.tile_keys, "cta_rows": fn.cta_rows,
+                                    "num_splits": fn.num_splits, "round": r, **t})
+                    bar.update()
+                if r == 0:
+                    diff = (outs[SHIPPED] - outs[baseline_variant]).abs().max().item()
+                    for rec in records[-2:]:
+                        rec["max_abs_diff"] = diff
+    return records
+
+
+def ab_table(records, baseline_variant: str):
+    """Per shape: each build's median µs, and shipped / baseline (median over rounds, range)."""
+    import pandas as pd
+
+    rows = []
+    shape_keys = ("batch", "heads", "q_len", "ctx", "short_ctx")
+    by_shape: dict[tuple, dict] = {}
+    for rec in records:
+        by_shape.setdefault(tuple(rec[k] for k in shape_keys), {}).setdefault(rec["round"], {})[rec["variant"]] = rec
+    for key, by_round in by_shape.items():
+        pairs = [v for v in by_round.values() if SHIPPED in v and baseline_variant in v]
+        if not pairs:
+            continue
+        ratios = [p[SHIPPED]["time_us"] / p[baseline_variant]["time_us"] for p in pairs]
+        b, h, q, ctx, short = key
+        rows.append({"shape": f"b{b} h{h} q{q} {ctx // 1024}k" + (f"+{short // 1024}k" if short else ""),
+                     "shipped_us": statistics.median(p[SHIPPED]["time_us"] for p in pairs),
+                     "baseline_us": statistics.median(p[baseline_variant]["time_us"] for p in pairs),
+                     "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "rounds": len(pairs), "max_abs_diff": pairs[0][SHIPPED].get("max_abs_diff")})
+    return pd.DataFrame(rows).round({"shipped_us": 2, "baseline_us": 2, "ratio": 4, "ratio_min": 4, "ratio_max": 4})
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_record_args(ap, "kernel_ablation")
+    ap.add_argument("--baseline", required=True, help="a folder with the other revision's kernel sources")
+    ap.add_argument("--baseline-name", default=None, help="its label (default: the folder's name)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50, help="graph replays a timing")
+    args = ap.parse_args(argv)
+    try:
+        baseline = str(source_dir_of(args.baseline))
+    except ValueError as e:
+        ap.error(f"--baseline: {e}".replace("source_dir: ", ""))
+    if baseline == str(source_dir_of()):
+        ap.error("--baseline: that is the shipped sources' own folder; give another revision's")
+    if args.rounds < 1 or args.reps < 1:
+        ap.error("--rounds and --reps must be positive")
+    if not torch.cuda.is_available():
+        sys.exit("the A/B run needs a CUDA GPU; none is visible to torch")
+    variant = "src_" + (args.baseline_name or source_dir_of(args.baseline).name)
+    build_in_parallel([()], source_dirs=(None, baseline))
+    records = [dict(r, kernel_version=args.tag, baseline=variant)
+               for r in run_ab(target_shapes(), baseline, variant, rounds=args.rounds, reps=args.reps)]
+    print(ab_table(records, variant).to_string(index=False))
+    if not args.no_record:
+        from ..results import append_cli_records
+
+        path = append_cli_records("kernel_ablation", records, "sm120_workbook.kernels.ab", argv, args.out)
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
