@@ -312,8 +312,9 @@ def assert_same_rows(out, lse, good_out, good_lse, label):
 def test_broken_index_values_give_nan_rows(cta_rows, seed):
     """Index values that a graph replay cannot check on the host (check_values does, eagerly): a
     request whose qo_indptr range runs past q's T rows, tokens before qo_indptr[0], a decreasing
-    kv_indptr. The tokens they touch come out NaN, and the other requests keep their values
-    (or, where a broken request moved their share of the pool, come out NaN: never wrong).
+    kv_indptr, a decreasing qo_indptr. The tokens they touch come out NaN, and a request whose
+    ranges are intact keeps its values (a raised kv_indptr entry gives the request before it
+    more keys, which it attends over as given).
     The attention kernels do not know T, so they read the rows past it: here q and k_extend are
     views of longer tensors, so those reads stay inside an allocation."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
@@ -365,44 +366,65 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
         assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
 
 
-@pytest.mark.parametrize("batch, cta_rows", [(1, 64), (1, 32), (2, 64), (130, 32)])
-def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, seed):
+@pytest.mark.parametrize("batch, cta_rows, defines",
+                         [(1, 64, ()), (1, 32, ()), (2, 64, ()), (2, 64, ("BALANCED_SPLITS=0",)),
+                          (2, 32, ("BALANCED_SPLITS=0",)), (130, 32, ("POOL_TRACE",))],
+                         ids=["b1-r64", "b1-r32", "b2-r64", "b2-r64-unpooled", "b2-r32-unpooled", "b130-trace"])
+def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, defines, seed):
     """Whatever the indptrs hold, no workspace slot past the call's batch x max_q_len x H x
-    splits rows is written: here the last request's qo_indptr range starts past q's T rows (the
-    batch-1 64-row kernel's slots go row by row, v25 wrote past them), and at 130 requests (v19's
-    pool rule) kv_indptr also decreases, so some CTAs would fall before their request's first.
-    The workspace is sized for 4x the tokens, its tail poisoned, and checked after the call."""
+    splits rows is written. Here the last request's qo_indptr range starts later than its place
+    and runs past q's T rows: in the unpooled layouts (the 64-row kernel at batch 1, and with
+    BALANCED_SPLITS=0 both kernels' batches, as the 64-row kernel's on sm_80-89) its slots go row
+    by row from its first token, and v25 wrote them past the workspace. At 130 requests (v19's
+    pool rule, two splits each) kv_indptr also decreases, far enough that the pool puts a CTA
+    before its request's first: its split was negative in v25 (its keys began before the
+    request's kv_indices), and v26 gives it no work (the POOL_TRACE build shows each CTA's split).
+    The workspace is sized for 4x the tokens; its tail is checked after the call."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+    from sm120_workbook.kernels.build import load_kernel_module
+    from sm120_workbook.kernels.verify_attention import MAX_SPLITS
 
     H, q_len = 8, 16 if batch < 130 else 1
     ctx = [300 + 37 * b for b in range(batch)]
     case = make_verify_case(batch=batch, heads=H, q_len=q_len, ctx_lens=ctx, mask=None, seed=seed,
                             with_k_extend=q_len > 1, device="cuda")
     T = batch * q_len
-    # two splits a request at 130: a pool with spare CTAs, shared out by keys
-    ws = MlaVerifyWorkspace(4 * T, H, "cuda", cta_rows=cta_rows, num_splits=2 if batch >= 130 else None)
+    ws = MlaVerifyWorkspace(4 * T, H, "cuda", cta_rows=cta_rows, num_splits=2 if batch >= 130 else None,
+                            kernel_defines=defines)
     splits = ws.num_splits_for(batch, q_len)
     used = batch * q_len * H * splits
     ws.partial_lse.fill_(12345.0)
+    o_tail = ws.partial_o.view(torch.uint8)[used * 512 * 2:]   # bf16 partials: 1 KB a slot
+    o_tail.fill_(0x5A)
     qo = case["qo_indptr"].clone()
-    qo[-2:] += q_len // 2 + 1 if q_len > 1 else 1   # the last request starts past its place and ends past T
+    qo[-2:] += q_len // 2 + 1 if q_len > 1 else 1   # the last request starts later and ends past T
     kv = case["kv_indptr"].clone()
-    if batch >= 130:
-        kv[batch // 2] = kv[batch // 2 + 1] + 500   # request batch/2 - 1 gains keys, batch/2 goes negative
+    if batch >= 130:   # request batch/2 - 1 gains 5,000 keys, request batch/2 goes negative
+        kv[batch // 2] = kv[batch // 2 + 1] + 5000
+        assert int(kv[batch // 2]) < case["kv_indices"].numel()
     # q and k_extend rows past T are read (see the test above): views of longer tensors
     q = torch.cat([case["q"], torch.randn(T, H, 576, device="cuda").bfloat16()])[:T]
     k_extend = None if case["k_extend"] is None else torch.cat(
         [case["k_extend"], torch.randn(T, 1, 576, device="cuda").bfloat16()])[:T]
     out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"), device="cuda")
+    module = load_kernel_module(defines=defines)
+    if "POOL_TRACE" in defines:
+        module.pool_trace()   # clear what earlier calls left
     mla_verify_attention(q, case["kv_pool"], qo, kv, case["kv_indices"], out=out, lse=lse, workspace=ws,
                          sm_scale=case["sm_scale"], max_q_len=q_len, k_extend=k_extend)
     torch.cuda.synchronize()
-    assert (ws.partial_lse[used:] == 12345.0).all(), f"slots past {used} rows written"
-    last = int(qo[-2])
-    assert torch.isnan(out[last:].float()).all() and torch.isnan(lse[last:]).all(), "the request past T: not NaN"
+    assert (ws.partial_lse[used:] == 12345.0).all(), f"lse slots past {used} rows written"
+    assert (o_tail == 0x5A).all(), f"partial slots past {used} rows written"
+    assert torch.isnan(out[T - 1].float()).all() and torch.isnan(lse[T - 1]).all(), "the request past T: not NaN"
     if batch >= 130:
-        assert torch.isnan(out[batch // 2].float()).all(), "the negative prefix: not NaN"
+        assert torch.isnan(out[batch // 2].float()).all() and torch.isnan(lse[batch // 2]).all(), \
+            "the negative prefix: not NaN"
+        ctas = module.pool_trace()[0][: batch * splits]
+        split, count = ctas[:, 1], ctas[:, 2]
+        assert (split >= 0).all(), "a CTA with a negative split"
+        assert ((split < count) | (split == MAX_SPLITS)).all()
+        assert (split == MAX_SPLITS).any(), "no CTA fell before its request's first: the case did not happen"
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")

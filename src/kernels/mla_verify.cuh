@@ -762,12 +762,17 @@ template <bool kBalanced>
 __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, int rows, int gr, int split) {
   if (gr >= rows) return -1;
   if (kBalanced) return static_cast<int64_t>(pool_cta()) * prm.max_q_len * prm.heads + gr;
-  // row (q_start + gr / H) * H + gr % H of the [T * H] rows, i.e. q_start * H + gr: no division.
-  // The workspace holds batch x max_q_len x H rows (>= T x H); a qo_indptr past T (a broken
-  // contract: the combine step writes NaN for it) must not write past them.
-  const int64_t row = static_cast<int64_t>(q_start) * prm.heads + gr;
-  if (row >= static_cast<int64_t>(prm.batch) * prm.max_q_len * prm.heads) return -1;
-  return row * prm.num_splits + split;
+  // row (q_start + gr / H) * H + gr % H of the [T * H] rows, i.e. q_start * H + gr: no division
+  return (static_cast<int64_t>(q_start) * prm.heads + gr) * prm.num_splits + split;
+}
+// Without a pool (partial_slot<false>) a request's slots go row by row from q_start x H, and the
+// workspace holds batch x max_q_len x H rows of them (>= T x H). A request that would pass them
+// (a qo_indptr past T, a broken contract: the combine step writes NaN for its tokens) computes
+// nothing: its kernel takes rows x this. The sum is at most qo_indptr[b + 1]: it cannot wrap.
+// (v26 first bounded each slot in partial_slot: 1.4% slower at q16 h8 16k on the H200, in one
+// process against this form, NOTES.md session 27.)
+__device__ __forceinline__ bool unpooled_slots_fit(const Params& prm, int q_start, int q_len) {
+  return q_start + min(q_len, prm.max_q_len) <= prm.batch * prm.max_q_len;
 }
 
 // The split's slice of kv_indices (a few KB) to L2 up front: each index load of the gather then
@@ -943,7 +948,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
-  const int rows = request_rows(prm, q_start, q_len);
+  const int rows = request_rows(prm, q_start, q_len) * (BALANCED_SPLITS || unpooled_slots_fit(prm, q_start, q_len));
   if (row0 >= rows || split >= work.count) {       // request shorter than max_q_len; a spare CTA
     timeline_stamp(0, kEvExit);
     return;
@@ -1606,8 +1611,11 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     const float fill = unwritten == 1 ? 0.f : NAN;
     if (group == 0) store(make_float4(fill, fill, fill, fill));
     if (tid == 0 && blockIdx.y == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
-    // No griddepcontrol.wait needed: these rows read nothing the attention kernel writes, and
-    // the grid still ends after it, since any row it does write has a CTA below that waits.
+    // These rows read nothing the attention kernel writes. Padding rows do not wait for it: a
+    // call with padding has requests too, whose rows wait, so the grid still ends after it. A
+    // broken call may have no row that waits while attention CTAs still write the workspace,
+    // which the next call reuses: its NaN rows wait (they cost a valid call nothing).
+    if (unwritten == 2) wait_for_prerequisite_grid();
     timeline_stamp(1, kEvExit);
     return;
   }

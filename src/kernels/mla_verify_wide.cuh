@@ -203,14 +203,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   constexpr bool kPool = kBatched && BALANCED_SPLITS && kWidePool;
   const SplitOf work = kPool ? split_of_cta(prm, pool_cta())
                              : SplitOf{static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y), prm.num_splits};
-  if (kPool) pool_trace_cta(work);   // the batch-1 layout has no pool to trace
+  if (kPool) pool_trace_cta(work);   // the unpooled layout (batch 1, sm_80-89) has no pool to trace
   const int b = work.request, split = work.split;
   const int H = prm.heads;
 
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
-  const int rows = request_rows(prm, q_start, q_len);
+  const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len));
   // request shorter than max_q_len; a spare CTA (tested in the pooled build only: the unused
   // test alone made ptxas spill 4 bytes in the batch-1 build's loop on sm_90)
   if (row0 >= rows || (kPool && split >= work.count)) {

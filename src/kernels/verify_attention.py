@@ -272,15 +272,19 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             mask the draft tokens form a causal chain (DFlash).
         out: [T, H, 512] bf16 and lse: [T, H] float32, written in full (lse is the natural
             log of sum exp(sm_scale * q.k)). Tokens past qo_indptr[-1] (graph padding) get
-            0 and -inf. Some broken contracts give NaN rows: tokens past max_q_len within a
-            request, tokens before qo_indptr[0], and every token of a request that runs past
-            q's T rows (whose rows past T are still read) or whose kv_indptr range is
-            negative (the other requests keep their values). A decreasing qo_indptr gives
-            NaN for every token before qo_indptr[-1] in batches of 2 to 128 requests from
-            sm_90 on (the pooled layouts); past 128 requests, or in the 64-row kernel's
-            batches on sm_80-89, it and a decreasing kv_indptr are not contained (another
-            request may come out wrong). No workspace slot past the call's own
-            batch x max_q_len x H x splits rows is written, whatever the indptrs hold.
+            0 and -inf. Broken index values (see below) give NaN rows where the kernels can
+            see them: tokens past max_q_len within a request, tokens before qo_indptr[0],
+            every token of a request that runs past q's T rows (whose rows past T are still
+            read) or whose kv_indptr range is negative. The other requests are computed over
+            their ranges as given (a raised kv_indptr entry gives the request before it more
+            keys). A decreasing qo_indptr gives NaN for every token before qo_indptr[-1]
+            (those past it count as padding) in the pooled layouts: the 32-row kernel on every
+            arch, and the 64-row kernel's batches from sm_90 on, up to 128 requests. Not
+            contained: a decreasing qo_indptr in the 64-row kernel's batches on sm_80-89, a
+            decreasing indptr past 128 requests (another request may come out wrong), and
+            the POOL_MIN_MAX=0 and BALANCED_SPLITS=0 ablation builds. No workspace slot past
+            the call's own batch x max_q_len x H x splits rows is written, whatever the
+            indptrs hold.
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
         check_values: also check the index tensors' values first (`check_index_values`):
