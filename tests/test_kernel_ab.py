@@ -51,3 +51,21 @@ def test_ab_times_the_target_shapes():
     shapes = ab.target_shapes()
     assert len(shapes) == len(set(shapes)) == 24   # 2 head counts x (4 verify + b32 + 7 decode)
     assert {s.q_len for s in shapes} == {1, 16} and {s.batch for s in shapes} == {1, 32}
+
+
+def test_recorded_ab_table_takes_the_newest_run_of_a_pair():
+    """A recorded A/B run by its tag and baseline name: the newest append of that pair (one
+    date), and a clear error naming what is recorded when the pair is not."""
+    import pandas as pd
+
+    def run(date, shipped, base, tag="v27", baseline="src_v25"):
+        return [dict(_rec("full", 0, shipped), kernel_version=tag, baseline=baseline, date=date),
+                dict(_rec(baseline, 0, base), kernel_version=tag, baseline=baseline, date=date)]
+
+    df = pd.DataFrame(run("2026-12-01T10:00", 50.0, 100.0) + run("2026-12-01T11:00", 99.0, 100.0)
+                      + run("2026-12-01T12:00", 1.0, 100.0, baseline="src_p25") + [{"variant": "full", "time_us": 1.0}])
+    t = ab.recorded_ab_table("v27", "v25", df)
+    assert t["ratio"].tolist() == [0.99] and t["rounds"].tolist() == [1]
+    with pytest.raises(ValueError, match=r"^version, baseline: no A/B run of 'v26' against 'v25'; recorded: "
+                                         r"\[\('v27', 'p25'\), \('v27', 'v25'\)\]"):
+        ab.recorded_ab_table("v26", "v25", df)

@@ -89,6 +89,24 @@ def ab_table(records, baseline_variant: str):
     return pd.DataFrame(rows).round({"shipped_us": 2, "baseline_us": 2, "ratio": 4, "ratio_min": 4, "ratio_max": 4})
 
 
+def recorded_ab_table(version: str, baseline: str, df=None):
+    """A recorded A/B run as `ab_table`: the records of data/results/kernel_ablation.jsonl tagged
+    `version` whose baseline is `baseline` (its --baseline-name)."""
+    from ..results import load_records
+
+    df = load_records("kernel_ablation") if df is None else df
+    variant = "src_" + baseline
+    if len(df) == 0 or "baseline" not in df:
+        raise ValueError("baseline: no A/B run recorded (kernel_ablation.jsonl has no baseline field)")
+    runs = df[(df["kernel_version"] == version) & (df["baseline"] == variant)]
+    if len(runs) == 0:
+        recorded = sorted({(v, b.removeprefix("src_")) for v, b in zip(df["kernel_version"], df["baseline"])
+                           if isinstance(b, str)})
+        raise ValueError(f"version, baseline: no A/B run of {version!r} against {baseline!r}; recorded: {recorded}")
+    newest = runs[runs["date"] == runs["date"].max()]   # one append, one date: the newest run
+    return ab_table(newest.to_dict("records"), variant)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_record_args(ap, "kernel_ablation")
