@@ -34,16 +34,19 @@ def test_ab_refuses_a_baseline_that_is_not_another_revision(tmp_path, capsys):
     """--baseline must hold every kernel source, and must not be the shipped folder itself (the
     A/B would time one build twice)."""
     with pytest.raises(SystemExit):
-        ab.main(["--baseline", str(tmp_path)])
+        ab.main(["--baseline", str(tmp_path), "--baseline-name", "x", "--tag", "v9"])
     err = capsys.readouterr().err
     assert "--baseline:" in err and "lacks mla_verify.cuh" in err
     with pytest.raises(SystemExit):
-        ab.main(["--baseline", str(KERNEL_DIR)])
+        ab.main(["--baseline", str(KERNEL_DIR), "--baseline-name", "x", "--tag", "v9"])
     assert "shipped sources' own folder" in capsys.readouterr().err
     for name in SOURCES:
         shutil.copy(KERNEL_DIR / name, tmp_path / name)
     with pytest.raises(SystemExit):
-        ab.main(["--baseline", str(tmp_path), "--rounds", "0"])
+        ab.main(["--baseline", str(tmp_path), "--baseline-name", "x"])
+    assert "--tag: an A/B run's records need" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--baseline", str(tmp_path), "--baseline-name", "x", "--tag", "v9", "--rounds", "0"])
     assert "--rounds and --reps must be positive" in capsys.readouterr().err
 
 
@@ -58,14 +61,17 @@ def test_recorded_ab_table_takes_the_newest_run_of_a_pair():
     date), and a clear error naming what is recorded when the pair is not."""
     import pandas as pd
 
-    def run(date, shipped, base, tag="v27", baseline="src_v25"):
-        return [dict(_rec("full", 0, shipped), kernel_version=tag, baseline=baseline, date=date),
-                dict(_rec(baseline, 0, base), kernel_version=tag, baseline=baseline, date=date)]
+    def run(date, shipped, base, tag="v27", baseline="src_v25", gpu="NVIDIA H200"):
+        return [dict(_rec("full", 0, shipped), kernel_version=tag, baseline=baseline, date=date, gpu=gpu),
+                dict(_rec(baseline, 0, base), kernel_version=tag, baseline=baseline, date=date, gpu=gpu)]
 
     df = pd.DataFrame(run("2026-12-01T10:00", 50.0, 100.0) + run("2026-12-01T11:00", 99.0, 100.0)
-                      + run("2026-12-01T12:00", 1.0, 100.0, baseline="src_p25") + [{"variant": "full", "time_us": 1.0}])
+                      + run("2026-12-01T12:00", 1.0, 100.0, baseline="src_p25")
+                      + run("2026-12-01T13:00", 2.0, 100.0, gpu="NVIDIA RTX PRO 6000")   # another GPU's run
+                      + [{"variant": "full", "time_us": 1.0}])
     t = ab.recorded_ab_table("v27", "v25", df)
     assert t["ratio"].tolist() == [0.99] and t["rounds"].tolist() == [1]
-    with pytest.raises(ValueError, match=r"^version, baseline: no A/B run of 'v26' against 'v25'; recorded: "
+    assert ab.recorded_ab_table("v27", "v25", df, gpu="RTX PRO 6000")["ratio"].tolist() == [0.02]
+    with pytest.raises(ValueError, match=r"^version, baseline: no A/B run of 'v26' against 'v25' on H200; recorded: "
                                          r"\[\('v27', 'p25'\), \('v27', 'v25'\)\]"):
         ab.recorded_ab_table("v26", "v25", df)

@@ -444,19 +444,21 @@ def test_build_in_parallel_names_the_builds_that_failed(monkeypatch):
 
 def test_a_build_of_other_sources_has_its_own_key(tmp_path):
     """An A/B run (ab.py) builds another revision's sources beside the shipped ones: the key
-    hashes the folder's sources, so the two builds never share a cache entry, and the shipped
-    build's key is the same whether its folder is named or not. A folder without the sources is
-    refused by name."""
+    hashes the folder and its sources, so the two builds never share a cache entry, and the
+    shipped build's key is the same whether its folder is named or not. A folder without the
+    sources is refused by name."""
     import shutil
 
     from sm120_workbook.kernels import build
 
     for name in build.SOURCES:
         shutil.copy(build.KERNEL_DIR / name, tmp_path / name)
-    assert build.build_key((9, 0), (), tmp_path) == build.build_key((9, 0))
-    assert build.build_key((9, 0), (), build.KERNEL_DIR) == build.build_key((9, 0))
-    (tmp_path / "mla_verify.cuh").write_text((tmp_path / "mla_verify.cuh").read_text() + "\n// older\n")
+    # a copy is another build (load_inline's include path differs), so it has its own key
     assert build.build_key((9, 0), (), tmp_path) != build.build_key((9, 0))
+    assert build.build_key((9, 0), (), build.KERNEL_DIR) == build.build_key((9, 0))
+    copy = build.build_key((9, 0), (), tmp_path)
+    (tmp_path / "mla_verify.cuh").write_text((tmp_path / "mla_verify.cuh").read_text() + "\n// older\n")
+    assert build.build_key((9, 0), (), tmp_path) not in (copy, build.build_key((9, 0)))
     assert "source_dir=" + repr(str(tmp_path)) in build.build_command((), tmp_path)[-1]
     (tmp_path / "mla_verify.cu").unlink()
     with pytest.raises(ValueError, match=r"^source_dir: .* lacks mla_verify\.cu"):

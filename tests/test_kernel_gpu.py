@@ -427,6 +427,34 @@ def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, defines, seed
         assert (split == MAX_SPLITS).any(), "no CTA fell before its request's first: the case did not happen"
 
 
+@pytest.mark.parametrize("cta_rows, heads, qo_values",
+                         [(64, 8, [12, 12 - 268435457]), (64, 8, [2147483640, -100]), (32, 5, [12, 12 - 600000000])],
+                         ids=["r64-negative-q_len", "r64-wrapping-q_len", "r32-h5-negative-q_len"])
+def test_wrapping_indptrs_write_nothing(cta_rows, heads, qo_values, seed):
+    """int32 index values whose arithmetic wraps (a review of v27 found both): a q_len of
+    -268435457 made min(q_len, max_q_len) x 8 heads (and -600000000 x 5) wrap to a huge row count, so the kernels took
+    rows they have no slots for (the unpooled layout's empty-split LSE past its rows, the pooled
+    layout's padding rows past its pool); and q_start 2147483640 with qo_indptr[1] -100 wraps
+    q_len positive, which v27's q_start + q_len test let through (q read ~2^31 rows out). Both
+    qo_indptr pairs end below 0, so every token counts as padding (0 and -inf) and no kernel
+    writes a workspace slot."""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    T = 16
+    case = make_verify_case(batch=1, heads=heads, q_len=T, ctx_lens=[300], mask=None, seed=seed, device="cuda")
+    ws = MlaVerifyWorkspace(4 * T, heads, "cuda", cta_rows=cta_rows)
+    ws.partial_lse.fill_(12345.0)
+    ws.partial_o.view(torch.uint8).fill_(0x5A)
+    out = torch.full((T, heads, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((T, heads), float("nan"), device="cuda")
+    qo = torch.tensor(qo_values, dtype=torch.int32, device="cuda")
+    mla_verify_attention(case["q"], case["kv_pool"], qo, case["kv_indptr"], case["kv_indices"], out=out, lse=lse,
+                         workspace=ws, sm_scale=case["sm_scale"], max_q_len=T, k_extend=case["k_extend"])
+    torch.cuda.synchronize()
+    assert (ws.partial_lse == 12345.0).all() and (ws.partial_o.view(torch.uint8) == 0x5A).all(), "a slot written"
+    assert (out.float() == 0).all() and (lse == -math.inf).all(), "tokens past qo_indptr[-1] are padding"
+
+
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer_clean(tool):

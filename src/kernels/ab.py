@@ -2,7 +2,8 @@
 
 Separate processes make a poor comparison: v24's two processes and v25's, whose sm_90 loops
 were the same, differed by up to 1.3% at q16 h8 16k. This tool builds the shipped sources and
-another revision's (`--baseline`, a folder holding build.SOURCES), then times every shape with
+another revision's (`--baseline`, a folder holding build.SOURCES, whose launcher exports the
+same functions with the same signatures: CPP_DECLS), then times every shape with
 both builds in interleaved rounds, the order alternating from shape to shape and round to
 round. Each timing is a CUDA-graph replay after an L2 flush (bench.time_graph_us). The
 table gives, per shape, each build's median and the shipped build's time over the baseline's
@@ -10,10 +11,10 @@ table gives, per shape, each build's median and the shipped build's time over th
 give the same output (`max_abs_diff`).
 
 The records go to data/results/kernel_ablation.jsonl, as variant `full` (the shipped sources)
-and `src_<name>` (the baseline), both under the run's --tag, so `ablation.recorded_table`
-shows them beside the other ablations.
+and `src_<name>` (the baseline), both under the run's --tag and with a `baseline` field;
+`recorded_ab_table(tag, name)` gives the table again (notebook 03).
 
-    git archive REV src/kernels | tar -x -C .ab/REV       # the baseline's sources, on this machine
+    mkdir -p .ab/REV && git archive REV src/kernels | tar -x -C .ab/REV   # the baseline's sources
     python -m sm120_workbook.kernels.ab --baseline .ab/REV/src/kernels --baseline-name v25 --tag v26
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ def run_ab(shapes, baseline: str, baseline_variant: str, rounds: int = 5, reps: 
                 for name in order:
                     fn = build_sm120_mla(inputs[s], kernel_source=builds[name])
                     if r == 0:
-                        outs[name] = fn().float().clone()
+                        outs[name] = fn().float()   # a copy: the next build has its own buffers
                     t = time_graph_us(fn, reps=reps)
                     records.append({"impl": "sm120_mla", "variant": name, "defines": [], **s.__dict__,
                                     "tile_keys": fn.tile_keys, "cta_rows": fn.cta_rows,
@@ -89,20 +90,22 @@ def ab_table(records, baseline_variant: str):
     return pd.DataFrame(rows).round({"shipped_us": 2, "baseline_us": 2, "ratio": 4, "ratio_min": 4, "ratio_max": 4})
 
 
-def recorded_ab_table(version: str, baseline: str, df=None):
-    """A recorded A/B run as `ab_table`: the records of data/results/kernel_ablation.jsonl tagged
-    `version` whose baseline is `baseline` (its --baseline-name)."""
-    from ..results import load_records
+def recorded_ab_table(version: str, baseline: str, df=None, gpu: str = "H200"):
+    """A recorded A/B run as `ab_table`: the newest run in data/results/kernel_ablation.jsonl
+    tagged `version` whose baseline is `baseline` (its --baseline-name), on a GPU whose name
+    contains `gpu`."""
+    from ..results import load_records, on_gpu
 
     df = load_records("kernel_ablation") if df is None else df
     variant = "src_" + baseline
     if len(df) == 0 or "baseline" not in df:
         raise ValueError("baseline: no A/B run recorded (kernel_ablation.jsonl has no baseline field)")
-    runs = df[(df["kernel_version"] == version) & (df["baseline"] == variant)]
+    runs = df[(df["kernel_version"] == version) & (df["baseline"] == variant) & on_gpu(df, gpu)]
     if len(runs) == 0:
-        recorded = sorted({(v, b.removeprefix("src_")) for v, b in zip(df["kernel_version"], df["baseline"])
+        recorded = sorted({(str(v), b.removeprefix("src_")) for v, b in zip(df["kernel_version"], df["baseline"])
                            if isinstance(b, str)})
-        raise ValueError(f"version, baseline: no A/B run of {version!r} against {baseline!r}; recorded: {recorded}")
+        raise ValueError(f"version, baseline: no A/B run of {version!r} against {baseline!r} on {gpu}; "
+                         f"recorded: {recorded}")
     newest = runs[runs["date"] == runs["date"].max()]   # one append, one date: the newest run
     return ab_table(newest.to_dict("records"), variant)
 
@@ -111,7 +114,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_record_args(ap, "kernel_ablation")
     ap.add_argument("--baseline", required=True, help="a folder with the other revision's kernel sources")
-    ap.add_argument("--baseline-name", default=None, help="its label (default: the folder's name)")
+    ap.add_argument("--baseline-name", required=True, help="its label, e.g. the version it is (v25)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50, help="graph replays a timing")
     args = ap.parse_args(argv)
@@ -121,11 +124,13 @@ def main(argv=None):
         ap.error(f"--baseline: {e}".replace("source_dir: ", ""))
     if baseline == str(source_dir_of()):
         ap.error("--baseline: that is the shipped sources' own folder; give another revision's")
+    if not args.tag:
+        ap.error("--tag: an A/B run's records need the shipped build's kernel version label")
     if args.rounds < 1 or args.reps < 1:
         ap.error("--rounds and --reps must be positive")
     if not torch.cuda.is_available():
         sys.exit("the A/B run needs a CUDA GPU; none is visible to torch")
-    variant = "src_" + (args.baseline_name or source_dir_of(args.baseline).name)
+    variant = "src_" + args.baseline_name
     build_in_parallel([()], source_dirs=(None, baseline))
     records = [dict(r, kernel_version=args.tag, baseline=variant)
                for r in run_ab(target_shapes(), baseline, variant, rounds=args.rounds, reps=args.reps)]

@@ -99,6 +99,8 @@ def build_key(capability: tuple[int, int], defines: tuple[str, ...] = (), source
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((src / name).read_bytes())
+    if src != KERNEL_DIR:   # another folder's build: its own entry even for the same sources (its -I differs)
+        h.update(str(src).encode())
     h.update(CPP_DECLS.encode())
     h.update(" ".join(NVCC_FLAGS + _arch_flags(capability) + _define_flags(defines)).encode())
     h.update(_toolchain().encode())

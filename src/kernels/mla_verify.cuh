@@ -750,7 +750,8 @@ __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
 // combine step writes NaN for both, so it shows. A request running past q's T rows is read out
 // of bounds here (the kernels do not know T: see Params) and comes out NaN there.
 __device__ __forceinline__ int request_rows(const Params& prm, int q_start, int q_len) {
-  return q_start >= 0 ? min(q_len, prm.max_q_len) * prm.heads : 0;
+  // at least 0: a negative q_len (a decreasing qo_indptr) times H could wrap to a large count
+  return q_start >= 0 ? max(min(q_len, prm.max_q_len), 0) * prm.heads : 0;
 }
 
 // Workspace slot of (token, head) row `gr` of a request (q_start: its first token) for its split
@@ -768,11 +769,12 @@ __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, 
 // Without a pool (partial_slot<false>) a request's slots go row by row from q_start x H, and the
 // workspace holds batch x max_q_len x H rows of them (>= T x H). A request that would pass them
 // (a qo_indptr past T, a broken contract: the combine step writes NaN for its tokens) computes
-// nothing: its kernel takes rows x this. The sum is at most qo_indptr[b + 1]: it cannot wrap.
-// (v26 first bounded each slot in partial_slot: 1.4% slower at q16 h8 16k on the H200, in one
-// process against this form, NOTES.md session 27.)
+// nothing: its kernel takes rows x this. Written so that nothing wraps for q_len >= 0 (a sum
+// q_start + q_len would, for garbage values); for q_len < 0 request_rows is 0 and this does not
+// matter. (v26 first bounded each slot in partial_slot: 1.4% slower at q16 h8 16k on the H200,
+// in one process against this form; this form keeps the sm_120a loop v25's. NOTES.md session 27.)
 __device__ __forceinline__ bool unpooled_slots_fit(const Params& prm, int q_start, int q_len) {
-  return q_start + min(q_len, prm.max_q_len) <= prm.batch * prm.max_q_len;
+  return q_start <= prm.batch * prm.max_q_len - min(q_len, prm.max_q_len);
 }
 
 // The split's slice of kv_indices (a few KB) to L2 up front: each index load of the gather then
@@ -1611,11 +1613,11 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     const float fill = unwritten == 1 ? 0.f : NAN;
     if (group == 0) store(make_float4(fill, fill, fill, fill));
     if (tid == 0 && blockIdx.y == 0) prm.lse[row] = unwritten == 1 ? -INFINITY : NAN;
-    // These rows read nothing the attention kernel writes. Padding rows do not wait for it: a
-    // call with padding has requests too, whose rows wait, so the grid still ends after it. A
-    // broken call may have no row that waits while attention CTAs still write the workspace,
-    // which the next call reuses: its NaN rows wait (they cost a valid call nothing).
-    if (unwritten == 2) wait_for_prerequisite_grid();
+    // These rows read nothing the attention kernel writes, but the grid must not end before it
+    // does: attention CTAs may still write the workspace, which the next call reuses. Some row
+    // waits in every call: row 0 (a request's, which waits below, unless the call is all
+    // padding or broken), and the NaN rows of a broken call. Padding rows past row 0 do not.
+    if (unwritten == 2 || blockIdx.x == 0) wait_for_prerequisite_grid();
     timeline_stamp(1, kEvExit);
     return;
   }
