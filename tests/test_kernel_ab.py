@@ -75,3 +75,17 @@ def test_recorded_ab_table_takes_the_newest_run_of_a_pair():
     with pytest.raises(ValueError, match=r"^version, baseline: no A/B run of 'v26' against 'v25' on H200; recorded: "
                                          r"\[\('v27', 'p25'\), \('v27', 'v25'\)\]"):
         ab.recorded_ab_table("v26", "v25", df)
+
+
+def test_the_ablation_tables_leave_ab_runs_out():
+    """An A/B run's records share kernel_ablation.jsonl with the ablations; the ablation table's
+    newest version is an ablation's, never an A/B run's."""
+    import pandas as pd
+
+    from sm120_workbook.kernels.ablation import recorded_table
+
+    abl = dict(_rec("full", 0, 90.0), kernel_version="v24", date="2026-11-30", defines=[], cta_rows=32)
+    a_b = [dict(_rec(v, 0, 80.0), kernel_version="v28", date="2026-12-01", defines=[], cta_rows=64,
+                baseline="src_v25") for v in ("full", "src_v25")]
+    t = recorded_table(pd.DataFrame([abl, *a_b]))
+    assert t["variant"].tolist() == ["full"] and t["q16 h8"].tolist() == [90.0]

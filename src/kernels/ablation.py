@@ -194,6 +194,8 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     from .bench_report import short_ctx_of
 
     df = load_records("kernel_ablation") if df is None else df
+    if "baseline" in df:   # A/B runs of two revisions (ab.py): ab.recorded_ab_table reads them
+        df = df[df["baseline"].isna()]
     if len(df) == 0:
         return df
     df = df[(df["ctx"] == ctx) & (df["batch"] == batch) & (short_ctx_of(df) == short_ctx)].sort_values("date").copy()
