@@ -119,9 +119,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50, help="graph replays a timing")
     args = ap.parse_args(argv)
     try:
-        baseline = str(source_dir_of(args.baseline))
+        baseline = str(source_dir_of(args.baseline, "--baseline"))
     except ValueError as e:
-        ap.error(f"--baseline: {e}".replace("source_dir: ", ""))
+        ap.error(str(e))
     if baseline == str(source_dir_of()):
         ap.error("--baseline: that is the shipped sources' own folder; give another revision's")
     if not args.tag:

@@ -82,15 +82,16 @@ def _toolchain() -> str:
     return f"torch {torch.__version__} cuda {torch.version.cuda} py{sys.version_info[0]}.{sys.version_info[1]}"
 
 
-def source_dir_of(source_dir=None) -> Path:
+def source_dir_of(source_dir=None, arg: str = "source_dir") -> Path:
     """The folder whose kernel sources a build compiles: the shipped ones (None), or another
-    revision's (an A/B run, ab.py). It must hold every file of SOURCES."""
+    revision's (an A/B run, ab.py). It must hold every file of SOURCES; the error names `arg`,
+    the caller's own name for the folder."""
     if source_dir is None:
         return KERNEL_DIR
     d = Path(source_dir).resolve()
     missing = [n for n in SOURCES if not (d / n).is_file()]
     if missing:
-        raise ValueError(f"source_dir: {d} lacks {', '.join(missing)} (a kernel source folder holds {', '.join(SOURCES)})")
+        raise ValueError(f"{arg}: {d} lacks {', '.join(missing)} (a kernel source folder holds {', '.join(SOURCES)})")
     return d
 
 

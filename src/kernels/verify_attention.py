@@ -179,10 +179,7 @@ class MlaVerifyWorkspace:
         self.tile_keys, self.fixed_cta_rows = tile_keys, cta_rows
         self.kernel_defines = tuple(kernel_defines)   # a build variant, for ablations only
         # another revision's kernel sources (build.source_dir_of), for A/B runs (ab.py) only
-        try:
-            self.kernel_source = None if kernel_source is None else str(source_dir_of(kernel_source))
-        except ValueError as e:
-            _fail("kernel_source", str(e).removeprefix("source_dir: "))
+        self.kernel_source = None if kernel_source is None else str(source_dir_of(kernel_source, "kernel_source"))
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
