@@ -56,6 +56,20 @@ def test_ab_times_the_target_shapes():
     assert {s.q_len for s in shapes} == {1, 16} and {s.batch for s in shapes} == {1, 32}
 
 
+def test_ab_takes_more_shapes(tmp_path, capsys):
+    """--shape batch,heads,q_len,ctx adds a shape (a batch past 128 requests, whose pool rule
+    the targets do not reach); a malformed one is refused by name before anything is built."""
+    assert ab.parse_shape("256,8,1,4096") == ab.Shape(256, 8, 1, 4096)
+    for bad in ("256,8,1", "256,8,x,4096", "256,8,17,4096", "0,8,1,4096"):
+        with pytest.raises(ValueError, match="--shape"):
+            ab.parse_shape(bad)
+    for name in SOURCES:
+        shutil.copy(KERNEL_DIR / name, tmp_path / name)
+    with pytest.raises(SystemExit):
+        ab.main(["--baseline", str(tmp_path), "--baseline-name", "x", "--tag", "v9", "--shape", "256,8,1"])
+    assert "--shape: '256,8,1'" in capsys.readouterr().err
+
+
 def test_recorded_ab_table_takes_the_newest_run_of_a_pair():
     """A recorded A/B run by its tag and baseline name: the newest append of that pair (one
     date), and a clear error naming what is recorded when the pair is not."""

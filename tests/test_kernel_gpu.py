@@ -359,11 +359,9 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
     # request 0 now reads request 1's keys and 100 more; request 2 keeps its range, and its values:
     # the pool counts a negative prefix as no keys, so the CTAs' spans stay apart (v26)
     assert_same_rows(out[10:], lse[10:], good_out[10:], good_lse[10:], "request 2 beside a negative prefix")
-    pooled = cta_rows == 32 or torch.cuda.get_device_capability() >= (9, 0)   # kWidePool
-    if pooled:
-        out, lse = call(indptr([0, 4, 2, 8]), kv)   # request 2's tokens 2..7 overlap request 0's 0..3
-        nan_rows(out, lse, slice(0, 8), "decreasing qo_indptr")
-        assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
+    out, lse = call(indptr([0, 4, 2, 8]), kv)   # request 2's tokens 2..7 overlap request 0's 0..3
+    nan_rows(out, lse, slice(0, 8), "decreasing qo_indptr")
+    assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
 
 
 @pytest.mark.parametrize("batch, cta_rows, defines",
@@ -376,13 +374,12 @@ def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, defines, seed
     and runs past q's T rows: in the unpooled layouts (the 64-row kernel at batch 1, and with
     BALANCED_SPLITS=0 both kernels' batches, as the 64-row kernel's on sm_80-89) its slots go row
     by row from its first token, and v25 wrote them past the workspace. At 130 requests (v19's
-    pool rule, two splits each) kv_indptr also decreases, far enough that the pool puts a CTA
-    before its request's first: its split was negative in v25 (its keys began before the
-    request's kv_indices), and v26 gives it no work (the POOL_TRACE build shows each CTA's split).
-    The workspace is sized for 4x the tokens; its tail is checked after the call."""
+    pool rule, two splits each) kv_indptr also decreases, far enough that the pool put a CTA
+    before its request's first (v25 gave it a negative split, its keys before the request's
+    kv_indices); since v29 the whole batch is broken, and the POOL_TRACE build shows that no
+    CTA took work. The workspace is sized for 4x the tokens; its tail is checked after the call."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
     from sm120_workbook.kernels.build import load_kernel_module
-    from sm120_workbook.kernels.verify_attention import MAX_SPLITS
 
     H, q_len = 8, 16 if batch < 130 else 1
     ctx = [300 + 37 * b for b in range(batch)]
@@ -418,13 +415,61 @@ def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, defines, seed
     assert (o_tail == 0x5A).all(), f"partial slots past {used} rows written"
     assert torch.isnan(out[T - 1].float()).all() and torch.isnan(lse[T - 1]).all(), "the request past T: not NaN"
     if batch >= 130:
-        assert torch.isnan(out[batch // 2].float()).all() and torch.isnan(lse[batch // 2]).all(), \
-            "the negative prefix: not NaN"
-        ctas = module.pool_trace()[0][: batch * splits]
-        split, count = ctas[:, 1], ctas[:, 2]
-        assert (split >= 0).all(), "a CTA with a negative split"
-        assert ((split < count) | (split == MAX_SPLITS)).all()
-        assert (split == MAX_SPLITS).any(), "no CTA fell before its request's first: the case did not happen"
+        assert torch.isnan(out.float()).all() and torch.isnan(lse).all(), "a broken batch: not NaN everywhere"
+        count = module.pool_trace()[0][: batch * splits, 2]
+        assert (count == BROKEN_BATCH).all(), "a CTA of a broken batch took work"
+
+
+BROKEN_BATCH = -1   # kBrokenBatch: the count POOL_TRACE records for a CTA of a broken batch
+
+
+@pytest.mark.parametrize("batch, cta_rows, defines, broken",
+                         [(130, 32, (), "kv"), (130, 32, (), "qo"), (130, 64, (), "kv"), (130, 64, (), "qo"),
+                          (3, 64, ("BALANCED_SPLITS=0",), "qo"), (3, 32, ("BALANCED_SPLITS=0",), "qo")],
+                         ids=["b130-r32-kv", "b130-r32-qo", "b130-r64-kv", "b130-r64-qo",
+                              "b3-r64-unpooled-qo", "b3-r32-unpooled-qo"])
+def test_broken_batches_give_nan_everywhere(batch, cta_rows, defines, broken, seed):
+    """Where the layout cannot keep a broken batch's requests apart, every token before
+    qo_indptr[-1] comes out NaN (v29; before, some came out wrong, silently). Past 128 requests
+    (v19's pool rule, pooled layouts) a decreasing indptr, kv or qo, left the pool's spans overlapping or empty,
+    so a request could read partials another request's CTAs wrote, or stale slots. In the
+    unpooled layouts (BALANCED_SPLITS=0 here; the 64-row kernel's batches on sm_80-89) a
+    decreasing qo_indptr made two requests write the same slots. Every CTA now gives its slots
+    an LSE of +inf. The outputs are poisoned first, and the workspace holds a valid call's
+    partials, so stale slots would show as values."""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    if broken == "kv" and cta_rows == 64 and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the 64-row kernel's batches are unpooled before sm_90 (kWidePool): a decreasing "
+                    "kv_indptr gives NaN to its own request only (test_broken_index_values_give_nan_rows)")
+    H, q_len = 8, (16 if cta_rows == 64 else 6)   # r32: 48 rows, two row tiles of the split kernel's 32
+    ctx = [200 + 13 * b for b in range(batch)]
+    case = make_verify_case(batch=batch, heads=H, q_len=q_len, ctx_lens=ctx, mask=None, seed=seed, device="cuda")
+    T = batch * q_len
+    ws = MlaVerifyWorkspace(T, H, "cuda", cta_rows=cta_rows, num_splits=2, kernel_defines=defines)
+
+    def call(qo, kv):
+        out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((T, H), float("nan"), device="cuda")
+        mla_verify_attention(case["q"], case["kv_pool"], qo, kv, case["kv_indices"], out=out, lse=lse, workspace=ws,
+                             sm_scale=case["sm_scale"], max_q_len=q_len, k_extend=case["k_extend"])
+        torch.cuda.synchronize()
+        return out, lse
+
+    good_out, good_lse = call(case["qo_indptr"], case["kv_indptr"])   # fills the workspace
+    assert_matches_reference(case, good_out, good_lse, "valid indices")
+    qo, kv = case["qo_indptr"].clone(), case["kv_indptr"].clone()
+    mid = batch // 2
+    if broken == "kv":   # request mid - 1 gains 50 keys, request mid loses them and goes negative
+        kv[mid] = kv[mid + 1] + 50
+    else:                # request mid ends a token early: request mid + 1 overlaps it, and so on
+        qo[mid + 1] -= q_len + 1
+    out, lse = call(qo, kv)
+    end = int(qo[-1])
+    assert torch.isnan(out[:end].float()).all() and torch.isnan(lse[:end]).all(), "a token of a broken batch: not NaN"
+    assert (out[end:].float() == 0).all() and (lse[end:] == -math.inf).all(), "tokens past qo_indptr[-1]"
+    out, lse = call(case["qo_indptr"], case["kv_indptr"])   # the next valid call is whole again
+    assert_same_rows(out, lse, good_out.float(), good_lse, "a valid call after a broken one")
 
 
 @pytest.mark.parametrize("cta_rows, heads, qo_values",

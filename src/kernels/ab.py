@@ -16,6 +16,9 @@ and `src_<name>` (the baseline), both under the run's --tag and with a `baseline
 
     mkdir -p .ab/REV && git archive REV src/kernels | tar -x -C .ab/REV   # the baseline's sources
     python -m sm120_workbook.kernels.ab --baseline .ab/REV/src/kernels --baseline-name v25 --tag v26
+
+`--shape batch,heads,q_len,ctx` (repeatable) times more shapes after the targets' own, for
+a change whose cost lies elsewhere (a batch past 128 requests takes v19's pool rule).
 """
 from __future__ import annotations
 
@@ -37,6 +40,17 @@ def target_shapes() -> list[Shape]:
     from .targets import target_grid
 
     return [s for impl, s, _ in target_grid() if impl == "sm120_mla"]
+
+
+def parse_shape(text: str) -> Shape:
+    """`--shape` "batch,heads,q_len,ctx" as a Shape (every request at ctx)."""
+    try:
+        batch, heads, q_len, ctx = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--shape: {text!r}; give batch,heads,q_len,ctx as four integers, e.g. 256,8,1,4096") from None
+    if min(batch, heads, q_len, ctx) < 1 or q_len > 16 or heads > 128:
+        raise ValueError(f"--shape: {text!r}; needs batch, heads, ctx >= 1, q_len 1-16 and heads <= 128")
+    return Shape(batch, heads, q_len, ctx)
 
 
 def run_ab(shapes, baseline: str, baseline_variant: str, rounds: int = 5, reps: int = 50) -> list[dict]:
@@ -117,7 +131,13 @@ def main(argv=None):
     ap.add_argument("--baseline-name", required=True, help="its label, e.g. the version it is (v25)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50, help="graph replays a timing")
+    ap.add_argument("--shape", action="append", default=[], metavar="B,H,Q,CTX",
+                    help="a shape to time after the targets' (repeatable): batch,heads,q_len,ctx")
     args = ap.parse_args(argv)
+    try:
+        extra = [parse_shape(t) for t in args.shape]
+    except ValueError as e:
+        ap.error(str(e))
     try:
         baseline = str(source_dir_of(args.baseline, "--baseline"))
     except ValueError as e:
@@ -133,7 +153,7 @@ def main(argv=None):
     variant = "src_" + args.baseline_name
     build_in_parallel([()], source_dirs=(None, baseline))
     records = [dict(r, kernel_version=args.tag, baseline=variant)
-               for r in run_ab(target_shapes(), baseline, variant, rounds=args.rounds, reps=args.reps)]
+               for r in run_ab(target_shapes() + extra, baseline, variant, rounds=args.rounds, reps=args.reps)]
     print(ab_table(records, variant).to_string(index=False))
     if not args.no_record:
         from ..results import append_cli_records

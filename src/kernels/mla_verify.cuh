@@ -524,7 +524,8 @@ struct SplitPool {
   int spare;            // CTAs beyond one a request: shared out by keys
   int64_t total_keys;   // keys of the whole batch
 };
-// Keys of requests 0 .. r-1: their prefixes and, with k_extend, their draft tokens.
+// Keys of requests 0 .. r-1: their prefixes and, with k_extend, their draft tokens. (The 32-bit
+// differences wrap for an indptr[0] near INT_MIN: request_of_cta counts a negative one broken.)
 __device__ __forceinline__ int64_t keys_before(const Params& prm, int r) {
   int64_t k = prm.kv_indptr[r] - prm.kv_indptr[0];
   if (prm.k_extend) k += prm.qo_indptr[r] - prm.qo_indptr[0];
@@ -545,15 +546,24 @@ __device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& poo
 // reduction so that it lands in a uniform register: ptxas cannot tell that a barrier's count is
 // the same in every lane, and with the request index in a regular register the request's
 // indptr values took regular registers too, which spilled in the 64-row kernel's loop.
+// -1 for a broken batch: an indptr that decreases anywhere, or starts below 0 (v29; from a
+// start near INT_MIN keys_before's differences wrap). first_cta is then not monotone, so a request's span may hold CTAs that work on another request, or none, and its
+// combine rows would read their partials or stale slots: a silent wrong answer. The same walk
+// reads the pairs (a few loads more, from the lines it reads anyway), and the kernels give every
+// slot of a broken batch an LSE of +inf (broken_batch_slot), so every token comes out NaN.
+// A pooled batch with no keys at all (total_keys 0: num_splits CTAs a request) walks too.
 __device__ __forceinline__ int request_of_cta(const Params& prm, const SplitPool& pool, int c) {
   if (prm.batch == 1) return 0;
-  if (pool.total_keys == 0) return c / prm.num_splits;
-  int before = 0;
-  for (int r0 = 1; r0 < prm.batch; r0 += blockDim.x) {
+  if (!pooled(prm)) return c / prm.num_splits;
+  int before = 0, broken = 0;
+  for (int r0 = 1; r0 <= prm.batch; r0 += blockDim.x) {
     const int r = r0 + static_cast<int>(threadIdx.x);
     before += __syncthreads_count(r < prm.batch && first_cta(prm, pool, r) <= c);
+    broken |= __syncthreads_or(r <= prm.batch && (prm.kv_indptr[r] < prm.kv_indptr[r - 1] ||
+                                                  prm.qo_indptr[r] < prm.qo_indptr[r - 1] ||
+                                                  (r == 1 && min(prm.kv_indptr[0], prm.qo_indptr[0]) < 0)));
   }
-  return __reduce_max_sync(0xffffffffu, before);
+  return __reduce_max_sync(0xffffffffu, broken ? -1 : before);
 }
 // This CTA's place in its row tile's pool, read afresh from the special registers wherever it is
 // used: volatile, so that ptxas does not keep one copy live (spilled) through the main loop.
@@ -691,10 +701,12 @@ __device__ __forceinline__ PoolSpan pool_span_of_request(const Params& prm, int 
 }
 
 // A CTA's work: request `request`, split `split` of its `count` (at most kMaxSplits, the
-// combine step's bound; a CTA past that bound has none: split >= count).
+// combine step's bound; a CTA past that bound has none: split >= count). count kBrokenBatch:
+// the batch is broken (request_of_cta), and the CTA only poisons its slots (broken_batch_slot).
 struct SplitOf {
   int request, split, count;
 };
+constexpr int kBrokenBatch = -1;
 // POOL_TRACE (a diagnostic build: tests/test_kernel_gpu.py checks it against
 // verify_attention.pool_first_ctas, the Python mirror): the pool as the kernels computed it.
 // pool_trace_ctas[c] = (request, split, count) of pool CTA c in the first row tile;
@@ -735,9 +747,11 @@ __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
   }
   const SplitPool pool = split_pool(prm);
   const int r = request_of_cta(prm, pool, c);
+  if (r < 0) return {0, 0, kBrokenBatch};
   const int first = first_cta(prm, pool, r);
   // uniform registers, as the request (request_of_cta): the same in every lane
-  // a CTA before its request's first (decreasing indptrs, past 128 requests) has no work
+  // monotone indptrs give first <= c; the guard is kept (one select): a CTA before its
+  // request's first would read keys before the request's kv_indices, so it gets no work
   const int split = c >= first ? c - first : kMaxSplits;
   return {r, __reduce_max_sync(0xffffffffu, split),
           __reduce_max_sync(0xffffffffu, min(first_cta(prm, pool, r + 1) - first, kMaxSplits))};
@@ -775,6 +789,33 @@ __device__ __forceinline__ int64_t partial_slot(const Params& prm, int q_start, 
 // in one process against this form; this form keeps the sm_120a loop v25's. NOTES.md session 27.)
 __device__ __forceinline__ bool unpooled_slots_fit(const Params& prm, int q_start, int q_len) {
   return q_start <= prm.batch * prm.max_q_len - min(q_len, prm.max_q_len);
+}
+
+// A broken batch that the layout cannot keep apart (v29): every CTA gives the LSE slots of its
+// rows +inf and computes nothing, so every combine row that reads them weighs its splits by
+// exp2(inf - inf): NaN, in its output and its lse. Pooled: past kPoolScanMax requests (and in
+// the POOL_MIN_MAX=0 build at any batch), an indptr that decreases (request_of_cta); the pool CTA's max_q_len x H slots, all of them, since its
+// request's span may be any. Unpooled: a decreasing qo_indptr in a batch (qo_indptr_decreases),
+// where two requests' tokens share slots; the request's own rows, as it would write them (the
+// others' CTAs write the rest, with the same +inf). The slot of row gr, or -1.
+template <bool kPooled>
+__device__ __forceinline__ int64_t broken_batch_slot(const Params& prm, int q_start, int rows, int gr, int split) {
+  return partial_slot<kPooled>(prm, q_start, kPooled ? prm.max_q_len * prm.heads : rows, gr, split);
+}
+// Whether qo_indptr decreases anywhere in the batch: the unpooled layouts' check (the 64-row
+// kernel's batches on sm_80-89, BALANCED_SPLITS=0). Their slots go row by row from each
+// request's first token, so two requests whose tokens overlap write the same slots, which no
+// request sees alone. The pools see it in their own searches. Each warp walks the batch on its
+// own: a block-wide walk (__syncthreads_or) made ptxas spill 72 bytes in sm_86's batched
+// 64-row kernel, reloaded in its main loop (NOTES.md session 28).
+__device__ __forceinline__ bool qo_indptr_decreases(const Params& prm) {
+  const int lane = threadIdx.x & 31;
+  bool decreases = false;
+  for (int r0 = 1; r0 <= prm.batch; r0 += 32) {
+    const int r = r0 + lane;
+    decreases |= __any_sync(0xffffffffu, r <= prm.batch && prm.qo_indptr[r] < prm.qo_indptr[r - 1]);
+  }
+  return decreases;
 }
 
 // The split's slice of kv_indices (a few KB) to L2 up front: each index load of the gather then
@@ -951,6 +992,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
   const int rows = request_rows(prm, q_start, q_len) * (BALANCED_SPLITS || unpooled_slots_fit(prm, q_start, q_len));
+  // a broken batch (broken_batch_slot): the pool's count says so; the unpooled batches look
+  if (BALANCED_SPLITS ? work.count == kBrokenBatch : rows > row0 && qo_indptr_decreases(prm)) {
+    if (tid < kRowsPerCta) {
+      const int64_t pi = broken_batch_slot<BALANCED_SPLITS>(prm, q_start, rows, row0 + tid, split);
+      if (pi >= 0) prm.ws_lse[pi] = INFINITY;
+    }
+    timeline_stamp(0, kEvExit);
+    return;
+  }
   if (row0 >= rows || split >= work.count) {       // request shorter than max_q_len; a spare CTA
     timeline_stamp(0, kEvExit);
     return;
@@ -1584,6 +1634,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // their request, before the first request, in a request that request_rows did not compute
   // (its tokens leave [0, T)) or whose prefix is negative, or whose pool span left the workspace
   // or is empty (a decreasing qo_indptr: see pool_span_min_max). The test is uniform across the CTA.
+  // A broken batch that the layout cannot keep apart gives NaN further down: its LSE slots hold
+  // +inf (broken_batch_slot).
   const int64_t token = row / prm.heads;
   int request = 0;   // the request holding token: last b with qo_indptr[b] <= token
   int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
@@ -1734,9 +1786,10 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     }
   }
   const float wsum = total[1];
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;   // NaN weights (a broken batch) leave acc NaN
   store(make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-  if (tid == 0 && blockIdx.y == 0) prm.lse[row] = wsum > 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+  // -inf for no keys; NaN where a split's LSE was +inf (broken_batch_slot), as its output
+  if (tid == 0 && blockIdx.y == 0) prm.lse[row] = wsum != 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
   timeline_stamp(1, kEvExit);
 }
 

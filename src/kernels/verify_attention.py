@@ -274,14 +274,13 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             every token of a request that runs past q's T rows (whose rows past T are still
             read) or whose kv_indptr range is negative. The other requests are computed over
             their ranges as given (a raised kv_indptr entry gives the request before it more
-            keys). A decreasing qo_indptr gives NaN for every token before qo_indptr[-1]
-            (those past it count as padding) in the pooled layouts: the 32-row kernel on every
-            arch, and the 64-row kernel's batches from sm_90 on, up to 128 requests. Not
-            contained: a decreasing qo_indptr in the 64-row kernel's batches on sm_80-89, a
-            decreasing indptr past 128 requests (another request may come out wrong), and
-            the POOL_MIN_MAX=0 and BALANCED_SPLITS=0 ablation builds. No workspace slot past
-            the call's own batch x max_q_len x H x splits rows is written, whatever the
-            indptrs hold.
+            keys), except past 128 requests in the pooled layouts (below). A decreasing
+            qo_indptr gives NaN for every token before qo_indptr[-1] (those past it count as
+            padding), in every layout. So does a decreasing kv_indptr past 128 requests in
+            the pooled layouts (v19's pool rule, and the POOL_MIN_MAX=0 build at any batch),
+            which would place the requests' CTAs out of order: the 32-row kernel on every
+            arch, the 64-row kernel's batches from sm_90 on. No workspace slot past the call's
+            own batch x max_q_len x H x splits rows is written, whatever the indptrs hold.
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
         check_values: also check the index tensors' values first (`check_index_values`):
@@ -290,7 +289,7 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     Returns out. Launches on the current stream, with no allocation and no host sync.
     Preconditions that only check_values checks (the host cannot read index values without
     a sync, so a graph replay trusts them): every q_len <= max_q_len (contained: NaN rows);
-    qo_indptr[0] >= 0 and monotone indptrs (contained, but for the cases above); qo_indptr[-1] <= T
+    qo_indptr[0] >= 0 and monotone indptrs (contained: NaN rows, as above); qo_indptr[-1] <= T
     (NaN rows, but q and k_extend rows past T are read); and, not contained, kv_indices inside the pool,
     kv_indptr[-1] <= len(kv_indices) and the mask's length: values outside those are read
     out of bounds.
