@@ -13,6 +13,28 @@ def test_case_script_is_python_and_names_the_build():
         assert f"kernel_defines={tuple(defines)!r}" in src
 
 
+def test_case_script_passes_every_host_check(monkeypatch):
+    """The case program, run on the CPU: every call passes mla_verify_attention's argument checks
+    (shapes, lengths, workspace size), which run before the launch, and stops only where a CUDA
+    tensor is required. So a case that the GPU machine would refuse fails here, in CI."""
+    import sm120_workbook.kernels as kernels
+    from sm120_workbook.kernels import verify_attention
+
+    calls = []
+
+    def host_checks_only(*args, **kwargs):
+        try:
+            verify_attention.mla_verify_attention(*args, **kwargs)
+        except ValueError as e:
+            assert "must be a CUDA tensor" in str(e), e
+        calls.append(kwargs["max_q_len"])
+
+    monkeypatch.setattr(kernels, "mla_verify_attention", host_checks_only)
+    src = sanitize.case_script().replace("'cuda'", "'cpu'").replace("torch.cuda.synchronize(); ", "")
+    exec(compile(src, "sanitizer case", "exec"), {"__name__": "sanitizer_case"})
+    assert len(calls) == 21   # 13 valid calls, then 4 a kernel at 130 and 3 requests: valid, kv and qo broken, overlap
+
+
 def test_parse_racecheck_report():
     report = """========= COMPUTE-SANITIZER
 ========= Error: Race reported between Write access at void sm120_mla::mla_verify_split_kernel<16>+0x1a30

@@ -7,7 +7,9 @@ The case (2 requests of 129 and 40 keys, 5 heads, 7 tree-masked drafts) runs wit
 tiles on 1 and 3 splits (one split: 9 tiles wrap the 4-stage ring) and with 32-key tiles, and
 in the 64-row wide kernel on 1 and 3 splits (35 rows: it also skips its empty m16 tiles); 8
 splits of the 32-row kernel run the combine step that loads its partials beside the LSE pass
-(COMBINE_PRELOAD, 4 split groups).
+(COMBINE_PRELOAD, 4 split groups). Broken index values run too: 130 requests (v19's pool
+rule) with a decreasing kv_indptr and a decreasing qo_indptr, and 3 requests whose tokens
+overlap, in both kernels (the `unbalanced` build runs them unpooled).
 Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
 `group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
@@ -85,6 +87,20 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         "mla_verify_attention(f['q'], f['kv_pool'], f['qo_indptr'], f['kv_indptr'], f['kv_indices'], out=o, lse=l,"
         " workspace=ws, sm_scale=f['sm_scale'], max_q_len=4, custom_mask=f['custom_mask'],"
         " mask_indptr=f['mask_indptr'])\n"
+        "g = make_verify_case(batch=130, heads=8, q_len=2, ctx_lens=[40 + b % 7 for b in range(130)], mask=None,"
+        " device='cuda')  # past 128 requests: v19's pool rule\n"
+        "kv, qo = g['kv_indptr'].clone(), g['qo_indptr'].clone()\n"
+        "kv[65] = kv[66] + 5; qo[66] -= 3  # broken batches: a decreasing kv_indptr, a decreasing qo_indptr\n"
+        "o, l = torch.empty(260, 8, 512, device='cuda', dtype=torch.bfloat16), torch.empty(260, 8, device='cuda')\n"
+        "for rows in (32, 64):\n"
+        "    ws = MlaVerifyWorkspace(260, 8, 'cuda', num_splits=2, cta_rows=rows,"
+        f" kernel_defines={tuple(defines)!r})\n"
+        "    for qo_, kv_ in ((g['qo_indptr'], g['kv_indptr']), (g['qo_indptr'], kv), (qo, g['kv_indptr'])):\n"
+        "        mla_verify_attention(g['q'], g['kv_pool'], qo_, kv_, g['kv_indices'], out=o, lse=l, workspace=ws,"
+        " sm_scale=g['sm_scale'], max_q_len=2, k_extend=g['k_extend'])\n"
+        "    q3 = qo[:4].clone(); q3[2] = 1  # 3 requests whose tokens overlap: the unpooled layouts' case\n"
+        "    mla_verify_attention(g['q'][:6], g['kv_pool'], q3, g['kv_indptr'][:4], g['kv_indices'], out=o[:6],"
+        " lse=l[:6], workspace=ws, sm_scale=g['sm_scale'], max_q_len=2, k_extend=g['k_extend'][:6])\n"
         "torch.cuda.synchronize(); print('ran')\n")
 
 
