@@ -29,7 +29,7 @@ import sys
 import torch
 
 from ..results import add_record_args
-from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
+from .bench import Inputs, Shape, build_sm120_mla, parse_shape, time_graph_us
 from .build import build_in_parallel, source_dir_of
 
 SHIPPED = "full"
@@ -40,17 +40,6 @@ def target_shapes() -> list[Shape]:
     from .targets import target_grid
 
     return [s for impl, s, _ in target_grid() if impl == "sm120_mla"]
-
-
-def parse_shape(text: str) -> Shape:
-    """`--shape` "batch,heads,q_len,ctx" as a Shape (every request at ctx)."""
-    try:
-        batch, heads, q_len, ctx = (int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"--shape: {text!r}; give batch,heads,q_len,ctx as four integers, e.g. 256,8,1,4096") from None
-    if min(batch, heads, q_len, ctx) < 1 or q_len > 16 or heads > 128:
-        raise ValueError(f"--shape: {text!r}; needs batch, heads, ctx >= 1, q_len 1-16 and heads <= 128")
-    return Shape(batch, heads, q_len, ctx)
 
 
 def run_ab(shapes, baseline: str, baseline_variant: str, rounds: int = 5, reps: int = 50) -> list[dict]:

@@ -72,6 +72,18 @@ def shape_from_args(a) -> Shape:
     return Shape(a.batch, a.heads, a.q_len, a.ctx)
 
 
+def parse_shape(text: str) -> Shape:
+    """A `--shape` value, "batch,heads,q_len,ctx", as a Shape (every request at ctx): ab.py and
+    splits.py take it."""
+    try:
+        batch, heads, q_len, ctx = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--shape: {text!r}; give batch,heads,q_len,ctx as four integers, e.g. 256,8,1,4096") from None
+    if min(batch, heads, q_len, ctx) < 1 or q_len > 16 or heads > 128:
+        raise ValueError(f"--shape: {text!r}; needs batch, heads, ctx >= 1, q_len 1-16 and heads <= 128")
+    return Shape(batch, heads, q_len, ctx)
+
+
 class Inputs:
     """One verify step's tensors, shared by every implementation (random, never zeros)."""
 

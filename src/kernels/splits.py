@@ -1,0 +1,128 @@
+"""The split count swept at given shapes, beside FlashMLA, in interleaved rounds.
+
+`choose_num_splits` takes as many KV splits a request as fill one wave of CTAs, from static
+shapes only (a captured graph replays for any lengths). This tool says whether another count
+is faster at a shape: each round times the workspace's own choice, every count in --splits at
+each --tile-keys, and FlashMLA, shape after shape, on fresh graphs (bench.run). The table gives
+each count's median time over the rounds, its time over the workspace's choice (the median of
+the rounds' ratios, and their range), and FlashMLA's time over it.
+
+    python -m sm120_workbook.kernels.splits --shape 32,16,1,16384 --splits 2,3,4,6,8 [--tile-keys 16,32]
+
+The records go to data/results/kernel_splits.jsonl (kernel_bench.jsonl's fields, with `round`),
+apart from the benchmark runs that the notebooks' tables read.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from ..results import add_record_args
+from .bench import Shape, parse_shape
+
+DEFAULT = "default"   # the workspace's own split count and tile
+
+
+def sweep_grid(shapes: list[Shape], splits: list[int], tile_keys: list[int]) -> list[tuple[str, Shape, dict]]:
+    """One round: per shape, the workspace's choice, each (tile, count) forced, then FlashMLA."""
+    grid = []
+    for s in shapes:
+        grid.append(("sm120_mla", s, {}))
+        grid += [("sm120_mla", s, {"num_splits": n, "tile_keys": k}) for k in tile_keys for n in splits]
+        grid.append(("flashmla", s, {}))
+    return grid
+
+
+def _config(rec: dict) -> str:
+    if rec["impl"] != "sm120_mla":
+        return rec["impl"]
+    return f"splits {rec['num_splits']}, tile {rec['tile_keys']}" if rec["num_splits_forced"] else DEFAULT
+
+
+def sweep_table(records: list[dict]):
+    """Per shape and configuration: median µs; over the workspace's choice (median of the rounds'
+    ratios, min, max); FlashMLA's time over it (median). Failed records are left out."""
+    import pandas as pd
+
+    by_shape: dict[tuple, dict[int, dict[str, dict]]] = {}
+    for rec in records:
+        if rec.get("status", "ok") != "ok":
+            continue
+        key = (rec["batch"], rec["heads"], rec["q_len"], rec["ctx"])
+        by_shape.setdefault(key, {}).setdefault(rec["round"], {})[_config(rec)] = rec
+    rows = []
+    for (b, h, q, ctx), rounds in by_shape.items():
+        default = next((r[DEFAULT] for r in rounds.values() if DEFAULT in r), None)
+        configs = sorted({c for r in rounds.values() for c in r if c != "flashmla"},
+                         key=lambda c: (c != DEFAULT, c))
+        for c in configs:
+            t = [r[c]["time_us"] for r in rounds.values() if c in r]
+            over_default = [r[c]["time_us"] / r[DEFAULT]["time_us"] for r in rounds.values() if c in r and DEFAULT in r]
+            flash = [r["flashmla"]["time_us"] / r[c]["time_us"] for r in rounds.values() if c in r and "flashmla" in r]
+            label = c if c != DEFAULT else f"{DEFAULT} (splits {default['num_splits']}, tile {default['tile_keys']})"
+            rows.append({"shape": f"b{b} h{h} q{q} {ctx // 1024}k", "config": label, "time_us": statistics.median(t),
+                         "over_default": statistics.median(over_default) if over_default else None,
+                         "min": min(over_default, default=None), "max": max(over_default, default=None),
+                         "flashmla_over": statistics.median(flash) if flash else None, "rounds": len(t)})
+    return pd.DataFrame(rows).round({"time_us": 2, "over_default": 4, "min": 4, "max": 4, "flashmla_over": 3})
+
+
+def parse_ints(arg: str, text: str, allowed=None) -> list[int]:
+    """A comma-separated list of positive integers (each in `allowed`, if given)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{arg}: {text!r}; give comma-separated integers, e.g. 2,4,8") from None
+    if any(v < 1 for v in values) or (allowed is not None and not set(values) <= set(allowed)):
+        raise ValueError(f"{arg}: {text!r}; each must be " + (f"one of {sorted(allowed)}" if allowed else "positive"))
+    return values
+
+
+def main(argv=None):
+    from .verify_attention import MAX_SPLITS, TILE_KEYS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", required=True, metavar="B,H,Q,CTX",
+                    help="a shape to sweep (repeatable): batch,heads,q_len,ctx")
+    ap.add_argument("--splits", required=True, help="split counts to force, e.g. 2,3,4,6,8")
+    ap.add_argument("--tile-keys", default="16", help=f"key tiles to force them with, of {list(TILE_KEYS)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=50, help="graph replays a timing")
+    add_record_args(ap, "kernel_splits")
+    args = ap.parse_args(argv)
+    try:
+        shapes = [parse_shape(t) for t in args.shape]
+        splits = parse_ints("--splits", args.splits, range(1, MAX_SPLITS + 1))
+        tiles = parse_ints("--tile-keys", args.tile_keys, TILE_KEYS)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.rounds < 2 or args.reps < 1:
+        ap.error("--rounds must be at least 2 (a range needs two) and --reps positive")
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("the split sweep needs a CUDA GPU; none is visible to torch")
+    from .bench import run
+
+    grid = sweep_grid(shapes, splits, tiles)
+    records, _ = run(grid * args.rounds, reps=args.reps)
+    for i, rec in enumerate(records):
+        rec["round"] = i // len(grid)
+    for rec in records:
+        if rec["status"] != "ok":
+            print(f"not timed: {_config(rec)} at b{rec['batch']} h{rec['heads']}: {rec.get('error', '')[:100]}")
+    import pandas as pd
+
+    with pd.option_context("display.width", 200):
+        print(sweep_table(records).to_string(index=False))
+    if not args.no_record:
+        from ..results import append_cli_records
+
+        ok = [dict(r, kernel_version=args.tag) for r in records if r["status"] == "ok"]
+        path = append_cli_records("kernel_splits", ok, "sm120_workbook.kernels.splits", argv, args.out)
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

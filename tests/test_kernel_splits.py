@@ -1,0 +1,46 @@
+"""The split-count sweep (kernels/splits.py) without a GPU: its grid, its table, its refusals."""
+from __future__ import annotations
+
+import pytest
+
+from sm120_workbook.kernels import splits
+from sm120_workbook.kernels.bench import Shape
+
+
+def test_sweep_grid_puts_each_shapes_configurations_together():
+    a, b = Shape(32, 16, 1, 16384), Shape(8, 16, 1, 65536)
+    grid = splits.sweep_grid([a, b], [2, 4], [16, 32])
+    assert [g[1] for g in grid] == [a] * 6 + [b] * 6
+    assert grid[0] == ("sm120_mla", a, {}) and grid[5] == ("flashmla", a, {})
+    assert [g[2] for g in grid[1:5]] == [{"num_splits": n, "tile_keys": k} for k in (16, 32) for n in (2, 4)]
+
+
+def _rec(impl, rnd, t, splits_=None, tile=16, forced=True):
+    return {"impl": impl, "round": rnd, "time_us": t, "batch": 32, "heads": 16, "q_len": 1, "ctx": 16384,
+            "num_splits": splits_, "tile_keys": tile, "num_splits_forced": forced, "status": "ok"}
+
+
+def test_sweep_table_reads_each_count_against_the_default_of_its_round():
+    recs = []
+    for rnd, (d, f, s8) in enumerate([(100.0, 95.0, 98.0), (102.0, 97.0, 102.0), (101.0, 99.0, 99.0)]):
+        recs += [_rec("sm120_mla", rnd, d, 4, forced=False), _rec("sm120_mla", rnd, s8, 8),
+                 _rec("flashmla", rnd, f)]
+    recs.append(dict(_rec("sm120_mla", 3, 1.0, 2), status="error"))   # failed: left out
+    t = splits.sweep_table(recs)
+    assert t["config"].tolist() == ["default (splits 4, tile 16)", "splits 8, tile 16"]
+    row = t.iloc[1]
+    assert row["time_us"] == 99.0 and row["rounds"] == 3
+    assert row["over_default"] == round(99 / 101, 4) and row["min"] == round(98 / 100, 4) and row["max"] == 1.0
+    assert row["flashmla_over"] == round(95 / 98, 3)   # the median of 95/98, 97/102, 99/99
+    assert t.iloc[0]["over_default"] == 1.0 and t.iloc[0]["shape"] == "b32 h16 q1 16k"
+
+
+def test_sweep_refuses_bad_arguments_by_name(capsys):
+    for argv, msg in ((["--shape", "32,16,1", "--splits", "2"], "--shape: '32,16,1'"),
+                      (["--shape", "32,16,1,16384", "--splits", "2,x"], "--splits: '2,x'"),
+                      (["--shape", "32,16,1,16384", "--splits", "0,2"], "--splits: '0,2'"),
+                      (["--shape", "32,16,1,16384", "--splits", "2", "--tile-keys", "64"], "--tile-keys: '64'"),
+                      (["--shape", "32,16,1,16384", "--splits", "2", "--rounds", "1"], "--rounds must be")):
+        with pytest.raises(SystemExit):
+            splits.main(argv)
+        assert msg in capsys.readouterr().err
