@@ -44,3 +44,20 @@ def test_sweep_refuses_bad_arguments_by_name(capsys):
         with pytest.raises(SystemExit):
             splits.main(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_recorded_sweep_table_takes_the_newest_run_of_a_version():
+    import pandas as pd
+
+    recs = []
+    for run_id, t in (("20261201T120000Z", 200.0), ("20261201T130000Z", 100.0)):
+        for rnd in range(2):
+            recs += [dict(_rec("sm120_mla", rnd, t, 4, forced=False), run_id=run_id, kernel_version="v29",
+                          gpu="NVIDIA H200"),
+                     dict(_rec("sm120_mla", rnd, t * 0.97, 8), run_id=run_id, kernel_version="v29", gpu="NVIDIA H200")]
+    df = pd.DataFrame(recs)
+    table = splits.recorded_sweep_table("v29", df)
+    assert table["time_us"].tolist() == [100.0, 97.0] and table.iloc[1]["over_default"] == 0.97
+    with pytest.raises(ValueError, match="version: no split sweep of 'v30'"):
+        splits.recorded_sweep_table("v30", df)
+    assert len(splits.recorded_sweep_table("v29")) > 0   # the recorded sweeps (data/results)

@@ -10,7 +10,8 @@ the rounds' ratios, and their range), and FlashMLA's time over it.
     python -m sm120_workbook.kernels.splits --shape 32,16,1,16384 --splits 2,3,4,6,8 [--tile-keys 16,32]
 
 The records go to data/results/kernel_splits.jsonl (kernel_bench.jsonl's fields, with `round`),
-apart from the benchmark runs that the notebooks' tables read.
+apart from the benchmark runs that the notebooks' tables read; `recorded_sweep_table(tag)` gives
+the newest sweep again (notebook 03).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def sweep_grid(shapes: list[Shape], splits: list[int], tile_keys: list[int]) -> 
 def _config(rec: dict) -> str:
     if rec["impl"] != "sm120_mla":
         return rec["impl"]
-    return f"splits {rec['num_splits']}, tile {rec['tile_keys']}" if rec["num_splits_forced"] else DEFAULT
+    # int(): records read back through pandas hold floats where FlashMLA's rows have no count
+    return f"splits {int(rec['num_splits'])}, tile {int(rec['tile_keys'])}" if rec["num_splits_forced"] else DEFAULT
 
 
 def sweep_table(records: list[dict]):
@@ -60,12 +62,26 @@ def sweep_table(records: list[dict]):
             t = [r[c]["time_us"] for r in rounds.values() if c in r]
             over_default = [r[c]["time_us"] / r[DEFAULT]["time_us"] for r in rounds.values() if c in r and DEFAULT in r]
             flash = [r["flashmla"]["time_us"] / r[c]["time_us"] for r in rounds.values() if c in r and "flashmla" in r]
-            label = c if c != DEFAULT else f"{DEFAULT} (splits {default['num_splits']}, tile {default['tile_keys']})"
+            label = c if c != DEFAULT else f"{DEFAULT} (splits {int(default['num_splits'])}, tile {int(default['tile_keys'])})"
             rows.append({"shape": f"b{b} h{h} q{q} {ctx // 1024}k", "config": label, "time_us": statistics.median(t),
                          "over_default": statistics.median(over_default) if over_default else None,
                          "min": min(over_default, default=None), "max": max(over_default, default=None),
                          "flashmla_over": statistics.median(flash) if flash else None, "rounds": len(t)})
     return pd.DataFrame(rows).round({"time_us": 2, "over_default": 4, "min": 4, "max": 4, "flashmla_over": 3})
+
+
+def recorded_sweep_table(version: str, df=None, gpu: str = "H200"):
+    """The newest recorded sweep of kernel version `version` (its --tag) on a GPU whose name
+    contains `gpu`, from data/results/kernel_splits.jsonl, as `sweep_table`."""
+    from ..results import load_records, on_gpu
+
+    df = load_records("kernel_splits") if df is None else df
+    runs = df[(df["kernel_version"] == version) & on_gpu(df, gpu)] if len(df) else df
+    if len(runs) == 0:
+        recorded = sorted({str(v) for v in df.get("kernel_version", [])})
+        raise ValueError(f"version: no split sweep of {version!r} on {gpu} recorded; recorded: {recorded}")
+    newest = runs[runs["run_id"] == runs["run_id"].max()]   # one process, one run_id
+    return sweep_table(newest.to_dict("records"))
 
 
 def parse_ints(arg: str, text: str, allowed=None) -> list[int]:
