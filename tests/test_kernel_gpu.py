@@ -364,6 +364,9 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
     assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
 
 
+BROKEN_BATCH = -1   # kBrokenBatch: the count POOL_TRACE records for a CTA of a broken batch
+
+
 @pytest.mark.parametrize("batch, cta_rows, defines",
                          [(1, 64, ()), (1, 32, ()), (2, 64, ()), (2, 64, ("BALANCED_SPLITS=0",)),
                           (2, 32, ("BALANCED_SPLITS=0",)), (130, 32, ("POOL_TRACE",))],
@@ -420,9 +423,6 @@ def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, defines, seed
         assert (count == BROKEN_BATCH).all(), "a CTA of a broken batch took work"
 
 
-BROKEN_BATCH = -1   # kBrokenBatch: the count POOL_TRACE records for a CTA of a broken batch
-
-
 @pytest.mark.parametrize("batch, cta_rows, defines, broken",
                          [(130, 32, (), "kv"), (130, 32, (), "qo"), (130, 64, (), "kv"), (130, 64, (), "qo"),
                           (3, 64, ("BALANCED_SPLITS=0",), "qo"), (3, 32, ("BALANCED_SPLITS=0",), "qo")],
@@ -460,9 +460,9 @@ def test_broken_batches_give_nan_everywhere(batch, cta_rows, defines, broken, se
     assert_matches_reference(case, good_out, good_lse, "valid indices")
     qo, kv = case["qo_indptr"].clone(), case["kv_indptr"].clone()
     mid = batch // 2
-    if broken == "kv":   # request mid - 1 gains 50 keys, request mid loses them and goes negative
+    if broken == "kv":   # request mid - 1 runs on through request mid's keys and 50 more; mid's range is -50
         kv[mid] = kv[mid + 1] + 50
-    else:                # request mid ends a token early: request mid + 1 overlaps it, and so on
+    else:                # request mid's q_len is -1, and request mid + 1 starts on request mid - 1's last token
         qo[mid + 1] -= q_len + 1
     out, lse = call(qo, kv)
     end = int(qo[-1])

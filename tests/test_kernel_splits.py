@@ -38,7 +38,7 @@ def test_sweep_table_reads_each_count_against_the_default_of_its_round():
 def test_sweep_refuses_bad_arguments_by_name(capsys):
     for argv, msg in ((["--shape", "32,16,1", "--splits", "2"], "--shape: '32,16,1'"),
                       (["--shape", "32,16,1,16384", "--splits", "2,x"], "--splits: '2,x'"),
-                      (["--shape", "32,16,1,16384", "--splits", "0,2"], "--splits: '0,2'"),
+                      (["--shape", "32,16,1,16384", "--splits", "0,2"], "--splits: '0,2'; each must be in 1..128"),
                       (["--shape", "32,16,1,16384", "--splits", "2", "--tile-keys", "64"], "--tile-keys: '64'"),
                       (["--shape", "32,16,1,16384", "--splits", "2", "--rounds", "1"], "--rounds must be")):
         with pytest.raises(SystemExit):
@@ -61,3 +61,21 @@ def test_recorded_sweep_table_takes_the_newest_run_of_a_version():
     with pytest.raises(ValueError, match="version: no split sweep of 'v30'"):
         splits.recorded_sweep_table("v30", df)
     assert len(splits.recorded_sweep_table("v29")) > 0   # the recorded sweeps (data/results)
+
+
+def test_sweep_table_sorts_counts_as_numbers_and_names_short_contexts():
+    recs = [dict(_rec("sm120_mla", 0, 100.0, 4, forced=False), ctx=1000)]
+    recs += [dict(_rec("sm120_mla", 0, 100.0 + n, n), ctx=1000) for n in (12, 2, 8)]
+    recs += [dict(_rec("sm120_mla", 0, 1.0, 16), ctx=1000, status="error")]
+    t = splits.sweep_table(recs)
+    assert t["config"].tolist() == ["default (splits 4, tile 16)", "splits 2, tile 16", "splits 8, tile 16",
+                                    "splits 12, tile 16"]
+    assert set(t["shape"]) == {"b32 h16 q1 1000"}
+
+
+def test_a_failed_build_is_named_without_its_tile():
+    """bench.run records tile_keys only once the builder succeeds: the "not timed" line still
+    names the configuration."""
+    failed = {k: v for k, v in _rec("sm120_mla", 0, 0.0, 8).items() if k != "tile_keys"}
+    assert splits._label(splits._config(dict(failed, status="error"))) == "splits 8, tile ?"
+    assert splits._label(splits._config(_rec("flashmla", 0, 1.0))) == "flashmla"

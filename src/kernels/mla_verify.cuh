@@ -525,7 +525,7 @@ struct SplitPool {
   int64_t total_keys;   // keys of the whole batch
 };
 // Keys of requests 0 .. r-1: their prefixes and, with k_extend, their draft tokens. (The 32-bit
-// differences wrap for an indptr[0] near INT_MIN: request_of_cta counts a negative one broken.)
+// differences can wrap for a negative indptr[0]: request_of_cta counts that batch broken.)
 __device__ __forceinline__ int64_t keys_before(const Params& prm, int r) {
   int64_t k = prm.kv_indptr[r] - prm.kv_indptr[0];
   if (prm.k_extend) k += prm.qo_indptr[r] - prm.qo_indptr[0];
@@ -547,8 +547,9 @@ __device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& poo
 // the same in every lane, and with the request index in a regular register the request's
 // indptr values took regular registers too, which spilled in the 64-row kernel's loop.
 // -1 for a broken batch: an indptr that decreases anywhere, or starts below 0 (v29; from a
-// start near INT_MIN keys_before's differences wrap). first_cta is then not monotone, so a request's span may hold CTAs that work on another request, or none, and its
-// combine rows would read their partials or stale slots: a silent wrong answer. The same walk
+// negative start keys_before's 32-bit differences can wrap). first_cta is then not monotone,
+// so a request's span may hold CTAs that work on another request, or none, and its combine
+// rows would read their partials or stale slots: a silent wrong answer. The same walk
 // reads the pairs (a few loads more, from the lines it reads anyway), and the kernels give every
 // slot of a broken batch an LSE of +inf (broken_batch_slot), so every token comes out NaN.
 // A pooled batch with no keys at all (total_keys 0: num_splits CTAs a request) walks too.
@@ -794,8 +795,8 @@ __device__ __forceinline__ bool unpooled_slots_fit(const Params& prm, int q_star
 // A broken batch that the layout cannot keep apart (v29): every CTA gives the LSE slots of its
 // rows +inf and computes nothing, so every combine row that reads them weighs its splits by
 // exp2(inf - inf): NaN, in its output and its lse. Pooled: past kPoolScanMax requests (and in
-// the POOL_MIN_MAX=0 build at any batch), an indptr that decreases (request_of_cta); the pool CTA's max_q_len x H slots, all of them, since its
-// request's span may be any. Unpooled: a decreasing qo_indptr in a batch (qo_indptr_decreases),
+// the POOL_MIN_MAX=0 build at any batch), an indptr that decreases (request_of_cta); the pool
+// CTA's max_q_len x H slots, all of them, since its request's span may be any. Unpooled: a decreasing qo_indptr in a batch (qo_indptr_decreases),
 // where two requests' tokens share slots; the request's own rows, as it would write them (the
 // others' CTAs write the rest, with the same +inf). The slot of row gr, or -1.
 template <bool kPooled>

@@ -35,11 +35,24 @@ def sweep_grid(shapes: list[Shape], splits: list[int], tile_keys: list[int]) -> 
     return grid
 
 
-def _config(rec: dict) -> str:
+def _config(rec: dict) -> tuple:
+    """A record's configuration as a sortable key: the default first, then (tile, splits) in
+    numbers, FlashMLA last. A failed build has no tile_keys (bench.run records it on success)."""
     if rec["impl"] != "sm120_mla":
-        return rec["impl"]
+        return (2, rec["impl"])
+    if not rec["num_splits_forced"]:
+        return (0, DEFAULT)
+    tile = rec.get("tile_keys")
     # int(): records read back through pandas hold floats where FlashMLA's rows have no count
-    return f"splits {int(rec['num_splits'])}, tile {int(rec['tile_keys'])}" if rec["num_splits_forced"] else DEFAULT
+    return (1, None if tile is None or tile != tile else int(tile), int(rec["num_splits"]))
+
+
+def _label(config: tuple, default: dict | None = None) -> str:
+    if config[0] == 1:
+        return f"splits {config[2]}, tile {'?' if config[1] is None else config[1]}"
+    if config[0] == 0 and default is not None:
+        return f"{DEFAULT} (splits {int(default['num_splits'])}, tile {int(default['tile_keys'])})"
+    return str(config[1])
 
 
 def sweep_table(records: list[dict]):
@@ -47,7 +60,10 @@ def sweep_table(records: list[dict]):
     ratios, min, max); FlashMLA's time over it (median). Failed records are left out."""
     import pandas as pd
 
-    by_shape: dict[tuple, dict[int, dict[str, dict]]] = {}
+    from ..service_charts import ctx_label
+
+    flash, default_key = (2, "flashmla"), (0, DEFAULT)
+    by_shape: dict[tuple, dict[int, dict[tuple, dict]]] = {}
     for rec in records:
         if rec.get("status", "ok") != "ok":
             continue
@@ -55,18 +71,17 @@ def sweep_table(records: list[dict]):
         by_shape.setdefault(key, {}).setdefault(rec["round"], {})[_config(rec)] = rec
     rows = []
     for (b, h, q, ctx), rounds in by_shape.items():
-        default = next((r[DEFAULT] for r in rounds.values() if DEFAULT in r), None)
-        configs = sorted({c for r in rounds.values() for c in r if c != "flashmla"},
-                         key=lambda c: (c != DEFAULT, c))
-        for c in configs:
+        default = next((r[default_key] for r in rounds.values() if default_key in r), None)
+        for c in sorted({c for r in rounds.values() for c in r if c != flash}, key=lambda c: (c[0], c[1:])):
             t = [r[c]["time_us"] for r in rounds.values() if c in r]
-            over_default = [r[c]["time_us"] / r[DEFAULT]["time_us"] for r in rounds.values() if c in r and DEFAULT in r]
-            flash = [r["flashmla"]["time_us"] / r[c]["time_us"] for r in rounds.values() if c in r and "flashmla" in r]
-            label = c if c != DEFAULT else f"{DEFAULT} (splits {int(default['num_splits'])}, tile {int(default['tile_keys'])})"
-            rows.append({"shape": f"b{b} h{h} q{q} {ctx // 1024}k", "config": label, "time_us": statistics.median(t),
+            over_default = [r[c]["time_us"] / r[default_key]["time_us"]
+                            for r in rounds.values() if c in r and default_key in r]
+            vs_flash = [r[flash]["time_us"] / r[c]["time_us"] for r in rounds.values() if c in r and flash in r]
+            rows.append({"shape": f"b{b} h{h} q{q} {ctx_label(int(ctx))}", "config": _label(c, default),
+                         "time_us": statistics.median(t),
                          "over_default": statistics.median(over_default) if over_default else None,
                          "min": min(over_default, default=None), "max": max(over_default, default=None),
-                         "flashmla_over": statistics.median(flash) if flash else None, "rounds": len(t)})
+                         "flashmla_over": statistics.median(vs_flash) if vs_flash else None, "rounds": len(t)})
     return pd.DataFrame(rows).round({"time_us": 2, "over_default": 4, "min": 4, "max": 4, "flashmla_over": 3})
 
 
@@ -91,7 +106,11 @@ def parse_ints(arg: str, text: str, allowed=None) -> list[int]:
     except ValueError:
         raise ValueError(f"{arg}: {text!r}; give comma-separated integers, e.g. 2,4,8") from None
     if any(v < 1 for v in values) or (allowed is not None and not set(values) <= set(allowed)):
-        raise ValueError(f"{arg}: {text!r}; each must be " + (f"one of {sorted(allowed)}" if allowed else "positive"))
+        if isinstance(allowed, range):
+            need = f"in {allowed.start}..{allowed.stop - 1}"
+        else:
+            need = f"one of {sorted(allowed)}" if allowed is not None else "positive"
+        raise ValueError(f"{arg}: {text!r}; each must be {need}")
     return values
 
 
@@ -127,7 +146,7 @@ def main(argv=None):
         rec["round"] = i // len(grid)
     for rec in records:
         if rec["status"] != "ok":
-            print(f"not timed: {_config(rec)} at b{rec['batch']} h{rec['heads']}: {rec.get('error', '')[:100]}")
+            print(f"not timed: {_label(_config(rec))} at b{rec['batch']} h{rec['heads']}: {rec.get('error', '')[:100]}")
     import pandas as pd
 
     with pd.option_context("display.width", 200):

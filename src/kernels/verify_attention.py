@@ -276,9 +276,10 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             their ranges as given (a raised kv_indptr entry gives the request before it more
             keys), except past 128 requests in the pooled layouts (below). A decreasing
             qo_indptr gives NaN for every token before qo_indptr[-1] (those past it count as
-            padding), in every layout. So does a decreasing kv_indptr past 128 requests in
-            the pooled layouts (v19's pool rule, and the POOL_MIN_MAX=0 build at any batch),
-            which would place the requests' CTAs out of order: the 32-row kernel on every
+            padding), in every layout. So does a decreasing kv_indptr, or a negative
+            qo_indptr[0] or kv_indptr[0], past 128 requests in the pooled layouts (v19's pool
+            rule, and the POOL_MIN_MAX=0 build at any batch), which would place the requests'
+            CTAs out of order: the 32-row kernel on every
             arch, the 64-row kernel's batches from sm_90 on. No workspace slot past the call's
             own batch x max_q_len x H x splits rows is written, whatever the indptrs hold.
         workspace: an MlaVerifyWorkspace for this device and head count.
