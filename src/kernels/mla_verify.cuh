@@ -551,7 +551,7 @@ __device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& poo
 // so a request's span may hold CTAs that work on another request, or none, and its combine
 // rows would read their partials or stale slots: a silent wrong answer. The same walk
 // reads the pairs (a few loads more, from the lines it reads anyway), and the kernels give every
-// slot of a broken batch an LSE of +inf (broken_batch_slot), so every token comes out NaN.
+// slot of a broken batch an LSE of +inf (poison_broken_batch), so every token comes out NaN.
 // A pooled batch with no keys at all (total_keys 0: num_splits CTAs a request) walks too.
 __device__ __forceinline__ int request_of_cta(const Params& prm, const SplitPool& pool, int c) {
   if (prm.batch == 1) return 0;
@@ -703,7 +703,7 @@ __device__ __forceinline__ PoolSpan pool_span_of_request(const Params& prm, int 
 
 // A CTA's work: request `request`, split `split` of its `count` (at most kMaxSplits, the
 // combine step's bound; a CTA past that bound has none: split >= count). count kBrokenBatch:
-// the batch is broken (request_of_cta), and the CTA only poisons its slots (broken_batch_slot).
+// the batch is broken (request_of_cta), and the CTA only poisons its slots (poison_broken_batch).
 struct SplitOf {
   int request, split, count;
 };
@@ -796,12 +796,18 @@ __device__ __forceinline__ bool unpooled_slots_fit(const Params& prm, int q_star
 // rows +inf and computes nothing, so every combine row that reads them weighs its splits by
 // exp2(inf - inf): NaN, in its output and its lse. Pooled: past kPoolScanMax requests (and in
 // the POOL_MIN_MAX=0 build at any batch), an indptr that decreases (request_of_cta); the pool
-// CTA's max_q_len x H slots, all of them, since its request's span may be any. Unpooled: a decreasing qo_indptr in a batch (qo_indptr_decreases),
-// where two requests' tokens share slots; the request's own rows, as it would write them (the
-// others' CTAs write the rest, with the same +inf). The slot of row gr, or -1.
+// CTA's max_q_len x H slots, all of them, since its request's span may be any. Unpooled: a
+// decreasing qo_indptr in a batch (qo_indptr_decreases), where two requests' tokens share
+// slots; the request's own rows, as it would write them (the others' CTAs write the rest, with
+// the same +inf). The CTA's rows are row0 .. row0 + cta_rows - 1, one thread each.
 template <bool kPooled>
-__device__ __forceinline__ int64_t broken_batch_slot(const Params& prm, int q_start, int rows, int gr, int split) {
-  return partial_slot<kPooled>(prm, q_start, kPooled ? prm.max_q_len * prm.heads : rows, gr, split);
+__device__ __forceinline__ void poison_broken_batch(const Params& prm, int q_start, int rows, int row0, int split,
+                                                    int cta_rows) {
+  if (static_cast<int>(threadIdx.x) < cta_rows) {
+    const int64_t pi = partial_slot<kPooled>(prm, q_start, kPooled ? prm.max_q_len * prm.heads : rows,
+                                             row0 + static_cast<int>(threadIdx.x), split);
+    if (pi >= 0) prm.ws_lse[pi] = INFINITY;
+  }
 }
 // Whether qo_indptr decreases anywhere in the batch: the unpooled layouts' check (the 64-row
 // kernel's batches on sm_80-89, BALANCED_SPLITS=0). Their slots go row by row from each
@@ -993,12 +999,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
   const int rows = request_rows(prm, q_start, q_len) * (BALANCED_SPLITS || unpooled_slots_fit(prm, q_start, q_len));
-  // a broken batch (broken_batch_slot): the pool's count says so; the unpooled batches look
+  // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look
   if (BALANCED_SPLITS ? work.count == kBrokenBatch : rows > row0 && qo_indptr_decreases(prm)) {
-    if (tid < kRowsPerCta) {
-      const int64_t pi = broken_batch_slot<BALANCED_SPLITS>(prm, q_start, rows, row0 + tid, split);
-      if (pi >= 0) prm.ws_lse[pi] = INFINITY;
-    }
+    poison_broken_batch<BALANCED_SPLITS>(prm, q_start, rows, row0, split, kRowsPerCta);
     timeline_stamp(0, kEvExit);
     return;
   }
@@ -1636,7 +1639,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // (its tokens leave [0, T)) or whose prefix is negative, or whose pool span left the workspace
   // or is empty (a decreasing qo_indptr: see pool_span_min_max). The test is uniform across the CTA.
   // A broken batch that the layout cannot keep apart gives NaN further down: its LSE slots hold
-  // +inf (broken_batch_slot).
+  // +inf (poison_broken_batch).
   const int64_t token = row / prm.heads;
   int request = 0;   // the request holding token: last b with qo_indptr[b] <= token
   int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;
@@ -1789,7 +1792,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const float wsum = total[1];
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;   // NaN weights (a broken batch) leave acc NaN
   store(make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-  // -inf for no keys; NaN where a split's LSE was +inf (broken_batch_slot), as its output
+  // -inf for no keys; NaN where a split's LSE was +inf (poison_broken_batch), as its output
   if (tid == 0 && blockIdx.y == 0) prm.lse[row] = wsum != 0.f ? (total[0] + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
   timeline_stamp(1, kEvExit);
 }

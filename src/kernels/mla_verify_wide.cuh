@@ -211,12 +211,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
   const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len));
-  // a broken batch (broken_batch_slot): the pool's count says so; the unpooled batches look
+  // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look
   if (kPool ? work.count == kBrokenBatch : kBatched && rows > row0 && qo_indptr_decreases(prm)) {
-    if (tid < kRows) {
-      const int64_t pi = broken_batch_slot<kPool>(prm, q_start, rows, row0 + tid, split);
-      if (pi >= 0) prm.ws_lse[pi] = INFINITY;
-    }
+    poison_broken_batch<kPool>(prm, q_start, rows, row0, split, kRows);
     timeline_stamp(0, kEvExit);
     return;
   }
