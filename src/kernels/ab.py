@@ -74,8 +74,6 @@ def ab_table(records, baseline_variant: str):
     """Per shape: each build's median µs, and shipped / baseline (median over rounds, range)."""
     import pandas as pd
 
-    from ..service_charts import ctx_label
-
     rows = []
     shape_keys = ("batch", "heads", "q_len", "ctx", "short_ctx")
     by_shape: dict[tuple, dict] = {}
@@ -86,8 +84,7 @@ def ab_table(records, baseline_variant: str):
         if not pairs:
             continue
         ratios = [p[SHIPPED]["time_us"] / p[baseline_variant]["time_us"] for p in pairs]
-        b, h, q, ctx, short = key
-        rows.append({"shape": f"b{b} h{h} q{q} {ctx_label(int(ctx))}" + (f"+{ctx_label(int(short))}" if short else ""),
+        rows.append({"shape": Shape(*(int(v) for v in key)).label,
                      "shipped_us": statistics.median(p[SHIPPED]["time_us"] for p in pairs),
                      "baseline_us": statistics.median(p[baseline_variant]["time_us"] for p in pairs),
                      "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),

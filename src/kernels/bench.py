@@ -58,6 +58,14 @@ class Shape:
         """Each request's keys: its context and the step's own q_len tokens."""
         return [c + self.q_len for c in self.contexts]
 
+    @property
+    def label(self) -> str:
+        """"b32 h16 q1 16k", and "+2k" for a skewed batch's other requests: the tables' shape column."""
+        from ..service_charts import ctx_label
+
+        skew = f"+{ctx_label(self.short_ctx)}" if self.short_ctx else ""
+        return f"b{self.batch} h{self.heads} q{self.q_len} {ctx_label(self.ctx)}{skew}"
+
 
 def add_shape_args(ap) -> None:
     """--batch, --heads, --q-len and --ctx for a one-shape tool (profile, phase_trace); the

@@ -3,9 +3,9 @@
 `choose_num_splits` takes as many KV splits a request as fill one wave of CTAs, from static
 shapes only (a captured graph replays for any lengths). This tool says whether another count
 is faster at a shape: each round times the workspace's own choice, every count in --splits at
-each --tile-keys, and FlashMLA, shape after shape, on fresh graphs (bench.run). The table gives
-each count's median time over the rounds, its time over the workspace's choice (the median of
-the rounds' ratios, and their range), and FlashMLA's time over it.
+each --tile-keys, and FlashMLA, shape after shape, on fresh graphs (targets.run_rounds). The
+table gives each count's median time over the rounds, its time over the workspace's choice
+(the median of the rounds' ratios, and their range), and FlashMLA's time over it.
 
     python -m sm120_workbook.kernels.splits --shape 32,16,1,16384 --splits 2,3,4,6,8 [--tile-keys 16,32]
 
@@ -60,8 +60,6 @@ def sweep_table(records: list[dict]):
     ratios, min, max); FlashMLA's time over it (median). Failed records are left out."""
     import pandas as pd
 
-    from ..service_charts import ctx_label
-
     flash, default_key = (2, "flashmla"), (0, DEFAULT)
     by_shape: dict[tuple, dict[int, dict[tuple, dict]]] = {}
     for rec in records:
@@ -77,7 +75,7 @@ def sweep_table(records: list[dict]):
             over_default = [r[c]["time_us"] / r[default_key]["time_us"]
                             for r in rounds.values() if c in r and default_key in r]
             vs_flash = [r[flash]["time_us"] / r[c]["time_us"] for r in rounds.values() if c in r and flash in r]
-            rows.append({"shape": f"b{b} h{h} q{q} {ctx_label(int(ctx))}", "config": _label(c, default),
+            rows.append({"shape": Shape(int(b), int(h), int(q), int(ctx)).label, "config": _label(c, default),
                          "time_us": statistics.median(t),
                          "over_default": statistics.median(over_default) if over_default else None,
                          "min": min(over_default, default=None), "max": max(over_default, default=None),
@@ -138,12 +136,9 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         sys.exit("the split sweep needs a CUDA GPU; none is visible to torch")
-    from .bench import run
+    from .targets import run_rounds
 
-    grid = sweep_grid(shapes, splits, tiles)
-    records, _ = run(grid * args.rounds, reps=args.reps)
-    for i, rec in enumerate(records):
-        rec["round"] = i // len(grid)
+    records, _ = run_rounds(args.rounds, reps=args.reps, grid=sweep_grid(shapes, splits, tiles))
     for rec in records:
         if rec["status"] != "ok":
             print(f"not timed: {_label(_config(rec))} at b{rec['batch']} h{rec['heads']}: {rec.get('error', '')[:100]}")
