@@ -256,6 +256,15 @@ def _gpu_name() -> str | None:
     return gpu_info().get("gpu")
 
 
+def _gpu_capability() -> tuple[int, int] | None:
+    """Device 0's compute capability, or None where torch sees no GPU (a fake server's tests)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
 def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[str] = ("triton", "sm120_mla", "flashmla"),
                contexts: Sequence[int] = DEFAULT_CONTEXTS, spec: Sequence[str] = ("none", "dflash"),
                draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
@@ -287,6 +296,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     """
     from tqdm.auto import tqdm
 
+    from .hardware import unsupported_reason
     from .results import append_records, results_dir as default_results_dir
 
     t_start = time.monotonic()
@@ -315,7 +325,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         dropped = dropped_contexts(plans, contexts)
         if dropped:
             log(f"contexts {dropped}: longer than {model} ({max_context(model_cfg)} positions) allows; not measured")
-        gpu = _gpu_name()
+        gpu, capability = _gpu_name(), _gpu_capability()
         # FlashInfer's fused all-reduce JIT-compiles its kernels at every server start when no
         # JIT cache is installed: 259 s of a 444 s TP2 start on the H200s (2026-11-29). Off by
         # default; the same for every backend, so the comparison stands.
@@ -358,6 +368,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             if (plan.backend, plan.spec) in started:
                 continue
             fail = {**common, "backend": plan.backend, "spec": plan.spec}
+            unsupported = unsupported_reason(plan.backend, capability) if capability else None
+            if unsupported:   # FlashMLA on sm_120: a server start (and DFlash's fallback) would only fail
+                log(f"SKIPPED {plan.backend}/{plan.spec}: {unsupported}")
+                emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "error": unsupported}])
+                continue
             if over_budget(SERVER_START_ESTIMATE_S):
                 log(f"SKIPPED {plan.backend}/{plan.spec}: not enough of the {time_budget_s:.0f} s budget left")
                 emit(FAILURE_RESULTS, [{**fail, "status": "skipped", "error": "time budget"}])

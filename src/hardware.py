@@ -14,6 +14,22 @@ from .provenance import provenance
 from .roofline import TARGET_GPUS
 
 
+# The compute capability majors that each MLA library's kernels are built for (the benchmark's
+# impl and SGLang's attention backend share the name). sgl_kernel ships FlashMLA as sm_90a,
+# sm_100 and sm_103 code only, with no PTX: on sm_120 (or sm_80-89) it has no kernel to run.
+LIBRARY_MAJORS = {"flashmla": (9, 10)}
+
+
+def unsupported_reason(library: str, capability: tuple[int, int]) -> str | None:
+    """Why `library` cannot run on a GPU of compute capability `capability`, or None where it
+    can (or may: one that is not installed still fails when it is called, and says so)."""
+    majors = LIBRARY_MAJORS.get(library)
+    if majors is None or capability[0] in majors:
+        return None
+    built = " or ".join(f"{m}.x" for m in majors)
+    return f"{library} has no kernel for this GPU (sm_{capability[0]}{capability[1]}), only for compute capability {built}"
+
+
 class NoGPUError(RuntimeError):
     """A measurement that needs a CUDA GPU was asked for on a machine without one."""
 

@@ -146,3 +146,15 @@ def test_nbval_conftest_sets_recorded_only():
         os.environ.pop(RECORDED_ONLY_ENV, None)
         if saved is not None:
             os.environ[RECORDED_ONLY_ENV] = saved
+
+
+def test_flashmla_is_refused_where_sgl_kernel_ships_no_kernel():
+    """sgl_kernel's FlashMLA is sm_90a / sm_100 / sm_103 code: on an RTX PRO 6000 (12.0) or an
+    sm_86 it is recorded as unsupported instead of being called; other libraries are not judged."""
+    from sm120_workbook.hardware import unsupported_reason
+
+    assert unsupported_reason("flashmla", (9, 0)) is None and unsupported_reason("flashmla", (10, 3)) is None
+    why = unsupported_reason("flashmla", (12, 0))
+    assert why.startswith("flashmla has no kernel for this GPU (sm_120)") and "9.x or 10.x" in why
+    assert "sm_86" in unsupported_reason("flashmla", (8, 6))
+    assert unsupported_reason("flashinfer_mla_fa2", (12, 0)) is None and unsupported_reason("triton", (8, 0)) is None

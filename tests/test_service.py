@@ -439,6 +439,23 @@ def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):
     assert (tmp_path / "traces" / r["trace_file"]).is_file()   # beside results/, as data/traces
 
 
+def test_run_matrix_skips_a_backend_with_no_kernel_for_the_gpu(fake, tmp_path, monkeypatch):
+    """On an RTX PRO 6000 (12.0) the FlashMLA servers are not started (nor DFlash's NGRAM
+    fallback): each plan is recorded as skipped, with the reason; the other backends run."""
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    monkeypatch.setattr(decode_bench, "_gpu_capability", lambda: (12, 0))
+    lines = []
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton", "flashmla"], contexts=[64],
+                                  spec=["none", "dflash"], draft_tokens=4, decode_tokens=8, tp=1, nvml=False,
+                                  expert=False, progress=False, launcher=fake, log_dir=tmp_path, log=lines.append)
+    assert {r["backend"] for r in res.decode} == {"triton"}
+    skipped = [(f["backend"], f["spec"], f["status"]) for f in res.failures if f["backend"] == "flashmla"]
+    assert skipped == [("flashmla", "none", "skipped"), ("flashmla", "dflash", "skipped")]
+    assert all("no kernel for this GPU (sm_120)" in f["error"] for f in res.failures if f["backend"] == "flashmla")
+    assert any(line.startswith("SKIPPED flashmla/none: flashmla has no kernel") for line in lines)
+    assert not any("flashmla/" in line and "starting" in line for line in lines)
+
+
 def test_cli_refuses_unknown_backend_before_any_launch(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         decode_bench.main(["--tp", "1", "--backends", "triton", "trition", "--no-record",

@@ -409,7 +409,7 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
     before or without being recorded, says what it was measured on."""
     from tqdm.auto import tqdm
 
-    from ..hardware import measure_bf16_matmul_tflops, measure_copy_bandwidth
+    from ..hardware import measure_bf16_matmul_tflops, measure_copy_bandwidth, unsupported_reason
     from ..provenance import provenance
     from ..roofline import roofline_time_us
 
@@ -421,10 +421,15 @@ def run(grid, reps: int = 50, progress: bool = True) -> tuple[list[dict], dict]:
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     measured_on = {k: v for k, v in provenance().items() if k != "command"}   # the writer names the command
     records, cache, checked = [], {}, {}
+    capability = torch.cuda.get_device_capability()   # where a library has no kernel, it is not called
     for impl, shape, kw in tqdm(grid, disable=not progress, desc="kernel bench"):
         rec = {**measured_on, "impl": impl, **shape.__dict__, **ceilings, "num_splits": kw.get("num_splits"),
                "run_id": run_id,
                "num_splits_forced": "num_splits" in kw, "kernel_forced": "cta_rows" in kw or "tile_keys" in kw}
+        why = unsupported_reason(impl, capability)
+        if why:
+            records.append({**rec, "status": "unsupported", "error": why})
+            continue
         try:
             if shape not in cache:
                 cache.clear()
