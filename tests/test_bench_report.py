@@ -286,6 +286,20 @@ def test_flashinfer_fa2_is_timed_beside_flashinfers_own_choice(monkeypatch):
     assert backends == ["auto", "fa2"]
 
 
+def test_nsplit_sweep_places_one_wave_of_each_kernel_on_the_gpu():
+    """The benchmark's forced split counts at q16 h8 64k include one wave of the 32-row kernel
+    (4 row CTAs a split) and of the 64-row kernel (2) on the GPU at hand, within kMaxSplits."""
+    from sm120_workbook.kernels import bench
+
+    def swept(num_sms):
+        return sorted({kw["num_splits"] for impl, _, kw in bench.default_grid(quick=True, num_sms=num_sms)
+                       if "num_splits" in kw})
+
+    assert swept(132) == [8, 16, 33, 66, 128]    # the H200: the counts every recorded run swept
+    assert swept(188) == [8, 16, 47, 94, 128]    # an RTX PRO 6000
+    assert swept(300) == [8, 16, 75, 128]        # past kMaxSplits: capped, once
+
+
 def test_batched_decode_is_timed_and_tabled_apart_from_batch_one():
     """A busy server's decode step (8 and 32 requests, at 8 and 16 heads) is in the grid for
     sm120_mla and the decode kernels a user has, and its table keeps it apart from batch 1 and from verify shapes."""

@@ -89,15 +89,17 @@ def test_recorded_table_puts_versions_side_by_side():
 
     def rec(version, kernel, milestone, us, date, defines=()):
         return dict(heads=8, q_len=16, ctx=4096, kind="milestone", kernel=kernel, milestone=milestone,
-                    median_us=us, kernel_version=version, date=date, defines=list(defines))
+                    median_us=us, kernel_version=version, date=date, defines=list(defines), gpu="NVIDIA H200")
 
     df = pd.DataFrame([rec("v1", "attention", "entry", 0.1, "1"), rec("v1", "attention", "exit", 14.6, "1"),
                        rec("v1", "combine", "exit", 21.9, "1"), rec("v2", "attention", "entry", 0.1, "2"),
                        rec("v2", "attention", "exit", 12.7, "2"), rec("v2", "attention", "exit", 12.5, "3"),
                        rec("v2", "combine", "exit", 16.9, "2"),
-                       rec("v3", "attention", "exit", 9.0, "4", defines=("COMBINE_PDL=0",))])
+                       rec("v3", "attention", "exit", 9.0, "4", defines=("COMBINE_PDL=0",)),
+                       dict(rec("v4", "attention", "exit", 8.0, "5"), gpu="NVIDIA RTX PRO 6000 Blackwell Workstation Edition")])
     t = recorded_table(df)
-    assert list(t.columns) == ["kernel", "milestone", "v1", "v2"]          # v3 has extra defines
+    assert list(t.columns) == ["kernel", "milestone", "v1", "v2"]          # v3 has extra defines, v4 another GPU
+    assert recorded_table(df, gpu="RTX PRO 6000")["v4"].tolist() == [8.0]
     assert t["milestone"].tolist() == ["entry", "exit", "exit"]
     assert t.loc[1, "v2"] == 12.5                                          # the newest record
     assert recorded_table(df, versions=["v2"]).columns.tolist() == ["kernel", "milestone", "v2"]
@@ -116,7 +118,7 @@ def test_recorded_table_keeps_the_two_attention_kernels_apart():
 
     def rec(version, us, cta_rows=None):
         r = dict(heads=8, q_len=1, ctx=4096, kind="milestone", kernel="attention", milestone="exit",
-                 median_us=us, kernel_version=version, date=version, defines=[])
+                 median_us=us, kernel_version=version, date=version, defines=[], gpu="NVIDIA H200")
         return r if cta_rows is None else dict(r, cta_rows=cta_rows)
 
     df = pd.DataFrame([rec("v1", 12.0), rec("v2", 11.0, 64), rec("v2", 6.5, 32)])

@@ -11,7 +11,7 @@ from sm120_workbook.kernels.build import KERNEL_DIR, SOURCES
 
 def _rec(variant, rnd, t, ctx=65536, diff=None):
     r = {"variant": variant, "round": rnd, "time_us": t, "batch": 1, "heads": 8, "q_len": 16, "ctx": ctx,
-         "short_ctx": 0}
+         "short_ctx": 0, "gpu": "NVIDIA H200"}
     return r if diff is None else dict(r, max_abs_diff=diff)
 
 

@@ -132,6 +132,9 @@ def test_pool_schedule_minimises_the_slowest_cta():
     assert pool_first_ctas(skewed, 4, min_max=False)[1] == 49
     assert counts(pool_first_ctas(skewed, 4))[:2] == [64, 2] and most_keys_a_cta(skewed, pool_first_ctas(skewed, 4)) == 1024
     assert pool_first_ctas([1000] * 8, 16) == [16 * r for r in range(9)]
+    # b8 decode, one 64k request, on 188 SMs (23 splits): handed 163 CTAs, it works on kMaxSplits
+    rtx = [65537] + [1025] * 7
+    assert counts(pool_first_ctas(rtx, 23))[0] == 163 and most_keys_a_cta(rtx, pool_first_ctas(rtx, 23)) == 65537 / 128
     assert pool_first_ctas([0, 0, 0], 4) == [0, 4, 8, 12]
     assert pool_first_ctas([7], 33) == [0, 33]
     assert counts(pool_first_ctas([5000, 1], 1)) == [1, 1]                          # no spare CTA
@@ -540,7 +543,7 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
 
     def rec(variant, defines, q_len, heads, t, version, date, batch=1):
         return {"variant": variant, "defines": defines, "q_len": q_len, "heads": heads, "ctx": 65536,
-                "batch": batch, "time_us": t, "kernel_version": version, "date": date}
+                "batch": batch, "time_us": t, "kernel_version": version, "date": date, "gpu": "NVIDIA H200"}
 
     df = pd.DataFrame([
         rec("full", [], 16, 8, 110.0, "v1", "2026-11-29T10:00"),
@@ -558,8 +561,13 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     assert list(recorded_table(df, variants=["loads_only"])["variant"]) == ["loads_only"]
     both = recorded_table(df, version=["v1", "v2"])   # the newest record of each variant across both
     assert both.loc[both["variant"] == "full", "q16 h8"].item() == 109.0
-    with pytest.raises(ValueError, match="version: no ablation recorded as 'v9'"):
+    with pytest.raises(ValueError, match="version: no ablation recorded as 'v9' on H200"):
         recorded_table(df, version="v9")
+    # a tag reused on another GPU is another run: each GPU's table holds its own
+    rtx = pd.concat([df, pd.DataFrame([dict(rec("full", [], 16, 8, 70.0, "v2", "2026-11-30T10:00"),
+                                            gpu="NVIDIA RTX PRO 6000 Blackwell Workstation Edition")])])
+    assert recorded_table(rtx, version="v2").loc[0, "q16 h8"] == 109.0
+    assert recorded_table(rtx, version="v2", gpu="RTX PRO 6000")["q16 h8"].tolist() == [70.0]
     # a variant since removed from VARIANTS is described from its record
     gone = pd.DataFrame([dict(rec("wide_gone", ["X=1"], 16, 8, 90.0, "v3", "2026-11-30T10:00"), cta_rows=64)])
     assert recorded_table(gone).loc[0, "changes"] == "X=1, 64-row kernel"
@@ -609,7 +617,7 @@ def test_ablation_tables_by_run_keep_each_runs_own_full():
 
     rec = lambda commit, date, variant, t: {"kernel_version": "s6", "commit": commit, "date": date, "variant": variant,
                                             "ctx": 65536, "batch": 1, "q_len": 16, "heads": 8, "time_us": t,
-                                            "defines": [], "short_ctx": 0}
+                                            "defines": [], "short_ctx": 0, "gpu": "NVIDIA H200"}
     df = pd.DataFrame([rec("aaa1111", "2026-11-29T18:06", "full", 109.4), rec("aaa1111", "2026-11-29T18:06", "pv_lag", 120.1),
                        rec("bbb2222", "2026-11-29T18:23", "full", 109.1), rec("bbb2222", "2026-11-29T18:23", "stagger1", 111.7)])
     (l1, t1), (l2, t2) = recorded_tables_by_run("s6", df)
@@ -641,7 +649,7 @@ def test_ablation_tables_by_context_come_from_the_records():
 
     rec = lambda ctx, variant, t: {"kernel_version": "v9", "commit": "c", "date": "2026-11-30", "variant": variant,
                                    "ctx": ctx, "batch": 1, "q_len": 16, "heads": 8, "time_us": t, "defines": [],
-                                   "short_ctx": 0}
+                                   "short_ctx": 0, "gpu": "NVIDIA H200"}
     df = pd.DataFrame([rec(4096, "full", 20.0), rec(1024, "full", 15.0), rec(1024, "wide", 16.0)])
     (l1, t1), (l2, t2) = recorded_tables_by_context("v9", df)
     assert (l1, l2) == ("ctx 1024, µs (one run, v9)", "ctx 4096, µs (one run, v9)")

@@ -54,14 +54,16 @@ def test_recorded_table_keeps_the_newest_trace_of_each_build():
 
     from sm120_workbook.kernels.phase_trace import recorded_table
 
-    base = dict(heads=8, q_len=16, ctx=65536, schedule="in order", QK=800.0, round=2150.0, untraced_us=90.7)
+    base = dict(heads=8, q_len=16, ctx=65536, schedule="in order", QK=800.0, round=2150.0, untraced_us=90.7, gpu="NVIDIA H200")
     rows = [dict(base, defines=[], date="2026-01-01", **{"row pair": 0}),
             dict(base, defines=[], date="2026-01-02", QK=700.0, **{"row pair": 0}),
             dict(base, defines=["ABLATE_NO_LOADS"], date="2026-01-01", **{"row pair": 0}),
-            dict(base, defines=[], date="2026-01-02", heads=16, **{"row pair": 0})]
+            dict(base, defines=[], date="2026-01-02", heads=16, **{"row pair": 0}),
+            dict(base, defines=[], date="2026-01-03", QK=1500.0, gpu="NVIDIA RTX PRO 6000 Blackwell Workstation Edition", **{"row pair": 0})]
     t = recorded_table(pd.DataFrame(rows))
     assert t["build"].tolist() == ["(shipped build)", "ABLATE_NO_LOADS"]
-    assert t["QK"].tolist() == [700.0, 800.0]
+    assert t["QK"].tolist() == [700.0, 800.0]   # cycles at another GPU's clock stay apart
+    assert recorded_table(pd.DataFrame(rows), gpu="RTX PRO 6000")["QK"].tolist() == [1500.0]
     assert recorded_table(pd.DataFrame()).empty
 
 

@@ -70,7 +70,10 @@ def test_recorded_table_keeps_each_builds_newest_commit():
         ("pv_lag", "racecheck", True, "c" * 40, "2026-11-29T12:00"),
         ("racecheck_probe", "racecheck", True, "a" * 40, "2026-11-29T10:02"),   # a build no longer in BUILDS
     ]
-    df = pd.DataFrame(rows, columns=["build", "tool", "clean", "commit", "date"])
-    t = recorded_table(df)
+    df = pd.DataFrame(rows, columns=["build", "tool", "clean", "commit", "date"]).assign(gpu="NVIDIA H200")
+    rtx = pd.DataFrame([("default", "racecheck", False, "d" * 40, "2026-11-30T10:00", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition")],   # sm_120a's binary
+                       columns=["build", "tool", "clean", "commit", "date", "gpu"])
+    t = recorded_table(pd.concat([df, rtx]))
     assert list(zip(t["build"], t["tool"], t["clean"], t["commit"])) == [
         ("default", "racecheck", True, "bbbbbbb"), ("pv_lag", "racecheck", True, "ccccccc")]
+    assert recorded_table(pd.concat([df, rtx]), gpu="RTX PRO 6000")["commit"].tolist() == ["ddddddd"]

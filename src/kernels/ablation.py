@@ -56,7 +56,8 @@ VARIANTS = {
     "stages3": Variant(("STAGES_16=3",)),
     "stages3_loads_only": Variant(("STAGES_16=3",) + _MATH),
     "stages3_handovers_only": Variant(("STAGES_16=3", "ABLATE_NO_LOADS") + _MATH),
-    # the loads alone on half and a quarter of the CTAs (q16 h8: 4 row CTAs a split): if they are
+    # the loads alone on fewer CTAs (q16 h8: 4 row CTAs a split; 16 and 8 splits are about half
+    # and a quarter of the H200's 33, a third and a sixth of an RTX PRO 6000's 47): if they are
     # bound by an aggregate rate (L2 -> SMs), fewer CTAs take about as long; if each SM is its
     # own limit, half the CTAs take twice as long
     "loads_only_splits16": Variant(_MATH, num_splits=16),
@@ -181,21 +182,24 @@ SHAPE_ORDER = ("q16 h8", "q1 h8", "q16 h16", "q1 h16")
 
 
 def recorded_table(df=None, version: str | None = None, ctx: int = 65536, variants=None, batch: int = 1,
-                   short_ctx: int = 0):
+                   short_ctx: int = 0, gpu: str = "H200"):
     """One recorded ablation run as a table: µs of each variant (rows, in VARIANTS order) at
     each shape (columns), from data/results/kernel_ablation.jsonl, at one context and batch
-    (short_ctx > 0: the skewed batch with its other requests at short_ctx).
+    (short_ctx > 0: the skewed batch with its other requests at short_ctx), on a GPU whose name
+    contains `gpu` (a tag reused on another GPU is another run).
     `version` is a kernel_version tag or a list of them (default: the newest recorded);
     `variants` keeps only those rows. The newest record of each variant and shape is kept, and
     the build defines (and a fixed split count) say what the variant changed."""
     import pandas as pd
 
-    from ..results import load_records
+    from ..results import load_records, on_gpu
     from .bench_report import short_ctx_of
 
     df = load_records("kernel_ablation") if df is None else df
     if "baseline" in df:   # A/B runs of two revisions (ab.py): ab.recorded_ab_table reads them
         df = df[df["baseline"].isna()]
+    if len(df):
+        df = df[on_gpu(df, gpu)]
     if len(df) == 0:
         return df
     df = df[(df["ctx"] == ctx) & (df["batch"] == batch) & (short_ctx_of(df) == short_ctx)].sort_values("date").copy()
@@ -207,7 +211,7 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
             wanted = [version] if isinstance(version, str) else list(version)
             missing = [v for v in wanted if v not in set(tags)]
             if missing:
-                raise ValueError(f"version: no ablation recorded as {missing[0]!r}; recorded: {sorted(set(tags))}")
+                raise ValueError(f"version: no ablation recorded as {missing[0]!r} on {gpu}; recorded: {sorted(set(tags))}")
             df = df[df["kernel_version"].isin(wanted)]
     if variants is not None:
         df = df[df["variant"].isin(variants)]
@@ -234,43 +238,46 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     return pd.DataFrame(t).reset_index()
 
 
-def recorded_tables_by_run(versions, df=None, **kw) -> list[tuple[str, object]]:
-    """`recorded_table` of each run (one commit) of the tags in `versions`, labelled "tag at
-    commit, date": a tag re-run after a fix holds several runs, and each variant compares only
-    with the `full` of its own run."""
-    from ..results import load_records
+def recorded_tables_by_run(versions, df=None, gpu: str = "H200", **kw) -> list[tuple[str, object]]:
+    """`recorded_table` of each run (one commit) of the tags in `versions` on a GPU whose name
+    contains `gpu`, labelled "tag at commit, date": a tag re-run after a fix holds several runs,
+    and each variant compares only with the `full` of its own run."""
+    from ..results import load_records, on_gpu
 
     df = load_records("kernel_ablation") if df is None else df
+    df = df[on_gpu(df, gpu)] if len(df) else df
     out = []
     for tag in [versions] if isinstance(versions, str) else versions:
         runs = df[df["kernel_version"] == tag].sort_values("date")
         if runs.empty:
-            raise ValueError(f"versions: no ablation recorded as {tag!r}")
+            raise ValueError(f"versions: no ablation recorded as {tag!r} on {gpu}")
         for commit, run in runs.groupby("commit", sort=False):
             out.append((f"{tag} at {str(commit)[:7]}, {str(run['date'].iloc[0])[:16]}",
-                        recorded_table(run, version=tag, **kw)))
+                        recorded_table(run, version=tag, gpu=gpu, **kw)))
     return out
 
 
-def recorded_tables_by_context(versions, df=None, batch: int = 1) -> list[tuple[str, object]]:
+def recorded_tables_by_context(versions, df=None, batch: int = 1, gpu: str = "H200") -> list[tuple[str, object]]:
     """`recorded_table` of each tag in `versions` at every context it was recorded at (batch
-    `batch`, no skewed batches), labelled "ctx C, µs (one run, tag)", or by commit where the
-    tag holds several runs: the contexts come from the records, not from a list beside them."""
-    from ..results import load_records
+    `batch`, no skewed batches, on a GPU whose name contains `gpu`), labelled "ctx C, µs (one
+    run, tag)", or by commit where the tag holds several runs: the contexts come from the
+    records, not from a list beside them."""
+    from ..results import load_records, on_gpu
     from .bench_report import short_ctx_of
 
     df = load_records("kernel_ablation") if df is None else df
+    df = df[on_gpu(df, gpu)] if len(df) else df
     out = []
     for tag in [versions] if isinstance(versions, str) else versions:
         runs = df[(df["kernel_version"] == tag) & (df["batch"] == batch) & (short_ctx_of(df) == 0)]
         if runs.empty:
-            raise ValueError(f"versions: no ablation recorded as {tag!r} at batch {batch}")
+            raise ValueError(f"versions: no ablation recorded as {tag!r} at batch {batch} on {gpu}")
         commits = list(runs.sort_values("date")["commit"].unique())
         for commit in commits:   # a tag re-run at another commit: each run on its own
             run = runs[runs["commit"] == commit]
             name = f"one run, {tag}" if len(commits) == 1 else f"{tag} at {str(commit)[:7]}"
             for ctx in sorted(run["ctx"].unique()):
-                table = recorded_table(run, version=tag, ctx=int(ctx), batch=batch)
+                table = recorded_table(run, version=tag, ctx=int(ctx), batch=batch, gpu=gpu)
                 out.append((f"ctx {int(ctx)}, µs ({name})", table))
     return out
 

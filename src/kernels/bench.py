@@ -32,7 +32,7 @@ import torch
 from ..mla import DIM_QK, DIM_V, SM_SCALE
 from ..results import add_record_args
 from ..roofline import verify_cost
-from .verify_attention import MlaVerifyWorkspace, mla_verify_attention
+from .verify_attention import MAX_SPLITS, MlaVerifyWorkspace, mla_verify_attention
 
 L2_FLUSH_BYTES = 256 << 20
 REF_TOLERANCE = 1e-2   # relative, as the kernel's own tests (checks.py): bf16 output and probabilities
@@ -345,8 +345,9 @@ def step_cost(x: Inputs) -> dict:
     return {**total, "intensity": total["flops"] / total["total_bytes"]}
 
 
-def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
-    """(impl, shape, builder kwargs) for one run. Contexts span 1k (a short chat turn) to 128k."""
+def default_grid(quick: bool = False, num_sms: int | None = None) -> list[tuple[str, Shape, dict]]:
+    """(impl, shape, builder kwargs) for one run. Contexts span 1k (a short chat turn) to 128k.
+    num_sms (default: this GPU's, else the H200's 132) places the NSPLIT sweep's one-wave counts."""
     ctxs = [4096, 16384, 65536] if quick else [1024, 2048, 4096, 16384, 32768, 65536, 131072]
     grid = []
     for heads in (8, 16):
@@ -378,7 +379,11 @@ def default_grid(quick: bool = False) -> list[tuple[str, Shape, dict]]:
         grid += [(impl, m, {}) for impl in ("flashmla", "flashinfer_mla_fa2")]
     for k in SKEWED_BATCHES:
         grid += [("sm120_mla", k, {})] + [(impl, k, {}) for impl in (DECODE_LIBRARIES if k.q_len == 1 else SKEWED_VERIFY)]
-    for splits in (8, 16, 33, 66, 128):   # NSPLIT sweep at the headline shape
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    # NSPLIT sweep at the headline shape: one wave of the 32-row kernel (4 row CTAs a split) and of
+    # the 64-row one (2), beside fixed counts (33 and 66 on the H200, 47 and 94 on an RTX PRO 6000)
+    for splits in sorted({8, 16, min(MAX_SPLITS, num_sms // 4), min(MAX_SPLITS, num_sms // 2), MAX_SPLITS}):
         grid += [("sm120_mla", Shape(1, 8, 16, 65536), {"num_splits": splits, "tile_keys": k}) for k in (16, 32)]
     return grid
 

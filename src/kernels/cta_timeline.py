@@ -110,14 +110,15 @@ def median_over(tables: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
 
 
 def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, versions=None,
-                   kind: str = "milestone", cta_rows: int = 64) -> pd.DataFrame:
+                   kind: str = "milestone", cta_rows: int = 64, gpu: str = "H200") -> pd.DataFrame:
     """Recorded timelines of one shape side by side (data/results/kernel_timeline.jsonl): one row
     per milestone (kind="milestone": when the median CTA reaches it, us after the first attention
     CTA's entry) or per span (kind="span": the median CTA's us between two milestones), one
     column per kernel version (default: every version recorded for the shape, oldest first),
     from the newest record of each. Only builds without extra defines are compared, and only
-    timelines of one attention kernel (`cta_rows`: 64, or 32 for the split kernel)."""
-    from ..results import load_records
+    timelines of one attention kernel (`cta_rows`: 64, or 32 for the split kernel), on a GPU
+    whose name contains `gpu`."""
+    from ..results import load_records, on_gpu
 
     df = load_records("kernel_timeline") if df is None else df
     if len(df) == 0:
@@ -126,12 +127,12 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
         raise ValueError(f"kind: 'milestone' or 'span', got {kind!r}")
     rows = df["cta_rows"].fillna(64) if "cta_rows" in df else pd.Series(64, index=df.index)
     df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx) & (df["kind"] == kind)
-            & (df["defines"].map(len) == 0) & (rows == cta_rows)].sort_values("date")
+            & (df["defines"].map(len) == 0) & (rows == cta_rows) & on_gpu(df, gpu)].sort_values("date")
     if versions is None:
         versions = list(dict.fromkeys(df["kernel_version"]))
     missing = [v for v in versions if v not in set(df["kernel_version"])]
     if missing:
-        raise ValueError(f"versions: no {kind} timeline recorded as {missing[0]!r} for h{heads} q{q_len} ctx {ctx}")
+        raise ValueError(f"versions: no {kind} timeline recorded as {missing[0]!r} for h{heads} q{q_len} ctx {ctx} on {gpu}")
     newest = df[df["kernel_version"].isin(versions)].groupby(["kernel_version", "kernel", kind]).tail(1)
     # the kind column holds the milestone or span name; known ones in the order they fall
     known = ([(k, m) for k in KERNELS for m in MILESTONES[k].values()] if kind == "milestone"
@@ -155,9 +156,9 @@ SEGMENTS = (
 )
 
 
-def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k"):
+def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k", gpu: str = "H200"):
     """The median CTA's call as bars, one row per version, from a `recorded_table` of milestones
-    (columns kernel, milestone, then one per version)."""
+    (columns kernel, milestone, then one per version) recorded on `gpu`."""
     import altair as alt
 
     versions = [c for c in milestones.columns if c not in ("kernel", "milestone")]
@@ -175,7 +176,7 @@ def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k"):
         y=alt.Y("version:N", sort=versions, title=None),
         color=alt.Color("segment:N", sort=order, scale=alt.Scale(domain=order), title=None),
         tooltip=["version", "segment", alt.Tooltip("start_us:Q", format=".2f"), alt.Tooltip("end_us:Q", format=".2f")],
-    ).properties(title=f"Where a call goes, CTA timeline, {title} (recorded, H200)", width=460, height=28 * len(versions))
+    ).properties(title=f"Where a call goes, CTA timeline, {title} (recorded, {gpu})", width=460, height=28 * len(versions))
 
 
 def main(argv=None) -> None:

@@ -83,15 +83,16 @@ def phase_table(clocks: np.ndarray, warps_per_pair: int = 4, pingpong: bool = Tr
     return pd.DataFrame(rows).reindex(columns=["row pair", "schedule", "rounds", *used, "round"])
 
 
-def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536) -> pd.DataFrame:
-    """The recorded phase traces of one shape (data/results/kernel_phase_trace.jsonl): the newest
-    of each build and row pair, the shipped build first; cycles of each phase and the round."""
-    from ..results import load_records
+def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536, gpu: str = "H200") -> pd.DataFrame:
+    """The recorded phase traces of one shape on a GPU whose name contains `gpu` (cycles at its
+    clock: another GPU's traces are not comparable), from data/results/kernel_phase_trace.jsonl:
+    the newest of each build and row pair, the shipped build first; cycles of each phase and the round."""
+    from ..results import load_records, on_gpu
 
     df = load_records("kernel_phase_trace") if df is None else df
     if len(df) == 0:
         return pd.DataFrame()
-    df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx)].copy()
+    df = df[(df["heads"] == heads) & (df["q_len"] == q_len) & (df["ctx"] == ctx) & on_gpu(df, gpu)].copy()
     df["build"] = [", ".join(d) if len(d) else "(shipped build)" for d in df["defines"]]
     df = df.sort_values("date").groupby(["build", "row pair"]).tail(1)
     # each build's newest trace, whatever version it was taken at: the column says which

@@ -142,18 +142,18 @@ def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -
             **parsed, "report_tail": report[-3000:]}
 
 
-def recorded_table(df=None):
+def recorded_table(df=None, gpu: str = "H200"):
     """Each (build, tool) result of the newest recorded run of that build (its newest commit)
-    from data/results/kernel_sanitizer.jsonl, for the builds BUILDS still names. An older
-    commit's results for a build are left out: the same build name may have meant another
-    schedule then."""
-    from ..results import load_records
+    on a GPU whose name contains `gpu` (each arch runs its own binary), from
+    data/results/kernel_sanitizer.jsonl, for the builds BUILDS still names. An older commit's
+    results for a build are left out: the same build name may have meant another schedule then."""
+    from ..results import load_records, on_gpu
 
     df = load_records("kernel_sanitizer") if df is None else df
     if len(df) == 0:
         return df
     cols = [c for c in ("build", "tool", "clean", "summary", "kernel_version", "commit", "date") if c in df]
-    df = df[df["build"].isin(BUILDS)].sort_values("date")
+    df = df[df["build"].isin(BUILDS) & on_gpu(df, gpu)].sort_values("date")
     if "commit" in df:
         newest_commit = df.groupby("build")["commit"].transform("last")
         df = df[df["commit"] == newest_commit]

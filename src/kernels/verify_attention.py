@@ -145,8 +145,10 @@ def pool_first_ctas(keys, num_splits: int, min_max: bool = True) -> list[int]:
 
 
 def most_keys_a_cta(keys, first_ctas) -> float:
-    """The most keys one CTA walks when `keys` are split as `first_ctas` says (pool_first_ctas)."""
-    return max(k / (b - a) for k, a, b in zip(keys, first_ctas, first_ctas[1:]))
+    """The most keys one CTA walks when `keys` are split as `first_ctas` says (pool_first_ctas).
+    A request works on at most MAX_SPLITS of its CTAs (the kernels' kMaxSplits; the rest exit):
+    on 188 SMs the pool can hand one long request more than that."""
+    return max(k / min(b - a, MAX_SPLITS) for k, a, b in zip(keys, first_ctas, first_ctas[1:]))
 
 
 class MlaVerifyWorkspace:
