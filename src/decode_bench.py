@@ -532,29 +532,31 @@ def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: d
                    nvml: bool, nvml_interval_s: float, expert: bool, tp: int):
     from .nvml_sampler import NvmlSampler, NvmlUnavailableError
 
+    recording = False
+    if expert:
+        try:
+            srv.start_expert_record()
+            recording = True
+        except Exception:  # noqa: BLE001 - measured anyway; the error shows in the dump step
+            pass
+    # NVML samples the request alone: SGLang's stop of the expert recorder has taken 8-17 s on
+    # the H200 after a 0.2 s request, which diluted every mean of the window
     sampler = None
     if nvml:
         try:
             sampler = NvmlSampler(interval_s=nvml_interval_s).start()
         except NvmlUnavailableError:
             sampler = None
-    recording = False
     try:
-        if expert:
-            try:
-                srv.start_expert_record()
-                recording = True
-            except Exception:  # noqa: BLE001 - measured anyway; the error shows in the dump step
-                pass
         row = measure_decode(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed)
-        if recording:
-            try:
-                srv.stop_expert_record()
-            except Exception:  # noqa: BLE001 - as above
-                pass
     finally:
         if sampler is not None:
             sampler.stop()
+    if recording:
+        try:
+            srv.stop_expert_record()
+        except Exception:  # noqa: BLE001 - as above
+            pass
     nv_rows = []
     if sampler is not None:  # one record per (GPU, metric) holding the series; no pandas needed here
         series: dict[tuple[int, str], tuple[list, list]] = {}

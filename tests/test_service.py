@@ -841,3 +841,38 @@ def test_cli_names_a_bad_argument_as_a_usage_error(capsys):
         decode_bench.main(["--tp", "1", "--mem-fraction-static", "1.5", "--no-record"])
     assert e.value.code == 2
     assert "mem_fraction_static: must be in (0, 1)" in capsys.readouterr().err
+
+
+def test_nvml_samples_the_request_alone(monkeypatch):
+    """The NVML window opens after the expert recorder starts and closes before it stops: SGLang's
+    stop has taken 8-17 s after a 0.2 s request on the H200, idle time that diluted every mean."""
+    from sm120_workbook import nvml_sampler
+
+    events = []
+
+    class Sampler:
+        rows = [(0.0, 0, "sm_util_pct", 50.0)]
+
+        def __init__(self, interval_s):
+            pass
+
+        def start(self):
+            events.append("sampler start")
+            return self
+
+        def stop(self):
+            events.append("sampler stop")
+
+    class Server:
+        def start_expert_record(self):
+            events.append("recorder start")
+
+        def stop_expert_record(self):
+            events.append("recorder stop")
+
+    monkeypatch.setattr(nvml_sampler, "NvmlSampler", Sampler)
+    monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: events.append("request") or {"tok_s": 1.0})
+    monkeypatch.setattr(decode_bench, "_expert_record", lambda srv, tp: {"counts": []})
+    row, nv, ex = decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, True, 0.2, True, 1)
+    assert events == ["recorder start", "sampler start", "request", "sampler stop", "recorder stop"]
+    assert row == {"tok_s": 1.0} and nv[0]["metric"] == "sm_util_pct" and ex == {"counts": []}
