@@ -463,3 +463,22 @@ def test_triton_decode_cap_is_sglangs():
     assert triton_decode_cap([65552], 132) == 256 == _mla_decode_kv_splits_cap(8, 132, 65552)
     assert triton_decode_cap([1040], 132) == 64       # ceil(1040 / 32) = 33 -> 64
     assert triton_decode_cap([100, 130], 188) == 8    # short contexts keep the server default
+
+
+def test_bench_run_reports_a_library_with_no_kernel_for_the_gpu_without_calling_it(monkeypatch):
+    """On an RTX PRO 6000 (12.0) a FlashMLA entry of the grid becomes an `unsupported` record
+    with the reason: neither its builder nor its reference check is called."""
+    from sm120_workbook import hardware
+    from sm120_workbook.kernels import bench
+
+    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda n: {"copy_gbps": 1792.0})
+    monkeypatch.setattr(hardware, "measure_bf16_matmul_tflops", lambda n: {"bf16_tflops": 400.0})
+    monkeypatch.setattr(bench, "measure_mma_sync_tflops", lambda **kw: 380.0)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_capability", lambda *a: (12, 0))
+    monkeypatch.setitem(bench.BUILDERS, "flashmla", lambda *a, **k: pytest.fail("FlashMLA was called"))
+    monkeypatch.setattr(bench, "check_against_reference", lambda *a, **k: pytest.fail("FlashMLA was checked"))
+    records, ceilings = bench.run([("flashmla", bench.Shape(1, 8, 16, 4096), {})], progress=False)
+    assert [r["status"] for r in records] == ["unsupported"]
+    assert records[0]["error"].startswith("flashmla has no kernel for this GPU (sm_120)")
+    assert "no kernel for this GPU (sm_120), only for compute capability 9.x or 10.x" in bench.summary_table(records)
+    assert ceilings["copy_gbps"] == 1792.0

@@ -568,6 +568,8 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
                                             gpu="NVIDIA RTX PRO 6000 Blackwell Workstation Edition")])])
     assert recorded_table(rtx, version="v2").loc[0, "q16 h8"] == 109.0
     assert recorded_table(rtx, version="v2", gpu="RTX PRO 6000")["q16 h8"].tolist() == [70.0]
+    with pytest.raises(ValueError, match="no ablation recorded as 'v2' on B200"):
+        recorded_table(rtx, version="v2", gpu="B200")
     # a variant since removed from VARIANTS is described from its record
     gone = pd.DataFrame([dict(rec("wide_gone", ["X=1"], 16, 8, 90.0, "v3", "2026-11-30T10:00"), cta_rows=64)])
     assert recorded_table(gone).loc[0, "changes"] == "X=1, 64-row kernel"

@@ -201,6 +201,8 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     if len(df):
         df = df[on_gpu(df, gpu)]
     if len(df) == 0:
+        if version is not None:   # as the other readers: a named run that is not there is an error
+            raise ValueError(f"version: no ablation recorded as {version!r} on {gpu}")
         return df
     df = df[(df["ctx"] == ctx) & (df["batch"] == batch) & (short_ctx_of(df) == short_ctx)].sort_values("date").copy()
     if "kernel_version" in df:

@@ -476,7 +476,7 @@ def summary_table(records) -> str:
                     f"{str(r.get('num_splits') or ''):>6s} {r.get('time_us', float('nan')):9.1f} "
                     f"{r.get('gbps', float('nan')):7.0f} {r.get('roofline_us', float('nan')):8.1f} "
                     f"{r.get('roofline_mma_us', float('nan')):7.1f}  "
-                    f"{r['status'] if r['status'] == 'ok' else r.get('error', '')[:60]}")
+                    f"{r['status'] if r['status'] == 'ok' else r.get('error', '')[:120]}")
     return "\n".join(rows)
 
 

@@ -76,7 +76,7 @@ def main(argv=None):
     import pandas as pd
 
     ok = [dict(r, kernel_version=args.tag) for r in records if r["status"] == "ok"]
-    failed = sorted({(r["impl"], r.get("error", "")[:80]) for r in records if r["status"] != "ok"})
+    failed = sorted({(r["impl"], r.get("error", "")[:120]) for r in records if r["status"] != "ok"})
     for impl, err in failed:
         print(f"not timed: {impl}: {err}")
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
