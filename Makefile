@@ -13,6 +13,11 @@ STAMP  := $(VENV)/.installed
 SGLANG_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print(next(r for r in d['project']['optional-dependencies']['gpu'] if r.startswith('sglang')))")
 # torch is held at the `cpu` extra's version while the rest installs.
 TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print('\n'.join(d['project']['optional-dependencies']['cpu']))")
+# A machine with an NVIDIA GPU (nvidia-smi lists one) gets the `gpu` extra: SGLang 0.5.17 with
+# its CUDA stack (torch 2.11, a CUDA 13 build), so that `make run` and JupyterLab run the GPU cells
+# live. Any other gets CPU torch and the pure-Python parts of SGLang the CPU tests import (CI).
+# `make setup TORCH=cpu` (or gpu) chooses; a .venv, once made, stays as it is (rm -rf .venv).
+TORCH ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),gpu,cpu)
 # `:=` takes the time once: a recursive variable would call `date` at each use, and a second
 # boundary between them would split one run over two folders.
 RUN_DIR := $(or $(RUN_DIR),runs/$(shell date +%Y%m%d-%H%M%S))
@@ -35,14 +40,20 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
 	  || { echo "error: $(PYTHON) is older than 3.11; set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { echo "error: $(PYTHON) has no venv module (apt-get install python3-venv)"; exit 1; }
+	@case "$(TORCH)" in gpu|cpu) ;; *) echo "error: TORCH=$(TORCH); use TORCH=gpu or TORCH=cpu"; exit 1;; esac
 	@command -v nvcc >/dev/null || echo "note: nvcc not found; kernel compile tests will skip (visibly)"
+	@echo "setup ($(TORCH)): $(if $(filter gpu,$(TORCH)),SGLang with its CUDA stack (an NVIDIA GPU is here),CPU torch and SGLang's pure-Python parts (no NVIDIA GPU here))"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	printf '%s\n' $(TORCH_PIN) > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[cpu,sglang-cpu-deps,test]'
-	$(PY) -m pip install -q --no-deps '$(SGLANG_PIN)'
+	if [ "$(TORCH)" = gpu ]; then \
+	  $(PY) -m pip install -q -e '.[gpu,test]'; \
+	else \
+	  printf '%s\n' $(TORCH_PIN) > $(VENV)/torch-constraint.txt && \
+	  $(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[cpu,sglang-cpu-deps,test]' && \
+	  $(PY) -m pip install -q --no-deps '$(SGLANG_PIN)'; \
+	fi
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
-	$(PY) -c "import torch, sglang, sm120_workbook; print('env ok: torch', torch.__version__, 'sglang', sglang.__version__)"
+	$(PY) -c "import torch, sglang, sm120_workbook; print('env ok: torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.is_available(), 'sglang', sglang.__version__)"
 	@touch $@
 
 run: $(STAMP)

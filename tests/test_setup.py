@@ -1,0 +1,48 @@
+"""`make setup` (what `make run` and `make test` start with) picks the environment for the machine:
+SGLang with its CUDA stack where an NVIDIA GPU is, CPU torch elsewhere (CI). Read from `make -n`,
+which prints the recipe without running it."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed here")
+
+
+def _setup_recipe(tmp_path, gpu_line: str, *args: str) -> str:
+    """The recipe `make setup` would run, with an nvidia-smi that prints `gpu_line` (or fails)."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    smi = fake / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{gpu_line}'\n" if gpu_line else "#!/bin/sh\nexit 9\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("TORCH", None)
+    out = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", *args, "setup"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    return out.stdout + out.stderr
+
+
+def test_a_gpu_machine_gets_sglang_with_its_cuda_stack(tmp_path):
+    recipe = _setup_recipe(tmp_path, "GPU 0: NVIDIA RTX PRO 6000 Blackwell Workstation Edition (UUID: GPU-0)")
+    assert 'echo "setup (gpu): SGLang with its CUDA stack' in recipe
+    assert 'if [ "gpu" = gpu ]' in recipe and "pip install -q -e '.[gpu,test]'" in recipe
+
+
+def test_a_machine_without_one_gets_cpu_torch(tmp_path):
+    recipe = _setup_recipe(tmp_path, "")
+    assert 'echo "setup (cpu): CPU torch' in recipe and 'if [ "cpu" = gpu ]' in recipe
+    assert "-e '.[cpu,sglang-cpu-deps,test]'" in recipe and "--no-deps 'sglang==" in recipe
+
+
+def test_torch_chooses_and_a_misspelt_choice_is_refused(tmp_path):
+    assert 'if [ "cpu" = gpu ]' in _setup_recipe(tmp_path, "GPU 0: NVIDIA H200", "TORCH=cpu")
+    out = subprocess.run(["make", f"VENV={tmp_path / 'venv'}", "TORCH=rocm", "setup"], cwd=ROOT,
+                         capture_output=True, text=True)   # refused before the venv is made
+    assert out.returncode != 0 and "error: TORCH=rocm; use TORCH=gpu or TORCH=cpu" in out.stdout
+    assert not (tmp_path / "venv").exists()
