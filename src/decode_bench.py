@@ -539,8 +539,7 @@ def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: d
             recording = True
         except Exception:  # noqa: BLE001 - measured anyway; the error shows in the dump step
             pass
-    # NVML samples the request alone: SGLang's stop of the expert recorder has taken 8-17 s on
-    # the H200 after a 0.2 s request, which diluted every mean of the window
+    # NVML samples the request alone (its prefill and decode), not the recorder's start and stop
     sampler = None
     if nvml:
         try:

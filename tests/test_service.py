@@ -844,8 +844,8 @@ def test_cli_names_a_bad_argument_as_a_usage_error(capsys):
 
 
 def test_nvml_samples_the_request_alone(monkeypatch):
-    """The NVML window opens after the expert recorder starts and closes before it stops: SGLang's
-    stop has taken 8-17 s after a 0.2 s request on the H200, idle time that diluted every mean."""
+    """The NVML window opens after the expert recorder starts and closes before it stops: it holds
+    the request (prefill and decode) and no HTTP call of the recorder's."""
     from sm120_workbook import nvml_sampler
 
     events = []
