@@ -278,7 +278,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                launcher: Sequence[str] | None = None, results_dir: Path | None = None,
                log_dir: Path | None = None, profile_steps: int = 0,
                profile_contexts: Sequence[int] | None = None, profile_with_stack: bool = False,
-               ngram_tail: bool = False,
+               ngram_tail: bool = False, prefill_backend: str | None = None,
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
@@ -293,6 +293,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     profile_with_stack also records the Python calls (host time by function).
     ngram_tail: start the servers with $SM120_NGRAM_TAIL=1 (patches/ngram_tail.py: NGRAM
     draft prep without a per-step copy of the prompt); records carry ngram_tail.
+    prefill_backend: prefills on this SGLang backend instead (e.g. "flashinfer"; decode and
+    verify stay on each backend of `backends`); records carry prefill_attention_backend.
     """
     from tqdm.auto import tqdm
 
@@ -302,6 +304,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     t_start = time.monotonic()
     for b in backends:  # before any launch: a typo should not cost a server start
         check_attention_backend(b)
+    if prefill_backend is not None:
+        check_attention_backend(prefill_backend, "prefill_backend")
     if (spec_fallback or "") not in SPEC_FALLBACKS:
         raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
     if spec_fallback:
@@ -332,6 +336,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         fusion = allreduce_fusion and tp > 1
         # $SM120_KV_SORT passes through to the servers: the records say whether it was on
         common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
+                  "prefill_attention_backend": prefill_backend or "",
                   "kv_sort": kv_sort.requested(),
                   "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
                   "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
@@ -390,7 +395,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             if tp > 1 and not fusion:
                 extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
             cfg = ServerConfig(
-                model_path=model_dir, attention_backend=plan.backend, tp=tp,
+                model_path=model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
+                tp=tp,
                 mem_fraction_static=mem_fraction_static, extra_args=extra,
                 context_length=ctx_len,
                 spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
@@ -648,6 +654,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="profile only these contexts (default: all measured)")
     p.add_argument("--ngram-tail", action="store_true",
                    help="start servers with SM120_NGRAM_TAIL=1 (NGRAM draft prep without copying the prompt)")
+    p.add_argument("--prefill-backend", default=None,
+                   help="prefill on this SGLang attention backend (e.g. flashinfer); decode and verify "
+                        "stay on --backends (SGLang's hybrid backend, --speculative-attention-mode decode)")
     p.add_argument("--profile-with-stack", action="store_true",
                    help="also record Python calls in the profile (host time by function)")
     p.add_argument("--results-dir", type=Path, default=None,
@@ -682,7 +691,8 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           time_budget_s=a.time_budget_s,
                           command=command, results_dir=a.results_dir, log_dir=a.log_dir,
                           profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
-                          profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail)
+                          profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail,
+                          prefill_backend=a.prefill_backend)
     except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
         p.error(str(e))
 

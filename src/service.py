@@ -93,13 +93,13 @@ def attention_backend_choices() -> list[str]:
     return sorted(set(installed_attention_backends()) | set(PLUGIN_BACKENDS))
 
 
-def check_attention_backend(name: str) -> None:
+def check_attention_backend(name: str, arg: str = "attention_backend") -> None:
     choices = attention_backend_choices()
     if name not in choices:
-        raise ValueError(f"attention_backend: {name!r} is not an attention backend of the "
+        raise ValueError(f"{arg}: {name!r} is not an attention backend of the "
                          f"installed SGLang or of our plugin; choices: {', '.join(choices)}")
     if name in PLUGIN_BACKENDS and not plugin_installed():
-        raise ValueError(f"attention_backend: {name!r} comes from this project's SGLang plugin, "
+        raise ValueError(f"{arg}: {name!r} comes from this project's SGLang plugin, "
                          "whose entry point is not installed here; install the project "
                          "(pip install --no-deps .) so SGLang's launcher finds it")
 
@@ -155,6 +155,9 @@ class ServerConfig:
 
     model_path: str | Path
     attention_backend: str = "triton"
+    # A prefill on another backend (SGLang's hybrid backend); decode and target-verify stay on
+    # attention_backend (--speculative-attention-mode decode). None: one backend for all.
+    prefill_attention_backend: str | None = None
     tp: int = -1                             # -1: every visible GPU
     mem_fraction_static: float = 0.8
     context_length: int | None = None
@@ -200,6 +203,8 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     cfg = dataclasses.replace(cfg)
     model = cfg.model_config()
     check_attention_backend(cfg.attention_backend)
+    if cfg.prefill_attention_backend is not None:
+        check_attention_backend(cfg.prefill_attention_backend, "prefill_attention_backend")
     cfg.tp = resolve_tp(cfg.tp)
     heads_per_rank(model, cfg.tp)  # raises when tp does not divide the heads
     check_mem_fraction_static(cfg.mem_fraction_static)
@@ -247,6 +252,8 @@ def launch_args(cfg: ServerConfig) -> list[str]:
          "--attention-backend", cfg.attention_backend, "--tp", str(cfg.tp),
          "--mem-fraction-static", str(cfg.mem_fraction_static),
          "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.prefill_attention_backend is not None:
+        a += ["--prefill-attention-backend", cfg.prefill_attention_backend, "--speculative-attention-mode", "decode"]
     if cfg.context_length is not None:
         a += ["--context-length", str(cfg.context_length)]
     if cfg.page_size is not None:

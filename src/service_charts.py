@@ -13,13 +13,14 @@ import pandas as pd
 
 # A point is one configuration: records differing in any of these are never pooled or paired.
 # expert_record (the recorder costs time on every forward) and ngram_tail (the host-side NGRAM
-# fix, patches/ngram_tail.py) change the step time without changing the kernel.
+# fix, patches/ngram_tail.py) change the step time without changing the kernel;
+# prefill_attention_backend (a prefill on another backend, "" for none) the time to first token.
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
-              "decode_tokens", "cuda_graph", "expert_record", "ngram_tail"]
+              "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend"]
 # What a record without the key ran with (older records predate ep_size and ngram_tail;
 # decode_tokens: decode_bench's default).
 KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
-                "expert_record": False, "ngram_tail": False}
+                "expert_record": False, "ngram_tail": False, "prefill_attention_backend": ""}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM"}
 
 
@@ -100,16 +101,18 @@ def select_tp(df, tp: int = 1):
 
 
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
-                 ep_size=1, cuda_graph: bool = True, decode_tokens=None) -> str:
+                 ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "") -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
-    draft prep unpatched), and the layer count and decode tokens when given."""
+    draft prep unpatched, the prefill on the same backend), and the layer count and decode
+    tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
             + (f", {int(layers)} layers" if layers is not None else "")
             + (f", {int(decode_tokens)} decode tokens" if decode_tokens is not None else "")
             + ("" if expert_record else " (recorder off)") + ("" if cuda_graph else " (no CUDA graph)")
-            + (" + ngram_tail" if ngram_tail else ""))
+            + (" + ngram_tail" if ngram_tail else "")
+            + (f" + {prefill_backend} prefill" if prefill_backend else ""))
 
 
 def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
@@ -118,7 +121,8 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
     v = lambda k: _value(r, k)  # noqa: E731
     return config_label(v("backend"), bool(v("expert_record")), bool(v("ngram_tail")), v("tp"),
                         v("layers") if layers else None, ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")),
-                        decode_tokens=v("decode_tokens") if decode_tokens else None)
+                        decode_tokens=v("decode_tokens") if decode_tokens else None,
+                        prefill_backend=str(v("prefill_attention_backend") or ""))
 
 
 def pair_points(mine, base, keys, value: str = "tok_s"):

@@ -220,6 +220,23 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
     assert (ns.cuda_graph_backend_decode == "disabled") == (not cuda_graph)
 
 
+def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir):
+    """A prefill on another backend: SGLang's hybrid backend, with target-verify kept on the
+    decode side (--speculative-attention-mode decode), as the H200 ran sm120_mla with flashinfer."""
+    from sglang.srt.server_args import ServerArgs
+
+    cfg = resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfer", tp=1,
+                                      context_length=70000, spec="ngram"))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(launch_args(cfg))
+    assert ns.attention_backend == "triton" and ns.prefill_attention_backend == "flashinfer"
+    assert ns.speculative_attention_mode == "decode" and ns.decode_attention_backend is None
+    assert "--prefill-attention-backend" not in launch_args(resolve_config(ServerConfig(model_dir, "triton", tp=1)))
+    with pytest.raises(ValueError, match="^prefill_attention_backend: 'flashinfr' is not an attention backend"):
+        resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfr", tp=1))
+
+
 # ---- errors before launch ------------------------------------------------------------------
 
 def test_port_in_use_is_named_and_nothing_launches(model_dir, fake, tmp_path, monkeypatch):
@@ -454,6 +471,21 @@ def test_run_matrix_skips_a_backend_with_no_kernel_for_the_gpu(fake, tmp_path, m
     assert all("no kernel for this GPU (sm_120)" in f["error"] for f in res.failures if f["backend"] == "flashmla")
     assert any(line.startswith("SKIPPED flashmla/none: flashmla has no kernel") for line in lines)
     assert not any("flashmla/" in line and "starting" in line for line in lines)
+
+
+def test_run_matrix_records_the_prefill_backend(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    with pytest.raises(ValueError, match="^prefill_backend: 'flashinfr'"):
+        decode_bench.run_matrix(backends=["triton"], prefill_backend="flashinfr", tp=1, launcher=fake,
+                                log=lambda s: None)
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                  spec=["none"], decode_tokens=8, tp=1, nvml=False, expert=False, progress=False,
+                                  prefill_backend="flashinfer", launcher=fake, log_dir=tmp_path, log=lambda s: None)
+    assert [r["prefill_attention_backend"] for r in res.decode] == ["flashinfer"]
+    plain = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                    spec=["none"], decode_tokens=8, tp=1, nvml=False, expert=False,
+                                    progress=False, launcher=fake, log_dir=tmp_path, log=lambda s: None)
+    assert [r["prefill_attention_backend"] for r in plain.decode] == [""]
 
 
 def test_cli_refuses_unknown_backend_before_any_launch(tmp_path, capsys):

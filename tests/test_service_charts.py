@@ -92,6 +92,10 @@ def test_ep_size_decode_tokens_and_cuda_graph_are_point_keys():
     assert set(sc.decode_points(df[df["tok_s"] < 500]).loc[lambda p: p["tp"] == 1, "config"]) == {
         "triton + ngram_tail", "triton (no CUDA graph) + ngram_tail"}
     assert sc.config_label("sm120_mla", ep_size=8.0, tp="8") == "sm120_mla TP8 EP8"
+    # a prefill on another backend is its own point; records before the key had none
+    split = pd.DataFrame([dict(df.iloc[0], tok_s=900.0, prefill_attention_backend="flashinfer")])
+    both = sc.decode_points(pd.concat([df.iloc[[0]], split]))
+    assert sorted(both["config"]) == ["triton + ngram_tail", "triton + ngram_tail + flashinfer prefill"]
 
 
 def test_commits_keep_a_dirty_suffix():
