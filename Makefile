@@ -17,7 +17,12 @@ TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.
 # its CUDA stack (torch 2.11, a CUDA 13 build), so that `make run` and JupyterLab run the GPU cells
 # live. Any other gets CPU torch and the pure-Python parts of SGLang the CPU tests import (CI).
 # `make setup TORCH=cpu` (or gpu) chooses; a .venv, once made, stays as it is (rm -rf .venv).
-TORCH ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),gpu,cpu)
+ifeq ($(origin TORCH),undefined)
+TORCH := $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),gpu,cpu)
+TORCH_WHY := nvidia-smi $(if $(filter gpu,$(TORCH)),lists a GPU,lists none)
+else
+TORCH_WHY := TORCH=$(TORCH) from the $(origin TORCH)
+endif
 # `:=` takes the time once: a recursive variable would call `date` at each use, and a second
 # boundary between them would split one run over two folders.
 RUN_DIR := $(or $(RUN_DIR),runs/$(shell date +%Y%m%d-%H%M%S))
@@ -40,9 +45,9 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
 	  || { echo "error: $(PYTHON) is older than 3.11; set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { echo "error: $(PYTHON) has no venv module (apt-get install python3-venv)"; exit 1; }
-	@case "$(TORCH)" in gpu|cpu) ;; *) echo "error: TORCH=$(TORCH); use TORCH=gpu or TORCH=cpu"; exit 1;; esac
+	@case "$(TORCH)" in gpu|cpu) ;; *) echo "error: $(TORCH_WHY); use TORCH=gpu or TORCH=cpu"; exit 1;; esac
 	@command -v nvcc >/dev/null || echo "note: nvcc not found; kernel compile tests will skip (visibly)"
-	@echo "setup ($(TORCH)): $(if $(filter gpu,$(TORCH)),SGLang with its CUDA stack (an NVIDIA GPU is here),CPU torch and SGLang's pure-Python parts (no NVIDIA GPU here))"
+	@echo "setup ($(TORCH), $(TORCH_WHY)): $(if $(filter gpu,$(TORCH)),SGLang with its CUDA stack,CPU torch and SGLang's pure-Python parts)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ "$(TORCH)" = gpu ]; then \

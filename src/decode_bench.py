@@ -304,6 +304,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     t_start = time.monotonic()
     for b in backends:  # before any launch: a typo should not cost a server start
         check_attention_backend(b)
+    prefill_backend = prefill_backend or None   # "" is what records say for none
     if prefill_backend is not None:
         check_attention_backend(prefill_backend, "prefill_backend")
     if (spec_fallback or "") not in SPEC_FALLBACKS:

@@ -46,8 +46,8 @@ SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH"}
 PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokenspeed_mla": 64,
                   "cutedsl_mla": 64, "hpc_ops": 64}
 LOG_TAIL_LINES = 60
-# /generate: the longest silence from the server, before the first chunk (the prefill: at most
-# 23 s in the H200 records, a first request after start) or between two chunks, before the
+# /generate: the longest silence from the server, before the first chunk (the first token: at
+# most 23 s in the H200 records, a first request at a new length) or between two chunks, before the
 # request is given up as stalled (it was requests' read timeout of 1,800 s)
 STALL_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 10.0
@@ -217,8 +217,9 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
                              f"allows ({limit} from its config's max_position_embeddings)")
     if cfg.spec not in SPEC_ALGORITHMS:
         raise ValueError(f"spec: must be one of {sorted(SPEC_ALGORITHMS)}, got {cfg.spec!r}")
-    if cfg.page_size is None and cfg.attention_backend in PAGED_BACKENDS:
-        cfg.page_size = PAGED_BACKENDS[cfg.attention_backend]
+    paged = [PAGED_BACKENDS[b] for b in (cfg.attention_backend, cfg.prefill_attention_backend) if b in PAGED_BACKENDS]
+    if cfg.page_size is None and paged:   # one KV pool serves both backends: the larger page
+        cfg.page_size = max(paged)
     if cfg.spec == "ngram":
         if cfg.num_draft_tokens is None:
             cfg.num_draft_tokens = 8

@@ -222,9 +222,9 @@ def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", laye
     (the least else changed: kernel, load). `points` from decode_points(..., every_run=True);
     one row per context both runs measured, empty where either run is missing."""
     d = select_tp(_need_runs(points), tp)
-    # the usual run otherwise: expert recorder on, no expert parallelism, CUDA graphs
+    # the usual run otherwise: expert recorder on, no expert parallelism, CUDA graphs, one backend
     d = d[(d["backend"] == backend) & (d["spec"] == spec) & (d["layers"] == layers) & d["expert_record"]
-          & (d["ep_size"] == 1) & d["cuda_graph"]]
+          & (d["ep_size"] == 1) & d["cuda_graph"] & (d["prefill_attention_backend"] == "")]
     cols = ["ctx_label", "unpatched_tok_s", "ngram_tail_tok_s", "gain", "commits"]
     off, on = d[~d["ngram_tail"]], d[d["ngram_tail"]]
     if len(off) == 0 or len(on) == 0:

@@ -233,6 +233,9 @@ def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir):
     assert ns.attention_backend == "triton" and ns.prefill_attention_backend == "flashinfer"
     assert ns.speculative_attention_mode == "decode" and ns.decode_attention_backend is None
     assert "--prefill-attention-backend" not in launch_args(resolve_config(ServerConfig(model_dir, "triton", tp=1)))
+    # one KV pool serves both: a paged prefill backend sets the page size SGLang would force
+    assert resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="trtllm_mla",
+                                       tp=1)).page_size == 64
     with pytest.raises(ValueError, match="^prefill_attention_backend: 'flashinfr' is not an attention backend"):
         resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfr", tp=1))
 

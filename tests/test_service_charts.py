@@ -141,6 +141,11 @@ def test_ngram_fix_gain_compares_adjacent_runs():
     assert list(g["unpatched_tok_s"]) == [1100.0, 1100.0] and list(g["gain"]) == [1.82, 1.82]
     assert sc.ngram_fix_gain(runs, layers=16).empty
     assert sc.ngram_fix_gain(runs[~runs["ngram_tail"]]).empty
+    # a later unpatched run that prefills on another backend is another configuration: not the pair's
+    hybrid = [_rec("sm120_mla", ctx, 900.0, "hyb", "2026-12-01T15:30", prefill_attention_backend="flashinfer")
+              for ctx in (4096, 65536)]
+    again = sc.ngram_fix_gain(sc.decode_points(pd.DataFrame(recs + hybrid), every_run=True))
+    assert set(again["commits"]) == {"unp -> fix"} and list(again["gain"]) == [1.82, 1.82]
 
 
 def test_recorder_cost_pairs_on_and_off_at_one_commit():

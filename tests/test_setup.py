@@ -22,7 +22,8 @@ def _setup_recipe(tmp_path, gpu_line: str, *args: str) -> str:
     smi.write_text(f"#!/bin/sh\necho '{gpu_line}'\n" if gpu_line else "#!/bin/sh\nexit 9\n")
     smi.chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("TORCH", None)
+    for var in ("TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):   # a parent make's TORCH= reaches the child
+        env.pop(var, None)
     out = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", *args, "setup"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     return out.stdout + out.stderr
@@ -30,19 +31,21 @@ def _setup_recipe(tmp_path, gpu_line: str, *args: str) -> str:
 
 def test_a_gpu_machine_gets_sglang_with_its_cuda_stack(tmp_path):
     recipe = _setup_recipe(tmp_path, "GPU 0: NVIDIA RTX PRO 6000 Blackwell Workstation Edition (UUID: GPU-0)")
-    assert 'echo "setup (gpu): SGLang with its CUDA stack' in recipe
+    assert 'echo "setup (gpu, nvidia-smi lists a GPU): SGLang with its CUDA stack' in recipe
     assert 'if [ "gpu" = gpu ]' in recipe and "pip install -q -e '.[gpu,test]'" in recipe
 
 
 def test_a_machine_without_one_gets_cpu_torch(tmp_path):
     recipe = _setup_recipe(tmp_path, "")
-    assert 'echo "setup (cpu): CPU torch' in recipe and 'if [ "cpu" = gpu ]' in recipe
+    assert 'echo "setup (cpu, nvidia-smi lists none): CPU torch' in recipe and 'if [ "cpu" = gpu ]' in recipe
     assert "-e '.[cpu,sglang-cpu-deps,test]'" in recipe and "--no-deps 'sglang==" in recipe
 
 
 def test_torch_chooses_and_a_misspelt_choice_is_refused(tmp_path):
-    assert 'if [ "cpu" = gpu ]' in _setup_recipe(tmp_path, "GPU 0: NVIDIA H200", "TORCH=cpu")
-    out = subprocess.run(["make", f"VENV={tmp_path / 'venv'}", "TORCH=rocm", "setup"], cwd=ROOT,
+    chosen = _setup_recipe(tmp_path, "GPU 0: NVIDIA H200", "TORCH=cpu")
+    assert 'if [ "cpu" = gpu ]' in chosen and "setup (cpu, TORCH=cpu from the command line)" in chosen
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", f"VENV={tmp_path / 'venv'}", "TORCH=rocm", "setup"], cwd=ROOT, env=env,
                          capture_output=True, text=True)   # refused before the venv is made
-    assert out.returncode != 0 and "error: TORCH=rocm; use TORCH=gpu or TORCH=cpu" in out.stdout
+    assert out.returncode != 0 and "error: TORCH=rocm from the command line; use TORCH=gpu or TORCH=cpu" in out.stdout
     assert not (tmp_path / "venv").exists()
