@@ -14,6 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed here")
 
 
+def _env(**extra) -> dict:
+    """This environment without a choice of TORCH, which a parent make also passes in MAKEFLAGS."""
+    return {**{k: v for k, v in os.environ.items() if k not in ("TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")},
+            **extra}
+
+
 def _setup_recipe(tmp_path, gpu_line: str, *args: str) -> str:
     """The recipe `make setup` would run, with an nvidia-smi that prints `gpu_line` (or fails)."""
     fake = tmp_path / "bin"
@@ -21,9 +27,7 @@ def _setup_recipe(tmp_path, gpu_line: str, *args: str) -> str:
     smi = fake / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\necho '{gpu_line}'\n" if gpu_line else "#!/bin/sh\nexit 9\n")
     smi.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
-    for var in ("TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):   # a parent make's TORCH= reaches the child
-        env.pop(var, None)
+    env = _env(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
     out = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", *args, "setup"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     return out.stdout + out.stderr
@@ -44,8 +48,7 @@ def test_a_machine_without_one_gets_cpu_torch(tmp_path):
 def test_torch_chooses_and_a_misspelt_choice_is_refused(tmp_path):
     chosen = _setup_recipe(tmp_path, "GPU 0: NVIDIA H200", "TORCH=cpu")
     assert 'if [ "cpu" = gpu ]' in chosen and "setup (cpu, TORCH=cpu from the command line)" in chosen
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    out = subprocess.run(["make", f"VENV={tmp_path / 'venv'}", "TORCH=rocm", "setup"], cwd=ROOT, env=env,
+    out = subprocess.run(["make", f"VENV={tmp_path / 'venv'}", "TORCH=rocm", "setup"], cwd=ROOT, env=_env(),
                          capture_output=True, text=True)   # refused before the venv is made
     assert out.returncode != 0 and "error: TORCH=rocm from the command line; use TORCH=gpu or TORCH=cpu" in out.stdout
     assert not (tmp_path / "venv").exists()
