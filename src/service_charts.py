@@ -73,9 +73,13 @@ def decode_points(df, every_run: bool = False):
     d = with_defaults(df)
     d["commit"] = d["commit"].map(short_commit) if "commit" in d else "?"
     d["date"] = d["date"].fillna("").astype(str) if "date" in d else ""
+    # ttft_s: the fastest request's, as the first request at a new length can wait on the host
+    # (first_token_points)
+    extra = {"ttft_s": ("ttft_s", "min")} if "ttft_s" in d else {}
     agg = (d.groupby(POINT_KEYS + ["commit"], dropna=False)
              .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
-                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"), date=("date", "max"))
+                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"), date=("date", "max"),
+                  **extra)
              .reset_index())
     if not every_run:   # (two runs on one machine append in turn, so the file is not in date order)
         agg = agg.sort_values("date").groupby(POINT_KEYS, dropna=False).tail(1)
@@ -282,6 +286,63 @@ def decode_table(points):
     cols = ["config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs", "commit"]
     t = points[cols].copy()
     return t.round({"tok_s": 1, "accept_len": 2, "verify_step_ms": 2})
+
+
+def prefill_label(backend: str, prefill_backend: str = "") -> str:
+    """Which kernels a prompt's prefill runs on a server of `backend`: its own, or with SGLang's
+    hybrid backend (--prefill-attention-backend) another's. sm120_mla prefills on its parent,
+    SGLang's Triton backend."""
+    own = {"sm120_mla": "triton"}.get(backend, backend)
+    if prefill_backend:
+        return f"{backend} (prefill: {prefill_backend})"
+    return f"{backend} (prefill: {own})" if own != backend else backend
+
+
+def first_token_points(points, min_runs: int = 2):
+    """Time to the first token against context, one row per server backend with its prefill
+    backend, layer count and context: the fastest request of a point (decode_points' ttft_s)
+    with at least `min_runs` requests. The first request at a new length can wait seconds on the
+    host with the GPU idle (up to 23 s on the H200, with every backend), so a lone request may
+    not show the prefill's time; a repeat does. Configurations that do not change the prefill
+    (speculation, the expert recorder, the NGRAM fix) are pooled: the newest point stands."""
+    _need(points, ["backend", "ctx", "layers", "runs", "date", "prefill_attention_backend"], "points")
+    if "ttft_s" not in points:
+        raise ValueError("points: missing column ttft_s (records without a time to first token)")
+    d = points[(points["runs"] >= min_runs) & points["ttft_s"].notna()].copy()
+    d["prefill"] = [prefill_label(b, p or "") for b, p in zip(d["backend"], d["prefill_attention_backend"])]
+    keys = ["gpu", "model", "tp", "layers", "prefill", "ctx"]
+    d = d.sort_values("date").groupby(keys, dropna=False).tail(1)
+    cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "runs", "spec", "commit", "date"]
+    return d[cols].sort_values(["layers", "prefill", "ctx"]).reset_index(drop=True)
+
+
+def first_token_table(tt):
+    """first_token_points as a table: seconds to the first token, a row per layer count and
+    prefill, a column per context."""
+    _need(tt, ["layers", "prefill", "ctx", "ctx_label", "ttft_s"], "first-token points")
+    t = tt.pivot_table(index=["layers", "prefill"], columns="ctx", values="ttft_s", aggfunc="first")
+    t.columns = [ctx_label(c) for c in t.columns]
+    return t.round(2).reset_index()
+
+
+def first_token_chart(tt, title: str = "", source: str = ""):
+    """Seconds to the first token against context (log-log), a line per server backend and
+    prefill, a panel per layer count."""
+    import altair as alt
+
+    _need(tt, ["layers", "prefill", "ctx", "ctx_label", "ttft_s"], "first-token points")
+    ticks = sorted(tt["ctx"].unique().tolist())
+    base = alt.Chart(tt).encode(
+        x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
+                axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
+        y=alt.Y("ttft_s:Q", title="time to first token (s, log)", scale=alt.Scale(type="log")),
+        color=alt.Color("prefill:N", title="server (prefill kernels)", scale=alt.Scale(scheme="tableau10"),
+                        legend=alt.Legend(labelLimit=360)),
+        tooltip=["prefill", "layers", "ctx_label", alt.Tooltip("ttft_s:Q", format=".2f"), "runs", "commit"])
+    return ((base.mark_line() + base.mark_point(filled=True))
+            .properties(width=240, height=200)
+            .facet(column=alt.Column("layers:O", title="decoder layers"))
+            .properties(title=chart_title(title or "Time to the first token against context length", source)))
 
 
 def _spec_order(d) -> list[str]:

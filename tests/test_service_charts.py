@@ -174,3 +174,32 @@ def test_startup_summary_counts_each_server_once():
     assert sc.startup_summary(recs) == "3 server starts: 46-260 s (median 98 s)"
     with pytest.raises(ValueError, match="records: missing columns"):
         sc.startup_summary(recs.drop(columns="startup_s"))
+
+
+def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels():
+    def req(backend, ctx, ttft, rep, commit="ccccccc333", date="2026-12-01T16:30", **kw):
+        return _rec(backend, ctx, 1000.0, commit, date, ttft_s=ttft, repeat=rep, **kw)
+
+    recs = [req("sm120_mla", 65536, 19.0, 0), req("sm120_mla", 65536, 10.3, 1),     # first request waits
+            req("sm120_mla", 65536, 1.7, 0, prefill_attention_backend="flashinfer"),
+            req("sm120_mla", 65536, 1.6, 1, prefill_attention_backend="flashinfer"),
+            req("triton", 65536, 10.2, 0), req("triton", 65536, 10.4, 1),
+            req("flashmla", 65536, 0.9, 0),                                                # a lone request: left out
+            # an older run of another configuration (spec "none") of the same prefill: the newer stands
+            req("sm120_mla", 65536, 12.0, 0, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none"),
+            req("sm120_mla", 65536, 12.0, 1, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none")]
+    tt = sc.first_token_points(sc.decode_points(pd.DataFrame(recs)))
+    assert dict(zip(tt["prefill"], tt["ttft_s"])) == {
+        "sm120_mla (prefill: flashinfer)": 1.6, "sm120_mla (prefill: triton)": 10.3, "triton": 10.2}
+    table = sc.first_token_table(tt)
+    assert list(table.columns) == ["layers", "prefill", "64k"]
+    assert sc.first_token_chart(tt, source="recorded").to_dict()["title"]["subtitle"] == "recorded"
+    assert len(sc.first_token_points(sc.decode_points(pd.DataFrame(recs)), min_runs=1)) == 4
+    with pytest.raises(ValueError, match="ttft_s"):
+        sc.first_token_points(sc.decode_points(pd.DataFrame([_rec("triton", 4096, 1.0, "a", "d")])))
+
+
+def test_prefill_label():
+    assert sc.prefill_label("sm120_mla") == "sm120_mla (prefill: triton)"
+    assert sc.prefill_label("sm120_mla", "flashinfer") == "sm120_mla (prefill: flashinfer)"
+    assert sc.prefill_label("flashmla") == "flashmla"
