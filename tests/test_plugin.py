@@ -206,3 +206,36 @@ def test_spec_compat_dflash_draft_gets_triton(clean_plugin_state):
             assert args.speculative_draft_attention_backend == expected
         finally:
             override.restore()
+
+
+def test_prefill_route_names_where_prefill_and_verify_run():
+    from types import SimpleNamespace
+
+    from sm120_workbook.patches.backend import prefill_route
+
+    def args(prefill=None, algo="NGRAM", mode="prefill"):
+        return SimpleNamespace(prefill_attention_backend=prefill, speculative_algorithm=algo,
+                               speculative_attention_mode=mode)
+
+    route, advice = prefill_route(args())
+    assert route == "prefill, extend and draft-extend on Triton"
+    assert "--prefill-attention-backend flashinfer --speculative-attention-mode decode" in advice
+    assert prefill_route(args("flashinfer", mode="decode")) == (
+        "prefill and extend on flashinfer (SGLang's hybrid backend)", None)
+    assert prefill_route(args("flashinfer", algo=None)) == (
+        "prefill and extend on flashinfer (SGLang's hybrid backend)", None)
+    route, advice = prefill_route(args("flashinfer", mode="prefill"))
+    assert "target verify too" in route and "not to the sm120 kernel" in advice
+    assert prefill_route(args("sm120_mla"))[0] == "prefill, extend and draft-extend on Triton"
+    assert prefill_route(None)[0] == "prefill, extend and draft-extend on Triton"   # a runner without server_args
+
+
+def test_prefill_route_reads_sglangs_own_server_args_fields():
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    assert {"prefill_attention_backend", "speculative_algorithm", "speculative_attention_mode"} <= names
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    assert defaults["speculative_attention_mode"] == "prefill" and defaults["prefill_attention_backend"] is None

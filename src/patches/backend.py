@@ -20,9 +20,11 @@ can be captured in CUDA graphs. If the kernel cannot build or run here, the cons
 raises (the server fails at start, naming the cause): this backend never serves quietly on
 another kernel.
 
-Use `--attention-backend sm120_mla` (one backend for prefill and decode: with a hybrid
-prefill/decode split SGLang sends target verify to the prefill backend) with the default
-page size 1 and a bf16 KV cache (`--kv-cache-dtype auto` on a bf16/fp8-weight model).
+Use `--attention-backend sm120_mla` with the default page size 1 and a bf16 KV cache
+(`--kv-cache-dtype auto` on a bf16/fp8-weight model). Long prompts prefill faster on another
+backend beside it: `--prefill-attention-backend flashinfer --speculative-attention-mode decode`
+(SGLang's hybrid backend; in `decode` mode it sends target verify to this backend, in the
+default `prefill` mode to the prefill backend). `prefill_route` says which the server does.
 """
 from __future__ import annotations
 
@@ -39,6 +41,26 @@ from ..mla import DIM_QK, DIM_V
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_Q_LEN = 16
+
+
+def prefill_route(server_args) -> tuple[str, str | None]:
+    """Where a server of this backend prefills and verifies, from its ServerArgs: the start-up
+    line's words, and a warning where the flags leave the kernel out of verify or leave long
+    prompts on the Triton extend kernel."""
+    prefill = getattr(server_args, "prefill_attention_backend", None)
+    speculative = getattr(server_args, "speculative_algorithm", None) is not None
+    mode = getattr(server_args, "speculative_attention_mode", "prefill")
+    if prefill and prefill != "sm120_mla":
+        if speculative and mode != "decode":
+            return (f"prefill on {prefill}, and target verify too",
+                    f"sm120_mla: --prefill-attention-backend {prefill} with --speculative-attention-mode "
+                    f"{mode} sends target verify to {prefill}, not to the sm120 kernel; add "
+                    "--speculative-attention-mode decode")
+        return f"prefill and extend on {prefill} (SGLang's hybrid backend)", None
+    return ("prefill, extend and draft-extend on Triton",
+            "sm120_mla: prompts prefill on SGLang's Triton extend kernel, slow at long contexts "
+            "(10 s at 64k for 16 layers on an H200); --prefill-attention-backend flashinfer "
+            "--speculative-attention-mode decode prefills on FlashInfer's MLA kernels instead")
 
 
 def load_kernel_ops():
@@ -87,10 +109,12 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         self.tokens_per_request = max(1, self.num_draft_tokens or 1)
         max_requests = model_runner.req_to_token_pool.size
         self._alloc_kernel_buffers(max_requests * self.tokens_per_request, max_requests)
+        route, advice = prefill_route(getattr(model_runner, "server_args", None))
         logger.info("sm120_mla (pid %d): MLA decode and target verify on the sm120 kernel "
-                    "(%d heads, up to %d tokens, workspace %.1f MiB); prefill, extend and "
-                    "draft-extend on Triton", os.getpid(), self.kernel_heads,
-                    self.kernel_max_tokens, self.kernel_workspace_bytes / 2**20)
+                    "(%d heads, up to %d tokens, workspace %.1f MiB); %s", os.getpid(), self.kernel_heads,
+                    self.kernel_max_tokens, self.kernel_workspace_bytes / 2**20, route)
+        if advice:
+            logger.warning(advice)
 
     # ------------------------------------------------------------------ setup
     def _check_runner(self, model_runner) -> None:
