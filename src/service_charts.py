@@ -325,16 +325,24 @@ def first_token_table(tt):
     return t.round(2).reset_index()
 
 
+def context_x(df):
+    """The x encoding of a chart against context: log2 scale, a tick at each measured context,
+    labelled in k."""
+    import altair as alt
+
+    ticks = sorted(df["ctx"].unique().tolist())
+    return alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
+                 axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value"))
+
+
 def first_token_chart(tt, title: str = "", source: str = ""):
     """Seconds to the first token against context (log-log), a line per server backend and
     prefill, a panel per layer count."""
     import altair as alt
 
     _need(tt, ["layers", "prefill", "ctx", "ctx_label", "ttft_s"], "first-token points")
-    ticks = sorted(tt["ctx"].unique().tolist())
     base = alt.Chart(tt).encode(
-        x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
-                axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
+        x=context_x(tt),
         y=alt.Y("ttft_s:Q", title="time to first token (s, log)", scale=alt.Scale(type="log")),
         color=alt.Color("prefill:N", title="server (prefill kernels)", scale=alt.Scale(scheme="tableau10"),
                         legend=alt.Legend(labelLimit=360)),
@@ -381,10 +389,8 @@ def decode_speed_chart(points, title: str = "", source: str = ""):
     import altair as alt
 
     _need(points, ["config", "spec_title", "ctx", "tok_s", "ctx_label"], "points")
-    ticks = sorted(points["ctx"].unique().tolist())
     base = alt.Chart(points).encode(
-        x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
-                axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
+        x=context_x(points),
         y=alt.Y("tok_s:Q", title="decode tok/s (batch 1)", scale=alt.Scale(type="log")),
         color=alt.Color("config:N", title="attention backend", scale=alt.Scale(scheme="tableau20"),
                         legend=alt.Legend(labelLimit=360)),
@@ -404,10 +410,8 @@ def speedup_chart(speedups, baseline: str = "triton", title: str = "", source: s
     d = speedups[speedups["backend"] != baseline]
     if len(d) == 0:
         raise ValueError(f"speedups: only the baseline backend {baseline!r} was measured")
-    ticks = sorted(d["ctx"].unique().tolist())
     base = alt.Chart(d).encode(
-        x=alt.X("ctx:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2),
-                axis=alt.Axis(values=ticks, labelExpr="datum.value >= 1024 ? datum.value / 1024 + 'k' : datum.value")),
+        x=context_x(d),
         y=alt.Y("speedup:Q", title=f"tok/s ÷ {baseline} tok/s (log)", scale=alt.Scale(type="log")),
         color=alt.Color("config:N", title="attention backend", scale=alt.Scale(scheme="tableau20"),
                         legend=alt.Legend(labelLimit=360)),
