@@ -73,9 +73,12 @@ def decode_points(df, every_run: bool = False):
     d = with_defaults(df)
     d["commit"] = d["commit"].map(short_commit) if "commit" in d else "?"
     d["date"] = d["date"].fillna("").astype(str) if "date" in d else ""
-    # ttft_s: the fastest request's, as the first request at a new length can wait on the host
-    # (first_token_points)
-    extra = {"ttft_s": ("ttft_s", "min")} if "ttft_s" in d else {}
+    # ttft_s: the fastest repeat's (repeat >= 1): a server's first request at a new length can
+    # wait on the host (first_token_points); NaN for a point without a repeat
+    extra = {}
+    if {"ttft_s", "repeat"} <= set(d):
+        d["repeat_ttft_s"] = d["ttft_s"].where(d["repeat"].fillna(0) >= 1)
+        extra = {"ttft_s": ("repeat_ttft_s", "min")}
     agg = (d.groupby(POINT_KEYS + ["commit"], dropna=False)
              .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
                   verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"), date=("date", "max"),
@@ -298,19 +301,21 @@ def prefill_label(backend: str, prefill_backend: str = "") -> str:
     return f"{backend} (prefill: {own})" if own != backend else backend
 
 
-def first_token_points(points, min_runs: int = 2):
+def first_token_points(points):
     """Time to the first token against context, one row per server backend with its prefill
-    backend, layer count and context: the fastest request of a point (decode_points' ttft_s)
-    with at least `min_runs` requests. The first request at a new length can wait seconds on the
-    host with the GPU idle (up to 23 s on the H200, with every backend), so a lone request may
-    not show the prefill's time; a repeat does. Configurations that do not change the prefill
-    (speculation, the expert recorder, the NGRAM fix) are pooled: the newest point stands."""
-    _need(points, ["backend", "ctx", "layers", "runs", "date", "prefill_attention_backend"], "points")
+    backend, layer count and context: decode_points' ttft_s, the fastest request that repeated
+    a length on its server (repeat >= 1). A server's first request at a new length can wait
+    seconds on the host with the GPU idle (up to 24 s on the H200), so a first request may not
+    show the prefill's time; a repeat does. Points without a repeat are left out.
+    Configurations that do not change a prefill (speculation, the expert recorder, the NGRAM
+    fix) are pooled: the newest point stands."""
+    _need(points, ["backend", "ctx", "layers", "date", "prefill_attention_backend"], "points")
     if "ttft_s" not in points:
-        raise ValueError("points: missing column ttft_s (records without a time to first token)")
-    d = points[(points["runs"] >= min_runs) & points["ttft_s"].notna()].copy()
-    d["prefill"] = [prefill_label(b, p or "") for b, p in zip(d["backend"], d["prefill_attention_backend"])]
-    keys = ["gpu", "model", "tp", "layers", "prefill", "ctx"]
+        raise ValueError("points: missing column ttft_s (records without a time to first token or a repeat index)")
+    d = points[points["ttft_s"].notna()].copy()
+    d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "")
+                    for b, p in zip(d["backend"], d["prefill_attention_backend"])]
+    keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]
     d = d.sort_values("date").groupby(keys, dropna=False).tail(1)
     cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "runs", "spec", "commit", "date"]
     return d[cols].sort_values(["layers", "prefill", "ctx"]).reset_index(drop=True)
@@ -320,7 +325,11 @@ def first_token_table(tt):
     """first_token_points as a table: seconds to the first token, a row per layer count and
     prefill, a column per context."""
     _need(tt, ["layers", "prefill", "ctx", "ctx_label", "ttft_s"], "first-token points")
-    t = tt.pivot_table(index=["layers", "prefill"], columns="ctx", values="ttft_s", aggfunc="first")
+    for k in ("gpu", "model", "tp", "ep_size", "weights"):
+        if k in tt and tt[k].nunique(dropna=False) > 1:
+            raise ValueError(f"first-token points: more than one {k} ({sorted(map(str, tt[k].unique()))}); "
+                             "select one first")
+    t = tt.pivot(index=["layers", "prefill"], columns="ctx", values="ttft_s")
     t.columns = [ctx_label(c) for c in t.columns]
     return t.round(2).reset_index()
 

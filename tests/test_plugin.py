@@ -208,34 +208,50 @@ def test_spec_compat_dflash_draft_gets_triton(clean_plugin_state):
             override.restore()
 
 
-def test_prefill_route_names_where_prefill_and_verify_run():
+def test_attention_routes_name_where_each_phase_runs():
     from types import SimpleNamespace
 
-    from sm120_workbook.patches.backend import prefill_route
+    from sm120_workbook.patches.backend import attention_routes
 
-    def args(prefill=None, algo="NGRAM", mode="prefill"):
-        return SimpleNamespace(prefill_attention_backend=prefill, speculative_algorithm=algo,
-                               speculative_attention_mode=mode)
+    def routes(attn="sm120_mla", prefill=None, decode=None, algo="NGRAM", mode="prefill"):
+        return attention_routes(SimpleNamespace(
+            attention_backend=attn, prefill_attention_backend=prefill, decode_attention_backend=decode,
+            speculative_algorithm=algo, speculative_attention_mode=mode))
 
-    route, advice = prefill_route(args())
-    assert route == "prefill, extend and draft-extend on Triton"
-    assert "--prefill-attention-backend flashinfer --speculative-attention-mode decode" in advice
-    assert prefill_route(args("flashinfer", mode="decode")) == (
-        "prefill and extend on flashinfer (SGLang's hybrid backend)", None)
-    assert prefill_route(args("flashinfer", algo=None)) == (
-        "prefill and extend on flashinfer (SGLang's hybrid backend)", None)
-    route, advice = prefill_route(args("flashinfer", mode="prefill"))
-    assert "target verify too" in route and "not to the sm120 kernel" in advice
-    assert prefill_route(args("sm120_mla"))[0] == "prefill, extend and draft-extend on Triton"
-    assert prefill_route(None)[0] == "prefill, extend and draft-extend on Triton"   # a runner without server_args
+    # one backend: everything but prefill on the kernel, prefill on the Triton parent (warned)
+    clause, warning = routes()
+    assert clause == "decode and target verify on the sm120 kernel; prefill and extend on Triton"
+    assert warning.startswith("sm120_mla: prompts prefill on SGLang's Triton extend kernel")
+    assert "--prefill-attention-backend flashinfer --speculative-attention-mode decode" in warning
+    assert routes(algo=None)[0] == "decode on the sm120 kernel; prefill and extend on Triton"
+    # the README's hybrid: verify follows decode in decode mode; nothing to warn of
+    assert routes(prefill="flashinfer", mode="decode") == (
+        "decode and target verify on the sm120 kernel; prefill and extend on flashinfer "
+        "(SGLang's hybrid backend)", None)
+    assert routes(prefill="flashinfer", algo=None)[1] is None
+    # the same split spelt the other way round resolves alike (SGLang's attention_backends_of)
+    assert routes(attn="flashinfer", decode="sm120_mla", mode="decode") == routes(prefill="flashinfer", mode="decode")
+    # a split in the default prefill mode sends verify to the prefill side
+    clause, warning = routes(prefill="flashinfer")
+    assert clause.startswith("decode on the sm120 kernel")
+    assert "target verify runs on flashinfer, not on the sm120 kernel: add --speculative-attention-mode decode" in warning
+    # sm120_mla as the prefill side only: decode elsewhere, verify on the kernel in prefill mode
+    clause, warning = routes(decode="triton")
+    assert clause.startswith("target verify on the sm120 kernel; prefill and extend on Triton")
+    assert "decode runs on triton, not on the sm120 kernel" in warning
+    assert routes(decode="triton", mode="decode")[0].startswith("no phase on the sm120 kernel")
+    # a Triton prefill beside the kernel is still the slow one
+    assert "Triton extend kernel" in routes(prefill="triton", mode="decode")[1]
+    assert attention_routes(None) == routes(algo=None)   # a runner without server_args
 
 
-def test_prefill_route_reads_sglangs_own_server_args_fields():
+def test_attention_routes_read_sglangs_own_server_args_fields():
     import dataclasses
 
     from sglang.srt.server_args import ServerArgs
 
     names = {f.name for f in dataclasses.fields(ServerArgs)}
-    assert {"prefill_attention_backend", "speculative_algorithm", "speculative_attention_mode"} <= names
+    assert {"attention_backend", "prefill_attention_backend", "decode_attention_backend", "speculative_algorithm",
+            "speculative_attention_mode"} <= names
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     assert defaults["speculative_attention_mode"] == "prefill" and defaults["prefill_attention_backend"] is None

@@ -181,20 +181,23 @@ def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels
         return _rec(backend, ctx, 1000.0, commit, date, ttft_s=ttft, repeat=rep, **kw)
 
     recs = [req("sm120_mla", 65536, 19.0, 0), req("sm120_mla", 65536, 10.3, 1),     # first request waits
-            req("sm120_mla", 65536, 1.7, 0, prefill_attention_backend="flashinfer"),
+            req("sm120_mla", 65536, 1.5, 0, prefill_attention_backend="flashinfer"),  # a first request: not counted
             req("sm120_mla", 65536, 1.6, 1, prefill_attention_backend="flashinfer"),
+            req("sm120_mla", 65536, 1.7, 2, prefill_attention_backend="flashinfer"),
             req("triton", 65536, 10.2, 0), req("triton", 65536, 10.4, 1),
-            req("flashmla", 65536, 0.9, 0),                                                # a lone request: left out
+            # two servers' first requests (repeats 1 each): no repeat, so left out
+            req("flashmla", 65536, 0.9, 0), req("flashmla", 65536, 0.8, 0, date="2026-12-01T17:00"),
             # an older run of another configuration (spec "none") of the same prefill: the newer stands
             req("sm120_mla", 65536, 12.0, 0, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none"),
             req("sm120_mla", 65536, 12.0, 1, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none")]
     tt = sc.first_token_points(sc.decode_points(pd.DataFrame(recs)))
     assert dict(zip(tt["prefill"], tt["ttft_s"])) == {
-        "sm120_mla (prefill: flashinfer)": 1.6, "sm120_mla (prefill: triton)": 10.3, "triton": 10.2}
+        "sm120_mla (prefill: flashinfer)": 1.6, "sm120_mla (prefill: triton)": 10.3, "triton": 10.4}
     table = sc.first_token_table(tt)
     assert list(table.columns) == ["layers", "prefill", "64k"]
     assert sc.first_token_chart(tt, source="recorded").to_dict()["title"]["subtitle"] == "recorded"
-    assert len(sc.first_token_points(sc.decode_points(pd.DataFrame(recs)), min_runs=1)) == 4
+    with pytest.raises(ValueError, match="more than one tp"):
+        sc.first_token_table(pd.concat([tt, tt.assign(tp=2)]))
     with pytest.raises(ValueError, match="ttft_s"):
         sc.first_token_points(sc.decode_points(pd.DataFrame([_rec("triton", 4096, 1.0, "a", "d")])))
 

@@ -24,12 +24,13 @@ Use `--attention-backend sm120_mla` with the default page size 1 and a bf16 KV c
 (`--kv-cache-dtype auto` on a bf16/fp8-weight model). Long prompts prefill faster on another
 backend beside it: `--prefill-attention-backend flashinfer --speculative-attention-mode decode`
 (SGLang's hybrid backend; in `decode` mode it sends target verify to this backend, in the
-default `prefill` mode to the prefill backend). `prefill_route` says which the server does.
+default `prefill` mode to the prefill backend). `attention_routes` says which the server does.
 """
 from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -37,30 +38,45 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..mla import DIM_QK, DIM_V
+from . import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_Q_LEN = 16
 
 
-def prefill_route(server_args) -> tuple[str, str | None]:
-    """Where a server of this backend prefills and verifies, from its ServerArgs: the start-up
-    line's words, and a warning where the flags leave the kernel out of verify or leave long
-    prompts on the Triton extend kernel."""
-    prefill = getattr(server_args, "prefill_attention_backend", None)
+def attention_routes(server_args) -> tuple[str, str | None]:
+    """Which phases a server runs on the sm120 kernel and where it prefills, from its ServerArgs
+    resolved as SGLang resolves them (`attention_backends_of`: a split field falls back to
+    --attention-backend; with a split, HybridAttnBackend sends target verify to the decode side
+    only in --speculative-attention-mode decode). Returns the start-up line's clause and a
+    warning where the flags keep decode or verify off the kernel, or prefill on Triton's extend
+    kernel. A server_args of None (a test runner) reads as --attention-backend sm120_mla."""
+    from sglang.srt.arg_groups.overrides import attention_backends_of
+
+    if server_args is None:
+        server_args = SimpleNamespace(attention_backend=BACKEND_NAME, prefill_attention_backend=None,
+                                      decode_attention_backend=None, speculative_algorithm=None)
+    prefill, decode = attention_backends_of(server_args)
     speculative = getattr(server_args, "speculative_algorithm", None) is not None
     mode = getattr(server_args, "speculative_attention_mode", "prefill")
-    if prefill and prefill != "sm120_mla":
-        if speculative and mode != "decode":
-            return (f"prefill on {prefill}, and target verify too",
-                    f"sm120_mla: --prefill-attention-backend {prefill} with --speculative-attention-mode "
-                    f"{mode} sends target verify to {prefill}, not to the sm120 kernel; add "
-                    "--speculative-attention-mode decode")
-        return f"prefill and extend on {prefill} (SGLang's hybrid backend)", None
-    return ("prefill, extend and draft-extend on Triton",
-            "sm120_mla: prompts prefill on SGLang's Triton extend kernel, slow at long contexts "
-            "(10 s at 64k for 16 layers on an H200); --prefill-attention-backend flashinfer "
-            "--speculative-attention-mode decode prefills on FlashInfer's MLA kernels instead")
+    verify = decode if prefill == decode or mode == "decode" else prefill
+    on_kernel = [phase for phase, side in (("decode", decode), ("target verify", verify))
+                 if side == BACKEND_NAME and (phase == "decode" or speculative)]
+    prefill_kernels = "Triton" if prefill in (BACKEND_NAME, "triton") else prefill
+    clause = (f"{' and '.join(on_kernel) or 'no phase'} on the sm120 kernel; prefill and extend on "
+              f"{prefill_kernels}" + (" (SGLang's hybrid backend)" if prefill != decode else ""))
+    warnings = []
+    if decode != BACKEND_NAME:
+        warnings.append(f"decode runs on {decode}, not on the sm120 kernel")
+    if speculative and verify != BACKEND_NAME:
+        warnings.append(f"target verify runs on {verify}, not on the sm120 kernel"
+                        + (": add --speculative-attention-mode decode" if decode == BACKEND_NAME else ""))
+    if prefill_kernels == "Triton":
+        warnings.append("prompts prefill on SGLang's Triton extend kernel, slow at long contexts "
+                        "(10 s at 64k for 16 layers on an H200); --prefill-attention-backend flashinfer "
+                        "--speculative-attention-mode decode prefills on FlashInfer's MLA kernels instead")
+    return clause, ("sm120_mla: " + "; ".join(warnings)) if warnings else None
 
 
 def load_kernel_ops():
@@ -109,10 +125,10 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         self.tokens_per_request = max(1, self.num_draft_tokens or 1)
         max_requests = model_runner.req_to_token_pool.size
         self._alloc_kernel_buffers(max_requests * self.tokens_per_request, max_requests)
-        route, advice = prefill_route(getattr(model_runner, "server_args", None))
-        logger.info("sm120_mla (pid %d): MLA decode and target verify on the sm120 kernel "
-                    "(%d heads, up to %d tokens, workspace %.1f MiB); %s", os.getpid(), self.kernel_heads,
-                    self.kernel_max_tokens, self.kernel_workspace_bytes / 2**20, route)
+        route, advice = attention_routes(getattr(model_runner, "server_args", None))
+        logger.info("sm120_mla (pid %d): MLA %s (%d heads, up to %d tokens, workspace %.1f MiB)",
+                    os.getpid(), route, self.kernel_heads, self.kernel_max_tokens,
+                    self.kernel_workspace_bytes / 2**20)
         if advice:
             logger.warning(advice)
 
