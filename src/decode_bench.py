@@ -279,7 +279,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                log_dir: Path | None = None, profile_steps: int = 0,
                profile_contexts: Sequence[int] | None = None, profile_with_stack: bool = False,
                ngram_tail: bool = False, prefill_backend: str | None = None,
-               log: Callable[[str], None] = print) -> MatrixResult:
+               prefill_as_base: bool = False, log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
     spec_fallback: when a DFlash server fails to start, run `spec_fallback` ("ngram") in its
@@ -295,6 +295,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     draft prep without a per-step copy of the prompt); records carry ngram_tail.
     prefill_backend: prefills on this SGLang backend instead (e.g. "flashinfer"; decode and
     verify stay on each backend of `backends`); records carry prefill_attention_backend.
+    prefill_as_base: spell that hybrid with the prefill backend as --attention-backend
+    (ServerConfig.prefill_as_base); records carry prefill_as_base.
     """
     from tqdm.auto import tqdm
 
@@ -307,6 +309,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     prefill_backend = prefill_backend or None   # "" is what records say for none
     if prefill_backend is not None:
         check_attention_backend(prefill_backend, "prefill_backend")
+    elif prefill_as_base:
+        raise ValueError("prefill_as_base: needs a prefill_backend to put first")
     if (spec_fallback or "") not in SPEC_FALLBACKS:
         raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
     if spec_fallback:
@@ -337,7 +341,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         fusion = allreduce_fusion and tp > 1
         # $SM120_KV_SORT passes through to the servers: the records say whether it was on
         common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
-                  "prefill_attention_backend": prefill_backend or "",
+                  "prefill_attention_backend": prefill_backend or "", "prefill_as_base": bool(prefill_as_base),
                   "kv_sort": kv_sort.requested(),
                   "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
                   "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
@@ -397,6 +401,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
             cfg = ServerConfig(
                 model_path=model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
+                prefill_as_base=prefill_as_base,
                 tp=tp,
                 mem_fraction_static=mem_fraction_static, extra_args=extra,
                 context_length=ctx_len,
@@ -658,6 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefill-backend", default=None,
                    help="prefill on this SGLang attention backend (e.g. flashinfer); decode and verify "
                         "stay on --backends (SGLang's hybrid backend, --speculative-attention-mode decode)")
+    p.add_argument("--prefill-as-base", action="store_true",
+                   help="spell that hybrid as --attention-backend PREFILL --decode-attention-backend BACKEND "
+                        "(SGLang turns its chunked prefix cache on by --attention-backend)")
     p.add_argument("--profile-with-stack", action="store_true",
                    help="also record Python calls in the profile (host time by function)")
     p.add_argument("--results-dir", type=Path, default=None,
@@ -693,7 +701,7 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           command=command, results_dir=a.results_dir, log_dir=a.log_dir,
                           profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
                           profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail,
-                          prefill_backend=a.prefill_backend)
+                          prefill_backend=a.prefill_backend, prefill_as_base=a.prefill_as_base)
     except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
         p.error(str(e))
 

@@ -48,7 +48,7 @@ PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokensp
 LOG_TAIL_LINES = 60
 # /generate: the longest silence from the server, before the first chunk (the first token: at
 # most 41 s in the H200 records, 128k on 16 layers with the Triton prefill; a first request at a
-# new length can wait up to 24 s more) or between two chunks, before the request is given up as
+# new length can wait about 22 s more) or between two chunks, before the request is given up as
 # stalled (it was requests' read timeout of 1,800 s)
 STALL_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 10.0
@@ -159,6 +159,10 @@ class ServerConfig:
     # A prefill on another backend (SGLang's hybrid backend); decode and target-verify stay on
     # attention_backend (--speculative-attention-mode decode). None: one backend for all.
     prefill_attention_backend: str | None = None
+    # The same hybrid spelt with the prefill backend as --attention-backend and attention_backend
+    # as --decode-attention-backend: SGLang resolves the same two backends, but gates its chunked
+    # prefix cache (MHA for prompt chunks after the first) on --attention-backend alone.
+    prefill_as_base: bool = False
     tp: int = -1                             # -1: every visible GPU
     mem_fraction_static: float = 0.8
     context_length: int | None = None
@@ -175,6 +179,13 @@ class ServerConfig:
     host: str = DEFAULT_HOST
     port: int | None = None                  # None: a free port is picked
     extra_args: tuple[str, ...] = ()
+
+    def base_attention_backend(self) -> str:
+        """What --attention-backend names (and /server_info reports): the prefill backend for a
+        hybrid spelt prefill_as_base, else attention_backend."""
+        if self.prefill_attention_backend is not None and self.prefill_as_base:
+            return self.prefill_attention_backend
+        return self.attention_backend
 
     def model_config(self) -> dict:
         path = Path(self.model_path) / "config.json"
@@ -206,6 +217,8 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     check_attention_backend(cfg.attention_backend)
     if cfg.prefill_attention_backend is not None:
         check_attention_backend(cfg.prefill_attention_backend, "prefill_attention_backend")
+    elif cfg.prefill_as_base:
+        raise ValueError("prefill_as_base: needs a prefill_attention_backend to put first")
     cfg.tp = resolve_tp(cfg.tp)
     heads_per_rank(model, cfg.tp)  # raises when tp does not divide the heads
     check_mem_fraction_static(cfg.mem_fraction_static)
@@ -250,12 +263,15 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
 
 def launch_args(cfg: ServerConfig) -> list[str]:
     """The `sglang.launch_server` arguments for a resolved config."""
+    hybrid = cfg.prefill_attention_backend is not None
     a = ["--model-path", str(cfg.model_path), "--load-format", "dummy", "--skip-tokenizer-init",
-         "--attention-backend", cfg.attention_backend, "--tp", str(cfg.tp),
+         "--attention-backend", cfg.base_attention_backend(), "--tp", str(cfg.tp),
          "--mem-fraction-static", str(cfg.mem_fraction_static),
          "--host", cfg.host, "--port", str(cfg.port)]
-    if cfg.prefill_attention_backend is not None:
-        a += ["--prefill-attention-backend", cfg.prefill_attention_backend, "--speculative-attention-mode", "decode"]
+    if hybrid:   # target verify on the decode side, with the kernel
+        a += (["--decode-attention-backend", cfg.attention_backend] if cfg.prefill_as_base
+              else ["--prefill-attention-backend", cfg.prefill_attention_backend])
+        a += ["--speculative-attention-mode", "decode"]
     if cfg.context_length is not None:
         a += ["--context-length", str(cfg.context_length)]
     if cfg.page_size is not None:
@@ -588,7 +604,7 @@ class SGLangServer:
         info = requests.get(self.url + "/server_info", timeout=30).json()
         self.server_info = info   # SGLang's resolved arguments, e.g. the DFlash draft's backend
         cfg = self.config
-        ours = {"attention_backend": cfg.attention_backend, "model_path": os.path.realpath(cfg.model_path),
+        ours = {"attention_backend": cfg.base_attention_backend(), "model_path": os.path.realpath(cfg.model_path),
                 "tp_size": cfg.tp}
         theirs = {"attention_backend": info.get("attention_backend"),
                   "model_path": os.path.realpath(str(info.get("model_path", ""))), "tp_size": info.get("tp_size")}

@@ -14,13 +14,16 @@ import pandas as pd
 # A point is one configuration: records differing in any of these are never pooled or paired.
 # expert_record (the recorder costs time on every forward) and ngram_tail (the host-side NGRAM
 # fix, patches/ngram_tail.py) change the step time without changing the kernel;
-# prefill_attention_backend (a prefill on another backend, "" for none) the time to first token.
+# prefill_attention_backend (a prefill on another backend, "" for none) the time to first token,
+# and prefill_as_base (that hybrid spelt with the prefill backend first) SGLang's prefill path.
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
-              "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend"]
+              "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
+              "prefill_as_base"]
 # What a record without the key ran with (older records predate ep_size and ngram_tail;
 # decode_tokens: decode_bench's default).
 KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
-                "expert_record": False, "ngram_tail": False, "prefill_attention_backend": ""}
+                "expert_record": False, "ngram_tail": False, "prefill_attention_backend": "",
+                "prefill_as_base": False}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM"}
 
 
@@ -60,7 +63,7 @@ def with_defaults(df):
             d[k] = "?"
     for k in ("ep_size", "decode_tokens", "draft_tokens"):
         d[k] = d[k].astype(int)
-    for k in ("cuda_graph", "expert_record", "ngram_tail"):
+    for k in ("cuda_graph", "expert_record", "ngram_tail", "prefill_as_base"):
         d[k] = d[k].astype(bool)
     return d
 
@@ -77,7 +80,7 @@ def decode_points(df, every_run: bool = False):
     # wait on the host (first_token_points); NaN for a point without a repeat
     extra = {}
     if {"ttft_s", "repeat"} <= set(d):
-        d["repeat_ttft_s"] = d["ttft_s"].where(d["repeat"].fillna(0) >= 1)
+        d["repeat_ttft_s"] = d["ttft_s"].where(pd.to_numeric(d["repeat"], errors="coerce").fillna(0) >= 1)
         extra = {"ttft_s": ("repeat_ttft_s", "min")}
     agg = (d.groupby(POINT_KEYS + ["commit"], dropna=False)
              .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
@@ -108,7 +111,8 @@ def select_tp(df, tp: int = 1):
 
 
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
-                 ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "") -> str:
+                 ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "",
+                 prefill_as_base: bool = False) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
     draft prep unpatched, the prefill on the same backend), and the layer count and decode
@@ -119,7 +123,8 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
             + (f", {int(decode_tokens)} decode tokens" if decode_tokens is not None else "")
             + ("" if expert_record else " (recorder off)") + ("" if cuda_graph else " (no CUDA graph)")
             + (" + ngram_tail" if ngram_tail else "")
-            + (f" + {prefill_backend} prefill" if prefill_backend else ""))
+            + (f" + {prefill_backend} prefill" if prefill_backend else "")
+            + (" as base" if prefill_backend and prefill_as_base else ""))
 
 
 def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
@@ -129,7 +134,8 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
     return config_label(v("backend"), bool(v("expert_record")), bool(v("ngram_tail")), v("tp"),
                         v("layers") if layers else None, ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")),
                         decode_tokens=v("decode_tokens") if decode_tokens else None,
-                        prefill_backend=str(v("prefill_attention_backend") or ""))
+                        prefill_backend=str(v("prefill_attention_backend") or ""),
+                        prefill_as_base=bool(v("prefill_as_base")))
 
 
 def pair_points(mine, base, keys, value: str = "tok_s"):
@@ -291,13 +297,13 @@ def decode_table(points):
     return t.round({"tok_s": 1, "accept_len": 2, "verify_step_ms": 2})
 
 
-def prefill_label(backend: str, prefill_backend: str = "") -> str:
+def prefill_label(backend: str, prefill_backend: str = "", as_base: bool = False) -> str:
     """Which kernels a prompt's prefill runs on a server of `backend`: its own, or with SGLang's
-    hybrid backend (--prefill-attention-backend) another's. sm120_mla prefills on its parent,
-    SGLang's Triton backend."""
+    hybrid backend (--prefill-attention-backend) another's, `as_base` where the hybrid was spelt
+    with it as --attention-backend. sm120_mla prefills on its parent, SGLang's Triton backend."""
     own = {"sm120_mla": "triton"}.get(backend, backend)
     if prefill_backend:
-        return f"{backend} (prefill: {prefill_backend})"
+        return f"{backend} (prefill: {prefill_backend}{' as base' if as_base else ''})"
     return f"{backend} (prefill: {own})" if own != backend else backend
 
 
@@ -305,16 +311,18 @@ def first_token_points(points):
     """Time to the first token against context, one row per server backend with its prefill
     backend, layer count and context: decode_points' ttft_s, the fastest request that repeated
     a length on its server (repeat >= 1). A server's first request at a new length can wait
-    seconds on the host with the GPU idle (up to 24 s on the H200), so a first request may not
+    seconds on the host with the GPU idle (about 22 s on the H200), so a first request may not
     show the prefill's time; a repeat does. Points without a repeat are left out.
-    Configurations that do not change a prefill (speculation, the expert recorder, the NGRAM
-    fix) are pooled: the newest point stands."""
-    _need(points, ["backend", "ctx", "layers", "date", "prefill_attention_backend"], "points")
+    Configurations that do not change a prefill (no speculation or NGRAM, the expert recorder,
+    the NGRAM fix) are pooled: the newest point stands. DFlash's draft model prefills the prompt
+    too, so its points stay apart (", DFlash draft")."""
+    _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend"], "points")
     if "ttft_s" not in points:
         raise ValueError("points: missing column ttft_s (records without a time to first token or a repeat index)")
     d = points[points["ttft_s"].notna()].copy()
-    d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "")
-                    for b, p in zip(d["backend"], d["prefill_attention_backend"])]
+    base = d["prefill_as_base"] if "prefill_as_base" in d else [False] * len(d)
+    d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a)) + (", DFlash draft" if s == "dflash" else "")
+                    for b, p, a, s in zip(d["backend"], d["prefill_attention_backend"], base, d["spec"])]
     keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]
     d = d.sort_values("date").groupby(keys, dropna=False).tail(1)
     cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "runs", "spec", "commit", "date"]

@@ -229,7 +229,28 @@ def _cpu_wiring_checks() -> dict:
     gen = torch.Generator().manual_seed(7)
     ops = ReferenceKernelOps
     triton = TritonAttnBackend(runner)
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
+    backend_log = logging.getLogger("sm120_workbook.patches.backend")
+    backend_log.addHandler(lines)
+    level = backend_log.level
+    backend_log.setLevel(logging.INFO)
     sm120 = Sm120MlaAttnBackend(runner, kernel_ops=ops)
+    runner.is_draft_worker = True   # a draft model's runner: its own line, not the server's routes
+    Sm120MlaAttnBackend(runner, kernel_ops=ops)
+    runner.is_draft_worker = False
+    backend_log.removeHandler(lines)
+    backend_log.setLevel(level)
+    out["start_lines"] = lines.lines
 
     def compare(name, batch, graph=None):
         fb, q, k, v = batch
@@ -332,6 +353,12 @@ def test_cpu_wiring_against_triton_in_interpreter():
     assert out["graph_qo_indptr_dtype"] == "torch.int64"  # so the int32 copy was exercised
     assert "ENCODER_ONLY; the kernel runs causal decoder self-attention only" in (out["encoder_layer_error"] or "")
     assert out["factory_error"] and "no CUDA GPU" in out["factory_error"], out["factory_error"]
+    # the target runner's line names its routes (the test kit's runner says --attention-backend
+    # triton, so decode reads as off the kernel); the draft runner's line names only itself
+    target, warning, draft = out["start_lines"]
+    assert target.startswith("sm120_mla (pid ") and "on the sm120 kernel" in target, out["start_lines"]
+    assert warning.startswith("sm120_mla: decode runs on triton"), out["start_lines"]
+    assert draft.startswith("sm120_mla (pid ") and "a draft model's MLA backend" in draft, out["start_lines"]
 
 
 # ---------------------------------------------------------------- GPU: the real kernel

@@ -240,6 +240,28 @@ def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir):
         resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfr", tp=1))
 
 
+def test_the_hybrid_spelt_prefill_first_resolves_to_the_same_backends(model_dir):
+    """prefill_as_base: --attention-backend PREFILL --decode-attention-backend BACKEND. SGLang's
+    own resolution (attention_backends_of) gives the same pair as the other spelling; the base
+    differs, which is what SGLang's chunked prefix cache gate reads."""
+    from sglang.srt.arg_groups.overrides import attention_backends_of
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    spelt = {}
+    for as_base in (False, True):
+        cfg = resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfer",
+                                          prefill_as_base=as_base, tp=1, spec="ngram"))
+        ns = parser.parse_args(launch_args(cfg))
+        assert ns.speculative_attention_mode == "decode"
+        assert ns.attention_backend == cfg.base_attention_backend() == ("flashinfer" if as_base else "triton")
+        spelt[as_base] = attention_backends_of(ns)
+    assert spelt[False] == spelt[True] == ("flashinfer", "triton")
+    with pytest.raises(ValueError, match="^prefill_as_base: needs a prefill_attention_backend"):
+        resolve_config(ServerConfig(model_dir, "triton", prefill_as_base=True, tp=1))
+
+
 # ---- errors before launch ------------------------------------------------------------------
 
 def test_port_in_use_is_named_and_nothing_launches(model_dir, fake, tmp_path, monkeypatch):
@@ -489,6 +511,17 @@ def test_run_matrix_records_the_prefill_backend(fake, tmp_path, monkeypatch):
                                     spec=["none"], decode_tokens=8, tp=1, nvml=False, expert=False,
                                     progress=False, launcher=fake, log_dir=tmp_path, log=lambda s: None)
     assert [r["prefill_attention_backend"] for r in plain.decode] == [""]
+    assert [r["prefill_as_base"] for r in res.decode + plain.decode] == [False, False]
+    # spelt prefill first: the server reports flashinfer as its attention backend, and that is
+    # the identity it is checked against
+    based = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                    spec=["none"], decode_tokens=8, tp=1, nvml=False, expert=False,
+                                    progress=False, prefill_backend="flashinfer", prefill_as_base=True,
+                                    launcher=fake, log_dir=tmp_path, log=lambda s: None)
+    assert [(r["prefill_attention_backend"], r["prefill_as_base"]) for r in based.decode] == [("flashinfer", True)]
+    assert not based.failures
+    with pytest.raises(ValueError, match="^prefill_as_base: needs a prefill_backend"):
+        decode_bench.run_matrix(backends=["triton"], prefill_as_base=True, tp=1, launcher=fake, log=lambda s: None)
 
 
 def test_cli_refuses_unknown_backend_before_any_launch(tmp_path, capsys):

@@ -189,10 +189,15 @@ def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels
             req("flashmla", 65536, 0.9, 0), req("flashmla", 65536, 0.8, 0, date="2026-12-01T17:00"),
             # an older run of another configuration (spec "none") of the same prefill: the newer stands
             req("sm120_mla", 65536, 12.0, 0, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none"),
-            req("sm120_mla", 65536, 12.0, 1, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none")]
+            req("sm120_mla", 65536, 12.0, 1, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none"),
+            # DFlash's draft prefills too: its newer point stays apart
+            req("sm120_mla", 65536, 14.0, 0, date="2026-12-01T18:00", spec="dflash"),
+            req("sm120_mla", 65536, 13.0, "1", date="2026-12-01T18:00", spec="dflash")]   # repeat as text
     tt = sc.first_token_points(sc.decode_points(pd.DataFrame(recs)))
     assert dict(zip(tt["prefill"], tt["ttft_s"])) == {
-        "sm120_mla (prefill: flashinfer)": 1.6, "sm120_mla (prefill: triton)": 10.3, "triton": 10.4}
+        "sm120_mla (prefill: flashinfer)": 1.6, "sm120_mla (prefill: triton)": 10.3, "triton": 10.4,
+        "sm120_mla (prefill: triton), DFlash draft": 13.0}
+    tt = tt[~tt["prefill"].str.endswith("DFlash draft")]
     table = sc.first_token_table(tt)
     assert list(table.columns) == ["layers", "prefill", "64k"]
     assert sc.first_token_chart(tt, source="recorded").to_dict()["title"]["subtitle"] == "recorded"
@@ -203,6 +208,9 @@ def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels
 
 
 def test_prefill_label():
+    assert sc.prefill_label("sm120_mla", "flashinfer", as_base=True) == "sm120_mla (prefill: flashinfer as base)"
+    assert sc.config_label("sm120_mla", prefill_backend="flashinfer", prefill_as_base=True) == (
+        "sm120_mla + flashinfer prefill as base")
     assert sc.prefill_label("sm120_mla") == "sm120_mla (prefill: triton)"
     assert sc.prefill_label("sm120_mla", "flashinfer") == "sm120_mla (prefill: flashinfer)"
     assert sc.prefill_label("flashmla") == "flashmla"

@@ -105,9 +105,12 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
                  kernel_ops=None):
         super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)
         self.kernel_ops = None
+        # A speculative draft model's runner builds its backends by the target's names too: its
+        # line says so, and the server's routes are the target runner's to tell.
+        draft = bool(getattr(model_runner, "is_draft_worker", False))
         if not self.use_mla:
-            logger.info("sm120_mla (pid %d): not an MLA model; every phase runs the Triton "
-                        "backend", os.getpid())
+            logger.info("sm120_mla (pid %d): %s is not an MLA model; every phase of it runs the "
+                        "Triton backend", os.getpid(), "the draft model" if draft else "the model")
             return
         if kernel_ops is None:
             kernel_ops = load_kernel_ops()
@@ -125,10 +128,14 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         self.tokens_per_request = max(1, self.num_draft_tokens or 1)
         max_requests = model_runner.req_to_token_pool.size
         self._alloc_kernel_buffers(max_requests * self.tokens_per_request, max_requests)
+        sizes = (self.kernel_heads, self.kernel_max_tokens, self.kernel_workspace_bytes / 2**20)
+        if draft:
+            logger.info("sm120_mla (pid %d): a draft model's MLA backend (%d heads, up to %d tokens, "
+                        "workspace %.1f MiB)", os.getpid(), *sizes)
+            return
         route, advice = attention_routes(getattr(model_runner, "server_args", None))
         logger.info("sm120_mla (pid %d): MLA %s (%d heads, up to %d tokens, workspace %.1f MiB)",
-                    os.getpid(), route, self.kernel_heads, self.kernel_max_tokens,
-                    self.kernel_workspace_bytes / 2**20)
+                    os.getpid(), route, *sizes)
         if advice:
             logger.warning(advice)
 
