@@ -245,6 +245,18 @@ def test_attention_routes_name_where_each_phase_runs():
     assert attention_routes(None) == routes(algo=None)   # a runner without server_args
 
 
+def test_routes_of_a_command_line_parse_with_sglang():
+    from sm120_workbook.patches.backend import routes_of_command
+
+    readme = ("--attention-backend sm120_mla --prefill-attention-backend flashinfer "
+              "--speculative-attention-mode decode --speculative-algorithm NGRAM").split()
+    assert routes_of_command(readme) == (
+        "decode and target verify on the sm120 kernel; prefill and extend on flashinfer "
+        "(SGLang's hybrid backend)", None)
+    clause, warning = routes_of_command(["--attention-backend", "sm120_mla"])
+    assert clause == "decode on the sm120 kernel; prefill and extend on Triton" and "Triton extend" in warning
+
+
 def test_attention_routes_read_sglangs_own_server_args_fields():
     import dataclasses
 

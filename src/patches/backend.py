@@ -79,6 +79,20 @@ def attention_routes(server_args) -> tuple[str, str | None]:
     return clause, ("sm120_mla: " + "; ".join(warnings)) if warnings else None
 
 
+def routes_of_command(args: list[str]) -> tuple[str, str | None]:
+    """attention_routes of a `sglang.launch_server` command line (its arguments), parsed by
+    SGLang's own parser: what a server started so would log. --model-path may be left out."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    if "--model-path" not in args:
+        args = ["--model-path", "MODEL", *args]
+    return attention_routes(parser.parse_args(args))
+
+
 def load_kernel_ops():
     """The kernel package, or a RuntimeError that says why it cannot run here."""
     try:
