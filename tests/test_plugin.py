@@ -245,7 +245,7 @@ def test_attention_routes_name_where_each_phase_runs():
     assert attention_routes(None) == routes(algo=None)   # a runner without server_args
 
 
-def test_routes_of_a_command_line_parse_with_sglang():
+def test_routes_of_a_command_line_parse_with_sglang(clean_plugin_state):
     from sm120_workbook.patches.backend import routes_of_command
 
     readme = ("--attention-backend sm120_mla --prefill-attention-backend flashinfer "

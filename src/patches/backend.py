@@ -81,11 +81,16 @@ def attention_routes(server_args) -> tuple[str, str | None]:
 
 def routes_of_command(args: list[str]) -> tuple[str, str | None]:
     """attention_routes of a `sglang.launch_server` command line (its arguments), parsed by
-    SGLang's own parser: what a server started so would log. --model-path may be left out."""
+    SGLang's own parser: what a server started so would log. --model-path may be left out.
+    Registers the backend first, as the plugin does in every server process, so that the
+    parser knows the name."""
     import argparse
 
     from sglang.srt.server_args import ServerArgs
 
+    from . import register_backend
+
+    register_backend()
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     if "--model-path" not in args:
