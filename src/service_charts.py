@@ -316,13 +316,12 @@ def first_token_points(points):
     Configurations that do not change a prefill (no speculation or NGRAM, the expert recorder,
     the NGRAM fix) are pooled: the newest point stands. DFlash's draft model prefills the prompt
     too, so its points stay apart (", DFlash draft")."""
-    _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend"], "points")
+    _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend", "prefill_as_base"], "points")
     if "ttft_s" not in points:
         raise ValueError("points: missing column ttft_s (records without a time to first token or a repeat index)")
     d = points[points["ttft_s"].notna()].copy()
-    base = d["prefill_as_base"] if "prefill_as_base" in d else [False] * len(d)
     d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a)) + (", DFlash draft" if s == "dflash" else "")
-                    for b, p, a, s in zip(d["backend"], d["prefill_attention_backend"], base, d["spec"])]
+                    for b, p, a, s in zip(d["backend"], d["prefill_attention_backend"], d["prefill_as_base"], d["spec"])]
     keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]
     d = d.sort_values("date").groupby(keys, dropna=False).tail(1)
     cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "runs", "spec", "commit", "date"]

@@ -230,16 +230,9 @@ def _cpu_wiring_checks() -> dict:
     ops = ReferenceKernelOps
     triton = TritonAttnBackend(runner)
     import logging
+    import logging.handlers
 
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
-
-    lines = Lines()
+    lines = logging.handlers.BufferingHandler(capacity=100)   # keeps the records it is handed
     backend_log = logging.getLogger("sm120_workbook.patches.backend")
     backend_log.addHandler(lines)
     level = backend_log.level
@@ -250,7 +243,7 @@ def _cpu_wiring_checks() -> dict:
     runner.is_draft_worker = False
     backend_log.removeHandler(lines)
     backend_log.setLevel(level)
-    out["start_lines"] = lines.lines
+    out["start_lines"] = [r.getMessage() for r in lines.buffer]
 
     def compare(name, batch, graph=None):
         fb, q, k, v = batch
