@@ -222,15 +222,29 @@ def test_attention_routes_name_where_each_phase_runs():
     clause, warning = routes()
     assert clause == "decode and target verify on the sm120 kernel; prefill and extend on Triton"
     assert warning.startswith("sm120_mla: prompts prefill on SGLang's Triton extend kernel")
-    assert "--prefill-attention-backend flashinfer --speculative-attention-mode decode" in warning
+    assert ("--attention-backend flashinfer --decode-attention-backend sm120_mla "
+            "--speculative-attention-mode decode prefills on FlashInfer's MLA kernels instead") in warning
     assert routes(algo=None)[0] == "decode on the sm120 kernel; prefill and extend on Triton"
-    # the README's hybrid: verify follows decode in decode mode; nothing to warn of
-    assert routes(prefill="flashinfer", mode="decode") == (
-        "decode and target verify on the sm120 kernel; prefill and extend on flashinfer "
-        "(SGLang's hybrid backend)", None)
-    assert routes(prefill="flashinfer", algo=None)[1] is None
-    # the same split spelt the other way round resolves alike (SGLang's attention_backends_of)
-    assert routes(attn="flashinfer", decode="sm120_mla", mode="decode") == routes(prefill="flashinfer", mode="decode")
+    # the README's hybrid: flashinfer as --attention-backend, verify follows decode in decode mode;
+    # nothing to warn of
+    hybrid = ("decode and target verify on the sm120 kernel; prefill and extend on flashinfer "
+              "(SGLang's hybrid backend)")
+    assert routes(attn="flashinfer", decode="sm120_mla", mode="decode") == (hybrid, None)
+    assert routes(attn="flashinfer", decode="sm120_mla", algo=None) == (hybrid.replace(" and target verify", ""), None)
+    # the same split spelt the other way round resolves alike (SGLang's attention_backends_of),
+    # but SGLang keeps its chunked prefix cache off (keyed on --attention-backend): warned, with
+    # the spelling that turns it on
+    clause, warning = routes(prefill="flashinfer", mode="decode")
+    assert clause == hybrid
+    assert warning.startswith("sm120_mla: SGLang turns its chunked prefix cache on by --attention-backend")
+    assert warning.endswith("spell the same backends --attention-backend flashinfer --decode-attention-backend "
+                            "sm120_mla --speculative-attention-mode decode")
+    # ... and not when the user turned the cache off, or the prefill side cannot use it
+    assert attention_routes(SimpleNamespace(
+        attention_backend="sm120_mla", prefill_attention_backend="flashinfer", decode_attention_backend=None,
+        speculative_algorithm="NGRAM", speculative_attention_mode="decode", disable_chunked_prefix_cache=True)) == (
+        hybrid, None)
+    assert "chunked prefix cache" not in routes(prefill="triton", mode="decode")[1]
     # a split in the default prefill mode sends verify to the prefill side
     clause, warning = routes(prefill="flashinfer")
     assert clause.startswith("decode on the sm120 kernel")
@@ -248,11 +262,18 @@ def test_attention_routes_name_where_each_phase_runs():
 def test_routes_of_a_command_line_parse_with_sglang(clean_plugin_state):
     from sm120_workbook.patches.backend import routes_of_command
 
-    readme = ("--attention-backend sm120_mla --prefill-attention-backend flashinfer "
+    readme = ("--attention-backend flashinfer --decode-attention-backend sm120_mla "
               "--speculative-attention-mode decode --speculative-algorithm NGRAM").split()
-    assert routes_of_command(readme) == (
-        "decode and target verify on the sm120 kernel; prefill and extend on flashinfer "
-        "(SGLang's hybrid backend)", None)
+    hybrid = ("decode and target verify on the sm120 kernel; prefill and extend on flashinfer "
+              "(SGLang's hybrid backend)")
+    assert routes_of_command(readme) == (hybrid, None)
+    # the other spelling: SGLang's list of chunked-prefix-cache backends, as parsed, has flashinfer
+    # and not sm120_mla, and --disable-chunked-prefix-cache is read from SGLang's own field
+    other = ("--attention-backend sm120_mla --prefill-attention-backend flashinfer "
+             "--speculative-attention-mode decode --speculative-algorithm NGRAM").split()
+    clause, warning = routes_of_command(other)
+    assert clause == hybrid and "chunked prefix cache" in warning
+    assert routes_of_command(other + ["--disable-chunked-prefix-cache"]) == (hybrid, None)
     clause, warning = routes_of_command(["--attention-backend", "sm120_mla"])
     assert clause == "decode on the sm120 kernel; prefill and extend on Triton" and "Triton extend" in warning
 
@@ -264,6 +285,6 @@ def test_attention_routes_read_sglangs_own_server_args_fields():
 
     names = {f.name for f in dataclasses.fields(ServerArgs)}
     assert {"attention_backend", "prefill_attention_backend", "decode_attention_backend", "speculative_algorithm",
-            "speculative_attention_mode"} <= names
+            "speculative_attention_mode", "disable_chunked_prefix_cache"} <= names
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     assert defaults["speculative_attention_mode"] == "prefill" and defaults["prefill_attention_backend"] is None

@@ -20,11 +20,12 @@ can be captured in CUDA graphs. If the kernel cannot build or run here, the cons
 raises (the server fails at start, naming the cause): this backend never serves quietly on
 another kernel.
 
-Use `--attention-backend sm120_mla` with the default page size 1 and a bf16 KV cache
-(`--kv-cache-dtype auto` on a bf16/fp8-weight model). Long prompts prefill faster on another
-backend beside it: `--prefill-attention-backend flashinfer --speculative-attention-mode decode`
-(SGLang's hybrid backend; in `decode` mode it sends target verify to this backend, in the
-default `prefill` mode to the prefill backend). `attention_routes` says which the server does.
+Use it with the default page size 1 and a bf16 KV cache (`--kv-cache-dtype auto` on a
+bf16/fp8-weight model). `--attention-backend sm120_mla` alone prefills on Triton, slow at long
+prompts. `HYBRID_FLAGS` prefill on FlashInfer instead (SGLang's hybrid backend; in `decode` mode
+it sends target verify to the decode side, this backend). Spelt with flashinfer as
+--attention-backend, SGLang also turns on its chunked prefix cache, which it keys on that flag
+alone. `attention_routes` says what the server does.
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ from . import BACKEND_NAME
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_Q_LEN = 16
+# The launch flags that keep decode and verify on this backend and prefill on FlashInfer
+# with SGLang's chunked prefix cache on (README, "Prefill").
+HYBRID_FLAGS = (f"--attention-backend flashinfer --decode-attention-backend {BACKEND_NAME} "
+                "--speculative-attention-mode decode")
 
 
 def attention_routes(server_args) -> tuple[str, str | None]:
@@ -74,9 +79,26 @@ def attention_routes(server_args) -> tuple[str, str | None]:
                         + (": add --speculative-attention-mode decode" if decode == BACKEND_NAME else ""))
     if prefill_kernels == "Triton":
         warnings.append("prompts prefill on SGLang's Triton extend kernel, slow at long contexts "
-                        "(10 s at 64k for 16 layers on an H200); --prefill-attention-backend flashinfer "
-                        "--speculative-attention-mode decode prefills on FlashInfer's MLA kernels instead")
+                        f"(10 s at 64k for 16 layers on an H200); {HYBRID_FLAGS} prefills on "
+                        "FlashInfer's MLA kernels instead")
+    elif prefix_cache_kept_off(server_args, prefill):
+        warnings.append(f"SGLang turns its chunked prefix cache on by --attention-backend, and {BACKEND_NAME} "
+                        "is not in its list, so each prompt chunk after the first prefills on absorbed MLA "
+                        "(64k: 1.62 s against 0.87 s, 16 layers on an H200); spell the same backends "
+                        f"--attention-backend {prefill} --decode-attention-backend {BACKEND_NAME} "
+                        "--speculative-attention-mode decode")
     return clause, ("sm120_mla: " + "; ".join(warnings)) if warnings else None
+
+
+def prefix_cache_kept_off(server_args, prefill: str) -> bool:
+    """Whether SGLang keeps its chunked prefix cache off only because --attention-backend names
+    this backend while the prefill side could use the cache. SGLang decides by
+    --attention-backend alone (`maybe_disable_chunked_prefix_cache`), against its list of
+    backends whose kernels read the chunked layout."""
+    from sglang.srt.server_args import CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS as supported
+
+    return (getattr(server_args, "attention_backend", None) == BACKEND_NAME and prefill in supported
+            and BACKEND_NAME not in supported and not getattr(server_args, "disable_chunked_prefix_cache", False))
 
 
 def routes_of_command(args: list[str]) -> tuple[str, str | None]:
