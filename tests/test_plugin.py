@@ -245,6 +245,11 @@ def test_attention_routes_name_where_each_phase_runs():
         speculative_algorithm="NGRAM", speculative_attention_mode="decode", disable_chunked_prefix_cache=True)) == (
         hybrid, None)
     assert "chunked prefix cache" not in routes(prefill="triton", mode="decode")[1]
+    # mixed chunks (plain decode only) put decode tokens in an extend batch, on the prefill side
+    mixed = attention_routes(SimpleNamespace(
+        attention_backend="flashinfer", prefill_attention_backend=None, decode_attention_backend="sm120_mla",
+        speculative_algorithm=None, enable_mixed_chunk=True))[0]
+    assert mixed.endswith("; with --enable-mixed-chunk, decode tokens batched beside a prefill run on flashinfer")
     # a split in the default prefill mode sends verify to the prefill side
     clause, warning = routes(prefill="flashinfer")
     assert clause.startswith("decode on the sm120 kernel")
@@ -274,6 +279,9 @@ def test_routes_of_a_command_line_parse_with_sglang(clean_plugin_state):
     clause, warning = routes_of_command(other)
     assert clause == hybrid and "chunked prefix cache" in warning
     assert routes_of_command(other + ["--disable-chunked-prefix-cache"]) == (hybrid, None)
+    # SGLang's own field: mixed chunks named for plain decode (speculation turns them off)
+    clause, _ = routes_of_command(["--attention-backend", "sm120_mla", "--enable-mixed-chunk"])
+    assert clause.endswith("with --enable-mixed-chunk, decode tokens batched beside a prefill run on Triton")
     clause, warning = routes_of_command(["--attention-backend", "sm120_mla"])
     assert clause == "decode on the sm120 kernel; prefill and extend on Triton" and "Triton extend" in warning
 
@@ -285,6 +293,6 @@ def test_attention_routes_read_sglangs_own_server_args_fields():
 
     names = {f.name for f in dataclasses.fields(ServerArgs)}
     assert {"attention_backend", "prefill_attention_backend", "decode_attention_backend", "speculative_algorithm",
-            "speculative_attention_mode", "disable_chunked_prefix_cache"} <= names
+            "speculative_attention_mode", "disable_chunked_prefix_cache", "enable_mixed_chunk"} <= names
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     assert defaults["speculative_attention_mode"] == "prefill" and defaults["prefill_attention_backend"] is None

@@ -71,6 +71,10 @@ def attention_routes(server_args) -> tuple[str, str | None]:
     prefill_kernels = "Triton" if prefill in (BACKEND_NAME, "triton") else prefill
     clause = (f"{' and '.join(on_kernel) or 'no phase'} on the sm120 kernel; prefill and extend on "
               f"{prefill_kernels}" + (" (SGLang's hybrid backend)" if prefill != decode else ""))
+    if getattr(server_args, "enable_mixed_chunk", False) and not speculative and decode == BACKEND_NAME:
+        # A mixed batch is an extend: its decode tokens run where prefill does (SGLang turns
+        # mixed chunks off under speculation).
+        clause += f"; with --enable-mixed-chunk, decode tokens batched beside a prefill run on {prefill_kernels}"
     warnings = []
     if decode != BACKEND_NAME:
         warnings.append(f"decode runs on {decode}, not on the sm120 kernel")
