@@ -236,7 +236,8 @@ def test_attention_routes_name_where_each_phase_runs():
     # the spelling that turns it on
     clause, warning = routes(prefill="flashinfer", mode="decode")
     assert clause == hybrid
-    assert warning.startswith("sm120_mla: SGLang turns its chunked prefix cache on by --attention-backend")
+    assert warning.startswith("sm120_mla: SGLang turns its chunked prefix cache on by --attention-backend alone, "
+                              "and sm120_mla is not in its list")
     assert warning.endswith("spell the same backends --attention-backend flashinfer --decode-attention-backend "
                             "sm120_mla --speculative-attention-mode decode")
     # ... and not when the user turned the cache off, or the prefill side cannot use it
@@ -245,6 +246,10 @@ def test_attention_routes_name_where_each_phase_runs():
         speculative_algorithm="NGRAM", speculative_attention_mode="decode", disable_chunked_prefix_cache=True)) == (
         hybrid, None)
     assert "chunked prefix cache" not in routes(prefill="triton", mode="decode")[1]
+    assert routes(prefill="torch_native", mode="decode")[1] is None   # not a backend in SGLang's list
+    # the split with no --attention-backend: SGLang fills in its default (triton for MLA on sm_120)
+    clause, warning = routes(attn=None, prefill="flashinfer", decode="sm120_mla", mode="decode")
+    assert clause == hybrid and "--attention-backend is left to SGLang's default" in warning
     # mixed chunks (plain decode only) put decode tokens in an extend batch, on the prefill side
     mixed = attention_routes(SimpleNamespace(
         attention_backend="flashinfer", prefill_attention_backend=None, decode_attention_backend="sm120_mla",
@@ -284,6 +289,27 @@ def test_routes_of_a_command_line_parse_with_sglang(clean_plugin_state):
     assert clause.endswith("with --enable-mixed-chunk, decode tokens batched beside a prefill run on Triton")
     clause, warning = routes_of_command(["--attention-backend", "sm120_mla"])
     assert clause == "decode on the sm120 kernel; prefill and extend on Triton" and "Triton extend" in warning
+
+
+def test_the_prefix_cache_warning_follows_sglangs_list_and_gate(monkeypatch):
+    """The warning reads SGLang's list, not a copy: a backend added to it (as out-of-tree
+    platforms do) is taken as turning the cache on. And its premise is SGLang's gate: the
+    cache is decided by the resolved --attention-backend alone."""
+    import inspect
+    from types import SimpleNamespace
+
+    from sglang.srt import server_args
+    from sglang.srt.model_executor.model_runner_components import misc_utils
+
+    from sm120_workbook.patches.backend import prefix_cache_kept_off
+
+    args = SimpleNamespace(attention_backend="sm120_mla", disable_chunked_prefix_cache=False)
+    assert prefix_cache_kept_off(args, "flashinfer") is not None
+    supported = server_args.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS
+    monkeypatch.setattr(server_args, "CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS", [*supported, "sm120_mla"])
+    assert prefix_cache_kept_off(args, "flashinfer") is None
+    gate = inspect.getsource(misc_utils.maybe_disable_chunked_prefix_cache)
+    assert "get_exec().kernel.attention_backend" in gate and "CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS" in gate
 
 
 def test_attention_routes_read_sglangs_own_server_args_fields():
