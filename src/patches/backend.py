@@ -120,7 +120,8 @@ def resolved_attention_backend(server_args) -> str | None:
         from sglang.srt.runtime_context import get_exec
 
         return get_exec().kernel.attention_backend
-    except (ImportError, AttributeError, ValueError):   # ValueError: no context published here
+    except Exception:   # no context published here (ValueError), or another SGLang: a start-up
+        # line must never stop a server, so read the arguments instead
         return getattr(server_args, "attention_backend", None)
 
 
