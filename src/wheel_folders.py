@@ -30,11 +30,19 @@ from pathlib import Path
 CALL_LIMIT_BYTES = 64 << 20    # what one device call ships: the tree, plus the folders it carries
 MARGIN_BYTES = 2 << 20         # for the scripts and .whlp a call carries, and a session's records
 INSTALL_SH = """#!/bin/bash
-# install this folder's wheels into /tmp/site on the GPU machine; exits with pip's status
+# install this folder's wheels into /tmp/site on the GPU machine; exits with pip's status.
+# Once per machine: a reinstall gives every file a new mtime, and JIT caches that track headers
+# (FlashInfer's ninja builds, tvm-ffi's) would then rebuild at the next server's first prompt.
 cd "$(dirname "$0")" || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site ./*.whl 2>&1 | grep -v 'already exists'
+site=${SM120_SITE:-/tmp/site}
+stamp="$site/.installed-$(basename "$PWD")"
+wheels=$(ls ./*.whl)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wheels" ]; then
+  echo "wheels of $(basename "$PWD") already installed"; exit 0
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" ./*.whl 2>&1 | grep -v 'already exists'
 rc=${PIPESTATUS[0]}
-if [ "$rc" -eq 0 ]; then echo "installed $(ls ./*.whl | wc -l) wheels from $(basename "$PWD")"
+if [ "$rc" -eq 0 ]; then echo "installed $(echo "$wheels" | wc -l) wheels from $(basename "$PWD")"; echo "$wheels" > "$stamp"
 else echo "pip failed (exit $rc) installing the wheels of $(basename "$PWD")" >&2; fi
 exit "$rc"
 """

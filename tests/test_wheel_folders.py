@@ -115,12 +115,41 @@ def test_install_sh_exits_with_pips_status(tmp_path):
     fake.mkdir()
     (fake / "python3").write_text("#!/bin/sh\necho 'ERROR: ResolutionImpossible'\nexit 3\n")
     (fake / "python3").chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}")
+    site = tmp_path / "site"
+    site.mkdir()
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SM120_SITE=str(site))
     r = subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 3 and "pip failed (exit 3)" in r.stderr and "ResolutionImpossible" in r.stdout
+    assert not (site / ".installed-.whl1").exists()   # a failed install is tried again
     (fake / "python3").write_text("#!/bin/sh\nexit 0\n")
     r = subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "installed 1 wheels from .whl1" in r.stdout
+
+
+def test_install_sh_installs_a_folder_once_per_machine(tmp_path):
+    """A second call on the same machine leaves the installed files (and their mtimes) alone;
+    a folder whose wheels changed installs again."""
+    folder = tmp_path / ".whl4"
+    _wheel(folder, "a", "a", 1)
+    (folder / "install.sh").write_text(wf.INSTALL_SH)
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    calls = tmp_path / "pip_calls"
+    (fake / "python3").write_text(f"#!/bin/sh\necho x >> {calls}\nexit 0\n")
+    (fake / "python3").chmod(0o755)
+    site = tmp_path / "site"
+    site.mkdir()
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SM120_SITE=str(site))
+
+    def install():
+        return subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
+
+    assert "installed 1 wheels" in install().stdout
+    r = install()
+    assert r.returncode == 0 and "wheels of .whl4 already installed" in r.stdout
+    assert calls.read_text().count("x") == 1
+    _wheel(folder, "b", "b", 1)
+    assert "installed 2 wheels" in install().stdout and calls.read_text().count("x") == 2
 
 
 def test_no_wheels_is_an_error_that_says_how_to_make_them(tmp_path):
