@@ -55,8 +55,9 @@ def attention_routes(server_args) -> tuple[str, str | None]:
     resolved as SGLang resolves them (`attention_backends_of`: a split field falls back to
     --attention-backend; with a split, HybridAttnBackend sends target verify to the decode side
     only in --speculative-attention-mode decode). Returns the start-up line's clause and a
-    warning where the flags keep decode or verify off the kernel, or prefill on Triton's extend
-    kernel. A server_args of None (a test runner) reads as --attention-backend sm120_mla."""
+    warning where the flags keep decode or verify off the kernel, prefill on Triton's extend
+    kernel, or SGLang's chunked prefix cache off beside a prefill backend that could use it.
+    A server_args of None (a test runner) reads as --attention-backend sm120_mla."""
     from sglang.srt.arg_groups.overrides import attention_backends_of
 
     if server_args is None:
