@@ -249,12 +249,22 @@ def test_attention_routes_name_where_each_phase_runs():
     assert routes(prefill="torch_native", mode="decode")[1] is None   # not a backend in SGLang's list
     # the split with no --attention-backend: SGLang fills in its default (triton for MLA on sm_120)
     clause, warning = routes(attn=None, prefill="flashinfer", decode="sm120_mla", mode="decode")
-    assert clause == hybrid and "--attention-backend is left to SGLang's default" in warning
+    assert clause == hybrid and "on sm_120, --attention-backend left out becomes SGLang's default" in warning
+    # in a server, the backend passes the flag as SGLang resolved it: the GPU's default decides
+    split = SimpleNamespace(attention_backend=None, prefill_attention_backend="flashinfer",
+                            decode_attention_backend="sm120_mla", speculative_algorithm="NGRAM",
+                            speculative_attention_mode="decode")
+    assert "and triton is not in its list" in attention_routes(split, base="triton")[1]
+    assert attention_routes(split, base="fa3") == (hybrid, None)
     # mixed chunks (plain decode only) put decode tokens in an extend batch, on the prefill side
     mixed = attention_routes(SimpleNamespace(
         attention_backend="flashinfer", prefill_attention_backend=None, decode_attention_backend="sm120_mla",
         speculative_algorithm=None, enable_mixed_chunk=True))[0]
     assert mixed.endswith("; with --enable-mixed-chunk, decode tokens batched beside a prefill run on flashinfer")
+    unchunked = attention_routes(SimpleNamespace(   # no chunked prefill: SGLang mixes nothing
+        attention_backend="flashinfer", prefill_attention_backend=None, decode_attention_backend="sm120_mla",
+        speculative_algorithm=None, enable_mixed_chunk=True, chunked_prefill_size=-1))[0]
+    assert "mixed" not in unchunked
     # a split in the default prefill mode sends verify to the prefill side
     clause, warning = routes(prefill="flashinfer")
     assert clause.startswith("decode on the sm120 kernel")
@@ -319,6 +329,7 @@ def test_attention_routes_read_sglangs_own_server_args_fields():
 
     names = {f.name for f in dataclasses.fields(ServerArgs)}
     assert {"attention_backend", "prefill_attention_backend", "decode_attention_backend", "speculative_algorithm",
-            "speculative_attention_mode", "disable_chunked_prefix_cache", "enable_mixed_chunk"} <= names
+            "speculative_attention_mode", "disable_chunked_prefix_cache", "enable_mixed_chunk",
+            "chunked_prefill_size"} <= names
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     assert defaults["speculative_attention_mode"] == "prefill" and defaults["prefill_attention_backend"] is None

@@ -50,14 +50,16 @@ HYBRID_FLAGS = (f"--attention-backend flashinfer --decode-attention-backend {BAC
                 "--speculative-attention-mode decode")
 
 
-def attention_routes(server_args) -> tuple[str, str | None]:
+def attention_routes(server_args, base: str | None = None) -> tuple[str, str | None]:
     """Which phases a server runs on the sm120 kernel and where it prefills, from its ServerArgs
     resolved as SGLang resolves them (`attention_backends_of`: a split field falls back to
     --attention-backend; with a split, HybridAttnBackend sends target verify to the decode side
     only in --speculative-attention-mode decode). Returns the start-up line's clause and a
     warning where the flags keep decode or verify off the kernel, prefill on Triton's extend
     kernel, or SGLang's chunked prefix cache off beside a prefill backend that could use it.
-    A server_args of None (a test runner) reads as --attention-backend sm120_mla."""
+    `base` is --attention-backend as the server resolved it (`runtime_attention_backend`),
+    where a server calls this; without it the arguments' value is read. A server_args of None
+    (a test runner) reads as --attention-backend sm120_mla."""
     from sglang.srt.arg_groups.overrides import attention_backends_of
 
     if server_args is None:
@@ -72,9 +74,11 @@ def attention_routes(server_args) -> tuple[str, str | None]:
     prefill_kernels = "Triton" if prefill in (BACKEND_NAME, "triton") else prefill
     clause = (f"{' and '.join(on_kernel) or 'no phase'} on the sm120 kernel; prefill and extend on "
               f"{prefill_kernels}" + (" (SGLang's hybrid backend)" if prefill != decode else ""))
-    if getattr(server_args, "enable_mixed_chunk", False) and not speculative and decode == BACKEND_NAME:
-        # A mixed batch is an extend: its decode tokens run where prefill does (SGLang turns
-        # mixed chunks off under speculation).
+    chunked = getattr(server_args, "chunked_prefill_size", None)
+    if (getattr(server_args, "enable_mixed_chunk", False) and not speculative and decode == BACKEND_NAME
+            and (chunked is None or chunked > 0)):
+        # A mixed batch is an extend: its decode tokens run where prefill does (SGLang mixes
+        # only with chunked prefill on, and turns mixing off under speculation).
         clause += f"; with --enable-mixed-chunk, decode tokens batched beside a prefill run on {prefill_kernels}"
     warnings = []
     if decode != BACKEND_NAME:
@@ -86,7 +90,7 @@ def attention_routes(server_args) -> tuple[str, str | None]:
         warnings.append("prompts prefill on SGLang's Triton extend kernel, slow at long contexts "
                         f"(10 s at 64k for 16 layers on an H200); {HYBRID_FLAGS} prefills on "
                         "FlashInfer's MLA kernels instead")
-    elif (why := prefix_cache_kept_off(server_args, prefill)) is not None:
+    elif (why := prefix_cache_kept_off(server_args, prefill, base)) is not None:
         warnings.append(f"{why}, so each prompt chunk after the first prefills on absorbed MLA (with "
                         "flashinfer, 16 layers on an H200: 1.62 s against 0.87 s to the first token at 64k); "
                         f"spell the same backends --attention-backend {prefill} --decode-attention-backend "
@@ -94,36 +98,39 @@ def attention_routes(server_args) -> tuple[str, str | None]:
     return clause, ("sm120_mla: " + "; ".join(warnings)) if warnings else None
 
 
-def prefix_cache_kept_off(server_args, prefill: str) -> str | None:
+def prefix_cache_kept_off(server_args, prefill: str, base: str | None = None) -> str | None:
     """Why SGLang keeps its chunked prefix cache off although the prefill backend could use it,
     or None. SGLang decides by --attention-backend alone, as resolved at load
     (`maybe_disable_chunked_prefix_cache` reads the runtime context's kernel.attention_backend),
     against its list of backends whose kernels read the chunked layout; a user's
-    --disable-chunked-prefix-cache is a choice, not a mistake."""
+    --disable-chunked-prefix-cache is a choice, not a mistake. `base`: the resolved flag, where
+    known; else the arguments' value (None: left to SGLang's default, which depends on the GPU)."""
     from sglang.srt.server_args import CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS as supported
 
     if prefill not in supported or getattr(server_args, "disable_chunked_prefix_cache", False):
         return None
-    base = resolved_attention_backend(server_args)
+    if base is None:
+        base = getattr(server_args, "attention_backend", None)
     if base in supported:
         return None
     if base is None:
-        return ("--attention-backend is left to SGLang's default, which for MLA is triton on sm_120 "
-                "(fa3 on Hopper), and SGLang turns its chunked prefix cache on by that flag alone")
+        return ("on sm_120, --attention-backend left out becomes SGLang's default for MLA, triton, and "
+                "SGLang turns its chunked prefix cache on by that flag alone (on Hopper the default, fa3, "
+                "has it)")
     return (f"SGLang turns its chunked prefix cache on by --attention-backend alone, and {base} is not "
             "in its list")
 
 
-def resolved_attention_backend(server_args) -> str | None:
+def runtime_attention_backend() -> str | None:
     """--attention-backend as SGLang resolved it in this server process (its runtime context,
-    where a default has been filled in), else as the arguments give it (None: left to SGLang)."""
+    where a default has been filled in), or None outside a server. Only a server's own backend
+    should ask: any process with a published context answers for that context."""
     try:
         from sglang.srt.runtime_context import get_exec
 
         return get_exec().kernel.attention_backend
     except Exception:   # no context published here (ValueError), or another SGLang: a start-up
-        # line must never stop a server, so read the arguments instead
-        return getattr(server_args, "attention_backend", None)
+        return None     # line must never stop a server
 
 
 def routes_of_command(args: list[str]) -> tuple[str, str | None]:
@@ -199,7 +206,8 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
             logger.info("sm120_mla (pid %d): a draft model's MLA backend (%d heads, up to %d tokens, "
                         "workspace %.1f MiB)", os.getpid(), *sizes)
             return
-        route, advice = attention_routes(getattr(model_runner, "server_args", None))
+        route, advice = attention_routes(getattr(model_runner, "server_args", None),
+                                         base=runtime_attention_backend())
         logger.info("sm120_mla (pid %d): MLA %s (%d heads, up to %d tokens, workspace %.1f MiB)",
                     os.getpid(), route, *sizes)
         if advice:
