@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from . import project_root
+from .build_commit import archived_commit
 
 
 def _version(dist: str) -> str | None:
@@ -27,11 +28,23 @@ def git_commit() -> str | None:
     """Short commit of the checkout, with '+dirty' when tracked files differ from it.
 
     $SM120_COMMIT wins: the GPU machine runs a copy of the tree without .git, so the
-    command that ships the tree there passes the commit along. Not cached: a long Jupyter
-    session may commit or edit between two recorded runs, and each record names the code it ran.
+    command that ships the tree there passes the commit along. But a package archived from
+    another commit (`build_commit`: a wheel made by `git archive`) names the code that runs:
+    `pip install --target` without --upgrade keeps an older copy, and a record must not name
+    code it did not run. Not cached: a long Jupyter session may commit or edit between two
+    recorded runs, and each record names the code it ran.
     """
-    if os.environ.get("SM120_COMMIT"):
-        return os.environ["SM120_COMMIT"]
+    archived = archived_commit()
+    claimed = os.environ.get("SM120_COMMIT")
+    if claimed:
+        if archived and not (archived.startswith(claimed) or claimed.startswith(archived)):
+            print(f"WARNING: SM120_COMMIT={claimed}, but the sm120_workbook imported here was archived "
+                  f"from {archived[:12]} (an older install kept?); records name {archived[:12]}",
+                  file=sys.stderr)
+            return archived
+        return claimed
+    if archived:
+        return archived
     try:
         root = project_root()
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,

@@ -1,0 +1,41 @@
+"""The commit a record names: the code that ran, even where the environment claims another."""
+import subprocess
+import tarfile
+import io
+
+from sm120_workbook import build_commit, project_root, provenance
+
+SHA_A = "a" * 40
+SHA_B = "b" * 40
+
+
+def test_git_archive_fills_in_the_commit_a_wheel_is_built_from():
+    root = project_root()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", "HEAD", "src/build_commit.py"], cwd=root, capture_output=True,
+                             check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        text = tar.extractfile("src/build_commit.py").read().decode()
+    assert f'ARCHIVED_FROM = "{head}"' in text
+    assert build_commit.archived_commit() is None   # this checkout's copy stays unfilled
+
+
+def test_the_archived_commit_wins_over_a_claim_that_disagrees(monkeypatch, capsys):
+    monkeypatch.setattr(provenance, "archived_commit", lambda: SHA_A)
+    monkeypatch.setenv("SM120_COMMIT", SHA_B)
+    assert provenance.git_commit() == SHA_A
+    assert "SM120_COMMIT=" + SHA_B in capsys.readouterr().err
+    monkeypatch.setenv("SM120_COMMIT", SHA_A[:12])   # a short claim of the same commit
+    assert provenance.git_commit() == SHA_A[:12]
+    monkeypatch.delenv("SM120_COMMIT")
+    assert provenance.git_commit() == SHA_A        # a wheel without .git or a claim
+
+
+def test_a_checkout_names_its_head(monkeypatch):
+    monkeypatch.setattr(provenance, "archived_commit", lambda: None)
+    monkeypatch.delenv("SM120_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=project_root(),
+                          capture_output=True, text=True).stdout.strip()
+    assert provenance.git_commit().removesuffix("+dirty") == head
+    monkeypatch.setenv("SM120_COMMIT", SHA_B)
+    assert provenance.git_commit() == SHA_B
