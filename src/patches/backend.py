@@ -22,7 +22,7 @@ another kernel.
 
 Use it with the default page size 1 and a bf16 KV cache (`--kv-cache-dtype auto` on a
 bf16/fp8-weight model). `--attention-backend sm120_mla` alone prefills on Triton, slow at long
-prompts. `HYBRID_FLAGS` prefill on FlashInfer instead (SGLang's hybrid backend; in `decode` mode
+prompts. `hybrid_flags()` prefill on FlashInfer instead (SGLang's hybrid backend; in `decode` mode
 it sends target verify to the decode side, this backend). Spelt with flashinfer as
 --attention-backend, SGLang also turns on its chunked prefix cache, which it keys on that flag
 alone. `attention_routes` says what the server does.
@@ -44,10 +44,13 @@ from . import BACKEND_NAME
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_Q_LEN = 16
-# The launch flags that keep decode and verify on this backend and prefill on FlashInfer
-# with SGLang's chunked prefix cache on (README, "Prefill").
-HYBRID_FLAGS = (f"--attention-backend flashinfer --decode-attention-backend {BACKEND_NAME} "
-                "--speculative-attention-mode decode")
+
+
+def hybrid_flags(prefill: str = "flashinfer") -> str:
+    """The launch flags that keep decode and verify on this backend and prefill on `prefill`,
+    with SGLang's chunked prefix cache on where `prefill` supports it (README, "Prefill")."""
+    return (f"--attention-backend {prefill} --decode-attention-backend {BACKEND_NAME} "
+            "--speculative-attention-mode decode")
 
 
 def attention_routes(server_args, base: str | None = None) -> tuple[str, str | None]:
@@ -88,13 +91,12 @@ def attention_routes(server_args, base: str | None = None) -> tuple[str, str | N
                         + (": add --speculative-attention-mode decode" if decode == BACKEND_NAME else ""))
     if prefill_kernels == "Triton":
         warnings.append("prompts prefill on SGLang's Triton extend kernel, slow at long contexts "
-                        f"(10 s at 64k for 16 layers on an H200); {HYBRID_FLAGS} prefills on "
+                        f"(10 s at 64k for 16 layers on an H200); {hybrid_flags()} prefills on "
                         "FlashInfer's MLA kernels instead")
     elif (why := prefix_cache_kept_off(server_args, prefill, base)) is not None:
         warnings.append(f"{why}, so each prompt chunk after the first prefills on absorbed MLA (with "
                         "flashinfer, 16 layers on an H200: 1.62 s against 0.87 s to the first token at 64k); "
-                        f"spell the same backends --attention-backend {prefill} --decode-attention-backend "
-                        f"{BACKEND_NAME} --speculative-attention-mode decode")
+                        f"spell the same backends {hybrid_flags(prefill)}")
     return clause, ("sm120_mla: " + "; ".join(warnings)) if warnings else None
 
 
