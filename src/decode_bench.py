@@ -51,7 +51,7 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_model,
 from .patches import kv_sort
 from .results import cli_command
 from .service import (STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError, ServerStartError,
-                      check_attention_backend, check_mem_fraction_static, check_positive, log_tail, resolve_tp,
+                      check_attention_backend, check_warmups, check_mem_fraction_static, check_positive, log_tail, resolve_tp,
                       spec_metrics)
 
 DECODE_RESULTS = "service_decode"
@@ -279,7 +279,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                log_dir: Path | None = None, profile_steps: int = 0,
                profile_contexts: Sequence[int] | None = None, profile_with_stack: bool = False,
                ngram_tail: bool = False, prefill_backend: str | None = None,
-               prefill_as_base: bool = False, log: Callable[[str], None] = print) -> MatrixResult:
+               prefill_as_base: bool = False, warmups: Sequence[str] = (),
+               log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
     spec_fallback: when a DFlash server fails to start, run `spec_fallback` ("ngram") in its
@@ -297,6 +298,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     verify stay on each backend of `backends`); records carry prefill_attention_backend.
     prefill_as_base: spell that hybrid with the prefill backend as --attention-backend
     (ServerConfig.prefill_as_base); records carry prefill_as_base.
+    warmups: SGLang warm-ups each server runs before it listens (`--warmups`, e.g.
+    "sm120_long_prompt"); their time is in startup_s, and records carry warmups.
     """
     from tqdm.auto import tqdm
 
@@ -311,6 +314,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         check_attention_backend(prefill_backend, "prefill_backend")
     elif prefill_as_base:
         raise ValueError("prefill_as_base: needs a prefill_backend to put first")
+    warmups = tuple(warmups)
+    if warmups:
+        check_warmups(warmups)
     if (spec_fallback or "") not in SPEC_FALLBACKS:
         raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
     if spec_fallback:
@@ -342,6 +348,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         # $SM120_KV_SORT passes through to the servers: the records say whether it was on
         common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
                   "prefill_attention_backend": prefill_backend or "", "prefill_as_base": bool(prefill_as_base),
+                  "warmups": ",".join(warmups),
                   "kv_sort": kv_sort.requested(),
                   "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
                   "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
@@ -401,7 +408,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
             cfg = ServerConfig(
                 model_path=model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
-                prefill_as_base=prefill_as_base,
+                prefill_as_base=prefill_as_base, warmups=warmups,
                 tp=tp,
                 mem_fraction_static=mem_fraction_static, extra_args=extra,
                 context_length=ctx_len,
@@ -666,6 +673,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefill-as-base", action="store_true",
                    help="spell that hybrid as --attention-backend PREFILL --decode-attention-backend BACKEND "
                         "(SGLang turns its chunked prefix cache on by --attention-backend)")
+    p.add_argument("--warmups", default="",
+                   help="SGLang warm-ups (csv) each server runs before it listens, e.g. sm120_long_prompt "
+                        "(the first long prompt's kernel builds; time counted in startup_s)")
     p.add_argument("--profile-with-stack", action="store_true",
                    help="also record Python calls in the profile (host time by function)")
     p.add_argument("--results-dir", type=Path, default=None,
@@ -701,7 +711,8 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           command=command, results_dir=a.results_dir, log_dir=a.log_dir,
                           profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
                           profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail,
-                          prefill_backend=a.prefill_backend, prefill_as_base=a.prefill_as_base)
+                          prefill_backend=a.prefill_backend, prefill_as_base=a.prefill_as_base,
+                          warmups=tuple(n for n in a.warmups.split(",") if n))
     except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
         p.error(str(e))
 

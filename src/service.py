@@ -94,6 +94,33 @@ def attention_backend_choices() -> list[str]:
     return sorted(set(installed_attention_backends()) | set(PLUGIN_BACKENDS))
 
 
+def warmup_choices() -> list[str]:
+    """The names `--warmups` accepts: SGLang's warm-up registry with our plugin's added."""
+    try:
+        from sglang.srt.entrypoints.warmup import _warmup_registry
+    except Exception as e:  # noqa: BLE001 - any import failure means we cannot validate
+        raise ServerError(f"cannot import sglang.srt.entrypoints.warmup to validate warm-ups: {e!r}") from e
+    from .patches.warmup import WARMUP_NAME
+    return sorted(set(_warmup_registry) | {WARMUP_NAME})
+
+
+def check_warmups(names) -> None:
+    """Every name a registered warm-up: SGLang only logs a warning for an unknown one."""
+    from .patches.warmup import WARMUP_NAME
+
+    if isinstance(names, str) or not all(isinstance(n, str) and n and "," not in n for n in names):
+        raise ValueError(f"warmups: a sequence of warm-up names, got {names!r}")
+    choices = warmup_choices()
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise ValueError(f"warmups: {unknown} are not warm-ups of the installed SGLang or of our "
+                         f"plugin; choices: {', '.join(choices)}")
+    if WARMUP_NAME in names and not plugin_installed():
+        raise ValueError(f"warmups: {WARMUP_NAME!r} comes from this project's SGLang plugin, whose "
+                         "entry point is not installed here; install the project (pip install "
+                         "--no-deps .) so SGLang's launcher finds it")
+
+
 def check_attention_backend(name: str, arg: str = "attention_backend") -> None:
     choices = attention_backend_choices()
     if name not in choices:
@@ -176,6 +203,9 @@ class ServerConfig:
     cuda_graph_max_bs: int | None = 4        # batch 1 is measured; small graphs start faster
     enable_metrics: bool = True
     expert_record: bool = True               # --expert-distribution-recorder-mode stat
+    # SGLang warm-ups run before the server listens (--warmups), e.g. patches.warmup's
+    # "sm120_long_prompt", which takes the first long prompt's kernel builds out of requests.
+    warmups: tuple[str, ...] = ()
     host: str = DEFAULT_HOST
     port: int | None = None                  # None: a free port is picked
     extra_args: tuple[str, ...] = ()
@@ -229,6 +259,9 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
         if cfg.context_length > limit:
             raise ValueError(f"context_length: {cfg.context_length} is longer than the model "
                              f"allows ({limit} from its config's max_position_embeddings)")
+    cfg.warmups = tuple(cfg.warmups)
+    if cfg.warmups:
+        check_warmups(cfg.warmups)
     if cfg.spec not in SPEC_ALGORITHMS:
         raise ValueError(f"spec: must be one of {sorted(SPEC_ALGORITHMS)}, got {cfg.spec!r}")
     paged = [PAGED_BACKENDS[b] for b in (cfg.attention_backend, cfg.prefill_attention_backend) if b in PAGED_BACKENDS]
@@ -298,6 +331,8 @@ def launch_args(cfg: ServerConfig) -> list[str]:
             a += ["--speculative-draft-attention-backend", cfg.draft_attention_backend]
     if cfg.spec == "ngram" and cfg.ngram_max_bfs_breadth is not None:
         a += ["--speculative-ngram-max-bfs-breadth", str(cfg.ngram_max_bfs_breadth)]
+    if cfg.warmups:
+        a += ["--warmups", ",".join(cfg.warmups)]
     return a + list(cfg.extra_args)
 
 

@@ -60,7 +60,8 @@ def test_entry_point_is_discoverable_and_names_load_plugin():
 
 def test_sglang_loader_in_a_fresh_process():
     """Through SGLang's own load_plugins(): import alone registers nothing; loading registers
-    the backend (registry and CLI choices) and leaves need_sort alone without the env var;
+    the backend (registry and CLI choices) and the warm-up, and leaves need_sort alone without
+    the env var;
     with SM120_KV_SORT=1 a second load_plugin() call installs the override."""
     script = textwrap.dedent("""
         import json, os, torch
@@ -69,16 +70,19 @@ def test_sglang_loader_in_a_fresh_process():
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
         from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
         from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.entrypoints.warmup import _warmup_registry
         out = {"after_import": {"registry": "sm120_mla" in ATTENTION_BACKENDS,
                                 "choices": "sm120_mla" in ATTENTION_BACKEND_CHOICES,
-                                "kv_sort": plugin.kv_sort.is_installed()}}
+                                "kv_sort": plugin.kv_sort.is_installed(),
+                                "warmup": "sm120_long_prompt" in _warmup_registry}}
         from sglang.srt.plugins import load_plugins
         load_plugins()
         a = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, False)
         out["after_load"] = {"registry": "sm120_mla" in ATTENTION_BACKENDS,
                              "choices": ATTENTION_BACKEND_CHOICES.count("sm120_mla"),
                              "kv_sort": plugin.kv_sort.is_installed(), "need_sort": a.need_sort,
-                             "spec_compat": plugin.spec_compat_installed()}
+                             "spec_compat": plugin.spec_compat_installed(),
+                             "warmup": "sm120_long_prompt" in _warmup_registry}
         os.environ["SM120_KV_SORT"] = "1"
         plugin.load_plugin()
         a = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, False)
@@ -92,9 +96,9 @@ def test_sglang_loader_in_a_fresh_process():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line[len("RESULT "):])
-    assert out["after_import"] == {"registry": False, "choices": False, "kv_sort": False}
+    assert out["after_import"] == {"registry": False, "choices": False, "kv_sort": False, "warmup": False}
     assert out["after_load"] == {"registry": True, "choices": 1, "kv_sort": False,
-                                 "need_sort": False, "spec_compat": False}
+                                 "need_sort": False, "spec_compat": False, "warmup": True}
     assert out["after_env"] == {"choices": 1, "kv_sort": True, "need_sort": True}
     # The plugin announces itself, with its pid, in the process's log (stderr).
     announcements = [x for x in proc.stderr.splitlines() if "sm120_workbook plugin (pid" in x]

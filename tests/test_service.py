@@ -520,6 +520,16 @@ def test_run_matrix_records_the_prefill_backend(fake, tmp_path, monkeypatch):
                                     launcher=fake, log_dir=tmp_path, log=lambda s: None)
     assert [(r["prefill_attention_backend"], r["prefill_as_base"]) for r in based.decode] == [("flashinfer", True)]
     assert not based.failures
+    # warm-ups: passed to every server, and named in its records ("" for none)
+    configs = []
+    monkeypatch.setattr(decode_bench, "ServerConfig",
+                        lambda *a, **kw: configs.append(ServerConfig(*a, **kw)) or configs[-1])
+    warmed = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                     spec=["none"], decode_tokens=8, tp=1, nvml=False, expert=False,
+                                     progress=False, warmups=["sm120_long_prompt"], launcher=fake,
+                                     log_dir=tmp_path, log=lambda s: None)
+    assert [r["warmups"] for r in warmed.decode + plain.decode] == ["sm120_long_prompt", ""]
+    assert [c.warmups for c in configs] == [("sm120_long_prompt",)]
     with pytest.raises(ValueError, match="^prefill_as_base: needs a prefill_backend"):
         decode_bench.run_matrix(backends=["triton"], prefill_as_base=True, tp=1, launcher=fake, log=lambda s: None)
 

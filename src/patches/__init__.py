@@ -14,6 +14,8 @@ What it does in each process:
 - installs the need_sort override (`kv_sort`) when $SM120_KV_SORT=1, and nothing otherwise.
 - installs the NGRAM draft-prep fix (`ngram_tail`: no per-step copy of the whole prompt)
   when $SM120_NGRAM_TAIL=1, and nothing otherwise.
+- registers the warm-up `sm120_long_prompt` with SGLang's warm-up registry (`warmup`), which
+  runs only where `--warmups sm120_long_prompt` asks for it.
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
   the name wherever they accept `triton` (`install_spec_compat`). The backend's factory
   installs the same patches when it first builds the backend, so an in-process `Engine`
@@ -29,7 +31,7 @@ import logging
 import os
 import sys
 
-from . import kv_sort, ngram_tail
+from . import kv_sort, ngram_tail, warmup
 
 BACKEND_NAME = "sm120_mla"
 _BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
@@ -211,6 +213,15 @@ def uninstall_spec_compat() -> None:
         setattr(owner, name, original)
 
 
+def _register_warmup_or_warn() -> None:
+    # Only a server started with --warmups sm120_long_prompt needs it; never stop one over it.
+    try:
+        warmup.register_warmup()
+    except Exception as e:
+        logger.warning("sm120_workbook (pid %d): could not register the warm-up %s (%r)",
+                       os.getpid(), warmup.WARMUP_NAME, e)
+
+
 # ---------------------------------------------------------------- the entry point
 def load_plugin() -> None:
     """SGLang's general-plugin entry point; runs in the launcher and in every TP worker."""
@@ -218,6 +229,7 @@ def load_plugin() -> None:
     register_backend()
     kv_sort.install_from_env()
     ngram_tail.install_from_env()
+    _register_warmup_or_warn()
     selected = backend_selected_in_argv()
     if selected:
         _install_spec_compat_or_warn()
@@ -236,4 +248,4 @@ _last_message: str | None = None
 
 __all__ = ["BACKEND_NAME", "load_plugin", "register_backend", "is_registered",
            "unregister_backend", "backend_selected_in_argv", "install_spec_compat",
-           "uninstall_spec_compat", "spec_compat_installed", "kv_sort", "ngram_tail"]
+           "uninstall_spec_compat", "spec_compat_installed", "kv_sort", "ngram_tail", "warmup"]
