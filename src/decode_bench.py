@@ -51,7 +51,7 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_model,
 from .patches import kv_sort
 from .results import cli_command
 from .service import (STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError, ServerStartError,
-                      check_attention_backend, check_warmups, check_mem_fraction_static, check_positive, log_tail, resolve_tp,
+                      DFLASH_RECORDER_CRASH, check_attention_backend, check_warmups, check_mem_fraction_static, check_positive, log_tail, resolve_tp,
                       spec_metrics)
 
 DECODE_RESULTS = "service_decode"
@@ -406,6 +406,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 extra += ("--ep-size", str(ep_size))
             if tp > 1 and not fusion:
                 extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
+            # The recorder stops DFlash servers (service.DFLASH_RECORDER_CRASH): off for them.
+            recorder = expert and plan.spec != "dflash"
+            if expert and not recorder:
+                log(f"{plan.backend}/{plan.spec}: expert recorder off: {DFLASH_RECORDER_CRASH}")
             cfg = ServerConfig(
                 model_path=model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
                 prefill_as_base=prefill_as_base, warmups=warmups,
@@ -413,7 +417,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 mem_fraction_static=mem_fraction_static, extra_args=extra,
                 context_length=ctx_len,
                 spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
-                expert_record=expert,
+                expert_record=recorder,
                 draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens,
                                                        dest=Path(workdir) / f"draft-{run_id}")
                                   if plan.spec == "dflash" else None))
@@ -439,11 +443,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                                         "startup_s": round(srv.startup_s, 1)}])
                                 continue
                             row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
-                                                         nvml, nvml_interval_s, expert, tp)
+                                                         nvml, nvml_interval_s, recorder, tp)
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
-                                    "expert_record": expert, "nvml_sampled": bool(nv),
+                                    "expert_record": recorder, "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                     "context_length": srv.config.context_length,
                                     # what SGLang resolved: it falls back from a draft backend it refuses
@@ -475,7 +479,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                             prof.pop("trace_path")
                         emit(PROFILE_RESULTS, [{**common, "run_id": run_id, "backend": plan.backend,
                                                 "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
-                                                "cuda_graph": cuda_graph, "expert_record": expert,
+                                                "cuda_graph": cuda_graph, "expert_record": recorder,
                                                 "with_stack": profile_with_stack, **prof}])
                         log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "
                             f"{100 * (prof['busy_share'] or 0):.0f}%: "

@@ -72,6 +72,15 @@ class ServerStartError(ServerError):
         self.log_path = log_path
 
 
+# SGLang 0.5.17's expert distribution recorder and DFlash do not mix: the server stops at the
+# first recorded decode step (session 32 on the H200, with triton and with sm120_mla alike), in
+# the recorder's step buffer. A guess at the cause, not checked: DFlash runs its draft forward
+# under torch.inference_mode, while the scheduler's loop runs under no_grad.
+DFLASH_RECORDER_CRASH = ("SGLang 0.5.17 stops a DFlash server at its first recorded step with the expert "
+                         "recorder on (RuntimeError: Inplace update to inference tensor outside "
+                         "InferenceMode; seen with triton and sm120_mla)")
+
+
 # ---- what SGLang accepts ------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
@@ -289,6 +298,8 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
         if block is not None and cfg.num_draft_tokens != block:
             raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} differs from the draft's "
                              f"block_size {block} (SGLang requires them equal for DFlash)")
+        if cfg.expert_record:
+            raise ValueError(f"expert_record: {DFLASH_RECORDER_CRASH}; pass expert_record=False for DFlash")
     if cfg.port is None:
         cfg.port = free_port(cfg.host)
     return cfg

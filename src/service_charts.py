@@ -6,6 +6,7 @@ The same functions serve a live run (records in memory) and recorded results (da
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 import numpy as np
@@ -518,12 +519,18 @@ def live_results(result) -> dict:
             "profiles": pd.DataFrame(result.profiles)}
 
 
+# A Python exception's own line ("torch.OutOfMemoryError: ...", "RuntimeError: ..."), which
+# SGLang's crash diagnostics (py-spy, coredump notes) follow with lines that also say "error".
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:")
+
+
 def failure_cause(log_tail) -> str:
-    """The line of a server's log tail that names why it failed: the last one that names an
-    error (an OOM, a CUDA fault), else the last line; "" without a tail."""
+    """The line of a server's log tail that names why it failed: the last raised exception,
+    else the last line that names an error (a CUDA fault), else the last line; "" without a tail."""
     lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()] if isinstance(log_tail, str) else []
+    raised = [ln for ln in lines if _RAISED.match(ln)]
     named = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (named or lines or [""])[-1][:120]
+    return (raised or named or lines or [""])[-1][:120]
 
 
 def failures_table(failures):
@@ -532,6 +539,8 @@ def failures_table(failures):
     cols = [c for c in ("backend", "spec", "layers", "status", "error") if c in failures.columns]
     t = failures[cols].copy()
     if "error" in t:   # the first line: the log path and tail follow in the record
-        t["error"] = t["error"].astype(str).str.split("\n").str[0].str.replace(r" \(log: .*\)$", "", regex=True)
+        t["error"] = (t["error"].astype(str).str.split("\n").str[0]
+                      .str.replace(r" \(log: .*\)$", "", regex=True)
+                      .str.replace(r"; log \S+ ends:$", "", regex=True))
     t["cause in the server log"] = [failure_cause(x) for x in failures.get("log_tail", [None] * len(failures))]
     return t

@@ -203,13 +203,14 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
 
     draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft") if spec == "dflash" else None
     cfg = resolve_config(ServerConfig(model_dir, backend, tp=1, context_length=70000, spec=spec,
-                                      draft_model_path=draft, cuda_graph=cuda_graph))
+                                      draft_model_path=draft, cuda_graph=cuda_graph,
+                                      expert_record=spec != "dflash"))
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(launch_args(cfg))
     assert ns.load_format == "dummy" and ns.skip_tokenizer_init and ns.enable_metrics
     assert ns.attention_backend == backend and ns.tp_size == 1 and ns.context_length == 70000
-    assert ns.expert_distribution_recorder_mode == "stat"
+    assert ns.expert_distribution_recorder_mode == (None if spec == "dflash" else "stat")
     assert ns.speculative_algorithm == {"none": None, "dflash": "DFLASH", "ngram": "NGRAM"}[spec]
     if backend in ("flashmla", "trtllm_mla"):   # the page size SGLang would force, named up front
         assert ns.page_size == 64
@@ -301,6 +302,16 @@ def test_dflash_draft_must_match_target(model_dir, tmp_path):
     with pytest.raises(ValueError, match="num_draft_tokens: 8 differs"):
         resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft,
                                     num_draft_tokens=8))
+
+
+def test_dflash_with_the_expert_recorder_is_refused(model_dir, tmp_path):
+    """SGLang 0.5.17 stops a DFlash server at its first recorded step (H200, session 32)."""
+    draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft")
+    with pytest.raises(ValueError, match="^expert_record: SGLang 0.5.17 stops a DFlash server"):
+        resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft))
+    cfg = resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft,
+                                      expert_record=False))
+    assert "--expert-distribution-recorder-mode" not in launch_args(cfg)
 
 
 def test_tp_must_divide_heads_and_all_gpus_needs_a_gpu(model_dir):
@@ -813,6 +824,13 @@ def test_failures_table_names_the_cause_from_the_server_log():
     t = failures_table(f)
     assert list(t["error"]) == ["SGLang server exited with code -9 during start-up", "time budget"]
     assert list(t["cause in the server log"]) == ["torch.OutOfMemoryError: CUDA out of memory.", ""]
+    # SGLang's crash diagnostics follow the exception with lines that also say "error"
+    crash = ("    self._buffer[self._size] = value\nRuntimeError: Inplace update to inference tensor\n\n"
+             "[t] SIGQUIT received.\n[t] Pyspy failed (py-spy dump --pid 1). Error: py-spy: not found\n")
+    assert failure_cause(crash) == "RuntimeError: Inplace update to inference tensor"
+    t = failures_table(pd.DataFrame([{"backend": "triton", "spec": "dflash", "status": "run_failed", "log_tail": crash,
+                                      "error": "ServerError: /generate: the stream broke off; log /x/y.log ends:"}]))
+    assert list(t["error"]) == ["ServerError: /generate: the stream broke off"]
 
 
 def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkeypatch):
@@ -824,6 +842,20 @@ def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkey
                                   expert=False, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   log=lambda s: None)
     assert {(r["spec"], r["draft_attention_backend"]) for r in res.decode} == {("dflash", "triton"), ("none", None)}
+
+
+def test_dflash_servers_run_without_the_expert_recorder(fake, tmp_path, monkeypatch):
+    """With the recorder asked for, DFlash servers start without it (and say why); the others keep it."""
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    said = []
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                  spec=["dflash", "none"], draft_tokens=4, decode_tokens=12, tp=1, nvml=False,
+                                  expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
+                                  log=said.append)
+    assert {(r["spec"], r["expert_record"]) for r in res.decode} == {("dflash", False), ("none", True)}
+    assert {r["spec"] for r in res.expert} == {"none"}
+    assert [line for line in said if "expert recorder off" in line] == [
+        f"triton/dflash: expert recorder off: {service.DFLASH_RECORDER_CRASH}"]
 
 
 def test_generate_raises_on_an_aborted_request(model_dir, fake, tmp_path, monkeypatch):
