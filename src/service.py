@@ -120,25 +120,25 @@ def check_warmups(names) -> None:
     if isinstance(names, str) or not all(isinstance(n, str) and n and "," not in n for n in names):
         raise ValueError(f"warmups: a sequence of warm-up names, got {names!r}")
     choices = warmup_choices()
-    unknown = [n for n in names if n not in choices]
-    if unknown:
-        raise ValueError(f"warmups: {unknown} are not warm-ups of the installed SGLang or of our "
-                         f"plugin; choices: {', '.join(choices)}")
-    if WARMUP_NAME in names and not plugin_installed():
-        raise ValueError(f"warmups: {WARMUP_NAME!r} comes from this project's SGLang plugin, whose "
-                         "entry point is not installed here; install the project (pip install "
-                         "--no-deps .) so SGLang's launcher finds it")
+    for name in names:
+        _check_choice("warmups", "a warm-up", name, choices, from_plugin=name == WARMUP_NAME)
 
 
 def check_attention_backend(name: str, arg: str = "attention_backend") -> None:
-    choices = attention_backend_choices()
+    _check_choice(arg, "an attention backend", name, attention_backend_choices(),
+                  from_plugin=name in PLUGIN_BACKENDS)
+
+
+def _check_choice(arg: str, kind: str, name: str, choices, from_plugin: bool) -> None:
+    """`name` among SGLang's choices (ours added); a name of our plugin needs its entry point
+    installed, or SGLang's launcher would not know it."""
     if name not in choices:
-        raise ValueError(f"{arg}: {name!r} is not an attention backend of the "
-                         f"installed SGLang or of our plugin; choices: {', '.join(choices)}")
-    if name in PLUGIN_BACKENDS and not plugin_installed():
-        raise ValueError(f"{arg}: {name!r} comes from this project's SGLang plugin, "
-                         "whose entry point is not installed here; install the project "
-                         "(pip install --no-deps .) so SGLang's launcher finds it")
+        raise ValueError(f"{arg}: {name!r} is not {kind} of the installed SGLang or of our "
+                         f"plugin; choices: {', '.join(choices)}")
+    if from_plugin and not plugin_installed():
+        raise ValueError(f"{arg}: {name!r} comes from this project's SGLang plugin, whose entry "
+                         "point is not installed here; install the project (pip install "
+                         "--no-deps .) so SGLang's launcher finds it")
 
 
 def visible_gpu_count() -> int:

@@ -155,7 +155,7 @@ def test_warmups_reach_sglangs_parser_and_unknown_names_are_refused(model_dir):
     assert parser.parse_args(service.launch_args(cfg)).warmups == "sm120_long_prompt,prefill_shapes"
     plain = service.resolve_config(service.ServerConfig(model_dir, "triton", tp=1))
     assert "--warmups" not in service.launch_args(plain)
-    with pytest.raises(ValueError, match=r"^warmups: \['sm120_long_promt'\] are not warm-ups"):
+    with pytest.raises(ValueError, match="^warmups: 'sm120_long_promt' is not a warm-up of the installed SGLang"):
         service.resolve_config(service.ServerConfig(model_dir, "triton", tp=1, warmups=("sm120_long_promt",)))
     with pytest.raises(ValueError, match="^warmups: a sequence of warm-up names"):
         service.check_warmups("sm120_long_prompt")
@@ -165,4 +165,14 @@ def test_decode_bench_refuses_an_unknown_warmup_before_any_launch(tmp_path, caps
     with pytest.raises(SystemExit):
         decode_bench.main(["--tp", "1", "--backends", "triton", "--warmups", "prefil_shapes",
                            "--no-record", "--log-dir", str(tmp_path)])
-    assert "warmups: ['prefil_shapes'] are not warm-ups" in capsys.readouterr().err
+    assert "warmups: 'prefil_shapes' is not a warm-up" in capsys.readouterr().err
+
+
+def test_a_plugin_name_needs_the_installed_entry_point(monkeypatch):
+    """Without the entry point SGLang's launcher never registers our names: refused up front."""
+    monkeypatch.setattr(service, "plugin_installed", lambda: False)
+    with pytest.raises(ValueError, match="^warmups: 'sm120_long_prompt' comes from this project's SGLang plugin"):
+        service.check_warmups(["sm120_long_prompt"])
+    with pytest.raises(ValueError, match="^attention_backend: 'sm120_mla' comes from this project's SGLang plugin"):
+        service.check_attention_backend("sm120_mla")
+    service.check_warmups(["prefill_shapes"])   # SGLang's own: no plugin needed
