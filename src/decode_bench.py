@@ -50,9 +50,9 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_model,
                            weight_format)
 from .patches import kv_sort
 from .results import cli_command
-from .service import (STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError, ServerStartError,
-                      DFLASH_RECORDER_CRASH, check_attention_backend, check_warmups, check_mem_fraction_static, check_positive, log_tail, resolve_tp,
-                      spec_metrics)
+from .service import (DFLASH_RECORDER_CRASH, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
+                      ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
+                      check_warmups, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -384,7 +384,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             plan = queue.pop(0)
             if (plan.backend, plan.spec) in started:
                 continue
-            fail = {**common, "backend": plan.backend, "spec": plan.spec}
+            # The recorder stops DFlash servers (service.DFLASH_RECORDER_CRASH): off for them.
+            recorder = expert and plan.spec != "dflash"
+            fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": recorder}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
             if unsupported:   # FlashMLA on sm_120: a server start (and DFlash's fallback) would only fail
                 log(f"SKIPPED {plan.backend}/{plan.spec}: {unsupported}")
@@ -406,8 +408,6 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 extra += ("--ep-size", str(ep_size))
             if tp > 1 and not fusion:
                 extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
-            # The recorder stops DFlash servers (service.DFLASH_RECORDER_CRASH): off for them.
-            recorder = expert and plan.spec != "dflash"
             if expert and not recorder:
                 log(f"{plan.backend}/{plan.spec}: expert recorder off: {DFLASH_RECORDER_CRASH}")
             cfg = ServerConfig(
@@ -432,6 +432,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     started.add((plan.backend, plan.spec))
                     server_log = srv.log_path
                     log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
+                    ran = warmups_run(srv.log_path, warmups)
+                    if len(ran) < len(warmups):
+                        log(f"  WARNING: the server did not run the warm-ups "
+                            f"{[w for w in warmups if w not in ran]} (SGLang only warns of a name it "
+                            "does not know: is the plugin loaded in its launcher?)")
                     warm = min(512, max(1, min(plan.contexts) // 2))
                     srv.generate(random_input_ids(warm, model_cfg["vocab_size"], seed + 999), 16)  # warm-up
                     for ctx in plan.contexts:
@@ -447,7 +452,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
-                                    "expert_record": recorder, "nvml_sampled": bool(nv),
+                                    "expert_record": recorder, "warmups": ",".join(ran), "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                     "context_length": srv.config.context_length,
                                     # what SGLang resolved: it falls back from a draft backend it refuses
@@ -541,6 +546,13 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
     # reads well above an unprofiled step; the trace's window (summary) is what to compare
     return {**summary, "profiled_request_step_ms": round(stats["verify_step_ms"], 4),
             "accept_len": stats["accept_len"], "trace_file": rank0.name, "trace_path": str(rank0)}
+
+
+def warmups_run(log_path: Path | None, asked: Sequence[str]) -> tuple[str, ...]:
+    """The warm-ups of `asked` that the server's log says it ran (SGLang's execute_warmups logs
+    "Running warmup NAME" for each it knows); none without a log."""
+    text = Path(log_path).read_text(errors="replace") if log_path and Path(log_path).is_file() else ""
+    return tuple(w for w in asked if f"Running warmup {w}\n" in text)
 
 
 def _indent(text: str, lines: int) -> str:

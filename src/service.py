@@ -72,13 +72,17 @@ class ServerStartError(ServerError):
         self.log_path = log_path
 
 
-# SGLang 0.5.17's expert distribution recorder and DFlash do not mix: the server stops at the
-# first recorded decode step (session 32 on the H200, with triton and with sm120_mla alike), in
-# the recorder's step buffer. A guess at the cause, not checked: DFlash runs its draft forward
-# under torch.inference_mode, while the scheduler's loop runs under no_grad.
-DFLASH_RECORDER_CRASH = ("SGLang 0.5.17 stops a DFlash server at its first recorded step with the expert "
-                         "recorder on (RuntimeError: Inplace update to inference tensor outside "
-                         "InferenceMode; seen with triton and sm120_mla)")
+# SGLang 0.5.17's expert recorder and DFlash: with the recorder on, every 16-layer DFlash server
+# of session 32 stopped in its first recorded request (H200; triton and sm120_mla alike), where
+# 9880eff's 4-layer ones had run. The mechanism, reproduced on the CPU with SGLang's own
+# _InfiniteBuffer (tests/test_service.py): the step buffer reallocates when full, in the grad mode
+# of the pass that fills it. DFlashWorkerV2 runs its draft's forward under torch.inference_mode and
+# the target's under no_grad, both through the one global recorder; a buffer grown by a draft pass
+# is an inference tensor, which the target's next pass may not write to. Which pass fills the
+# buffer depends on the request's pass count, hence a crash at some shapes only.
+DFLASH_RECORDER_CRASH = ("SGLang 0.5.17's expert recorder can stop a DFlash server mid-request "
+                         "(RuntimeError: Inplace update to inference tensor outside InferenceMode; "
+                         "every 16-layer DFlash server on the H200, with triton and sm120_mla alike)")
 
 
 # ---- what SGLang accepts ------------------------------------------------------------------

@@ -79,9 +79,20 @@ def test_the_two_prompts_cross_a_chunk_and_extend_the_first(registered):
 
 
 def test_an_aborted_prompt_fails_the_start_with_sglangs_message(registered):
+    # an abort without a status code reaches the warm-up, which raises
     tm = _TokenizerManager(finish={"type": "abort", "message": "out of memory in the KV pool"})
     with pytest.raises(RuntimeError, match="aborted the 8448-token warm-up prompt: out of memory"):
         _run(tm)
+    # one with a status SGLang raises itself (a 400: ValueError), through SGLang's execute_warmups
+
+    class _Refusing(_TokenizerManager):
+        async def generate_request(self, obj, request=None):
+            self.requests.append(obj)
+            raise ValueError("Input length (8448 tokens) exceeds the maximum allowed length")
+            yield   # an async generator, as SGLang's
+
+    with pytest.raises(ValueError, match="exceeds the maximum allowed length"):
+        _run(_Refusing())
 
 
 @pytest.mark.parametrize("chunk,context,max_input,reserved,expected", [
@@ -90,15 +101,17 @@ def test_an_aborted_prompt_fails_the_start_with_sglangs_message(registered):
     (-1, 70000, None, 0, (warmup.NO_CHUNK_PROMPT, warmup.NO_CHUNK_PROMPT + warmup.EXTENSION)),
     (None, 70000, None, 0, (warmup.NO_CHUNK_PROMPT, warmup.NO_CHUNK_PROMPT + warmup.EXTENSION)),
     (8192, 8300, None, 0, (8290, 8291)),         # cut to the context, less the decode tokens
-    (8192, 70000, 8400, 0, (8399, 8400)),        # the scheduler's max_req_input_len
+    (8192, 70000, 8400, 0, (8398, 8399)),        # the scheduler's max_req_input_len
     (8192, 8300, None, 100, (8190, 8191)),       # SGLang's reserved tokens count too
 ])
 def test_prompt_lengths_fit_what_sglang_accepts(chunk, context, max_input, reserved, expected):
     first, second = warmup.prompt_lengths(chunk, context, max_input, reserved)
     assert (first, second) == expected
     # SGLang's TokenizerManager._validate_one_request: input + reserved < context_len, and
-    # input + reserved + max_new_tokens <= context_len
+    # input + reserved + max_new_tokens <= context_len; the scheduler's validate_input_length:
+    # input < max_req_input_len
     assert second + reserved < context and second + reserved + warmup.DECODE_TOKENS <= context
+    assert max_input is None or second < max_input
     assert first < second
 
 
@@ -135,6 +148,8 @@ def test_load_plugin_registers_the_warmup(monkeypatch):
 
     warmup.unregister_warmup()
     monkeypatch.setattr("sys.argv", ["pytest"])
+    monkeypatch.delenv(plugin.kv_sort.ENV_VAR, raising=False)        # nothing else installed
+    monkeypatch.delenv(plugin.ngram_tail.ENV_VAR, raising=False)
     try:
         plugin.load_plugin()
         assert _warmup_registry.get(warmup.WARMUP_NAME) is warmup.long_prompt_warmup
