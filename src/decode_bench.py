@@ -27,6 +27,9 @@ CLI (GPU machine; appends to data/results/service_decode.jsonl, service_nvml.jso
 service_expert_load.jsonl and service_failures.jsonl):
 
     python -m sm120_workbook.decode_bench --backends triton sm120_mla --spec none dflash
+
+DFlash servers start without SGLang's expert recorder, which stops them mid-request in SGLang
+0.5.17 (service.DFLASH_RECORDER_CRASH); their records say expert_record false.
 """
 from __future__ import annotations
 
@@ -299,7 +302,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     prefill_as_base: spell that hybrid with the prefill backend as --attention-backend
     (ServerConfig.prefill_as_base); records carry prefill_as_base.
     warmups: SGLang warm-ups each server runs before it listens (`--warmups`, e.g.
-    "sm120_long_prompt"); their time is in startup_s, and records carry warmups.
+    "sm120_long_prompt"); their time is in startup_s, and records carry those the server's log
+    says it ran (a name SGLang does not know is only warned of, and left out).
     """
     from tqdm.auto import tqdm
 
