@@ -437,10 +437,12 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     server_log = srv.log_path
                     log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
                     ran = warmups_run(srv.log_path, warmups)
+                    fail["warmups"] = ",".join(ran)
                     if len(ran) < len(warmups):
-                        log(f"  WARNING: the server did not run the warm-ups "
+                        log(f"  WARNING: the server's log does not say it ran the warm-ups "
                             f"{[w for w in warmups if w not in ran]} (SGLang only warns of a name it "
-                            "does not know: is the plugin loaded in its launcher?)")
+                            "does not know: is the plugin loaded in its launcher? Or its INFO lines "
+                            "are not logged)")
                     warm = min(512, max(1, min(plan.contexts) // 2))
                     srv.generate(random_input_ids(warm, model_cfg["vocab_size"], seed + 999), 16)  # warm-up
                     for ctx in plan.contexts:
@@ -486,7 +488,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                             shutil.copy2(prof.pop("trace_path"), dest / prof["trace_file"])
                         else:
                             prof.pop("trace_path")
-                        emit(PROFILE_RESULTS, [{**common, "run_id": run_id, "backend": plan.backend,
+                        emit(PROFILE_RESULTS, [{**common, "warmups": fail["warmups"], "run_id": run_id,
+                                                "backend": plan.backend,
                                                 "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
                                                 "cuda_graph": cuda_graph, "expert_record": recorder,
                                                 "with_stack": profile_with_stack, **prof}])
@@ -496,6 +499,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             except ServerStartError as e:
                 log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}\n"
                     f"  its log ends:\n{_indent(e.log_tail, 15)}")
+                fail["warmups"] = ",".join(warmups_run(e.log_path, warmups))
                 emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
                                         "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)}])
                 if plan.spec == "dflash" and spec_fallback and (plan.backend, spec_fallback) not in started:

@@ -72,17 +72,21 @@ class ServerStartError(ServerError):
         self.log_path = log_path
 
 
-# SGLang 0.5.17's expert recorder and DFlash: with the recorder on, every 16-layer DFlash server
-# of session 32 stopped in its first recorded request (H200; triton and sm120_mla alike), where
-# 9880eff's 4-layer ones had run. The mechanism, reproduced on the CPU with SGLang's own
-# _InfiniteBuffer (tests/test_service.py): the step buffer reallocates when full, in the grad mode
-# of the pass that fills it. DFlashWorkerV2 runs its draft's forward under torch.inference_mode and
-# the target's under no_grad, both through the one global recorder; a buffer grown by a draft pass
-# is an inference tensor, which the target's next pass may not write to. Which pass fills the
-# buffer depends on the request's pass count, hence a crash at some shapes only.
-DFLASH_RECORDER_CRASH = ("SGLang 0.5.17's expert recorder can stop a DFlash server mid-request "
-                         "(RuntimeError: Inplace update to inference tensor outside InferenceMode; "
-                         "every 16-layer DFlash server on the H200, with triton and sm120_mla alike)")
+# SGLang 0.5.17's expert recorder and DFlash: with the recorder on, every DFlash server of
+# session 32 (16 layers, H200; triton and sm120_mla alike) stopped in its first recorded request;
+# 9880eff's 4-layer ones had run (not explained). The mechanism, in SGLang's source and reproduced
+# on the CPU with its own classes (tests/test_service.py): every ModelRunner forward, the draft's
+# included, goes through the one global recorder; DFlashWorkerV2 runs the draft's forward under
+# torch.inference_mode and the target's under no_grad; and the unbounded step buffer that
+# launch_args asks for (--expert-distribution-recorder-buffer-size -1, so that long runs keep every
+# pass) reallocates when full, in the grad mode of the pass that fills it. Grown by a draft pass,
+# it is an inference tensor the target's next pass may not write. SGLang's default, a preallocated
+# circular buffer, is never grown (not tried on a GPU). DFlash with the recorder is refused
+# whatever the shape: which pass fills the buffer is not predictable from the arguments.
+DFLASH_RECORDER_CRASH = ("SGLang 0.5.17's expert recorder with an unbounded buffer (as launched here) can "
+                         "stop a DFlash server mid-request (RuntimeError: Inplace update to inference "
+                         "tensor outside InferenceMode; so it did to every recording DFlash server of "
+                         "session 32 on the H200, with triton and sm120_mla alike)")
 
 
 # ---- what SGLang accepts ------------------------------------------------------------------

@@ -309,11 +309,21 @@ def test_dflash_draft_must_match_target(model_dir, tmp_path):
 
 def test_sglangs_recorder_buffer_grows_in_the_mode_of_the_pass_that_fills_it():
     """Why DFlash runs without the recorder (service.DFLASH_RECORDER_CRASH), with SGLang's own
-    buffer: grown in a draft pass (inference_mode), the target's next pass (no_grad) may not write
-    it; a preallocated circular buffer is not grown. When a newer SGLang fixes this, this fails:
-    then let DFlash record again."""
+    code: every ModelRunner forward, the draft's included, goes through the one global recorder;
+    DFlashWorkerV2 runs the draft's under inference_mode; and the unbounded buffer grown in such a
+    pass cannot be written by the target's next (no_grad) one. A preallocated circular buffer is
+    not grown. When SGLang changes any of the three, this fails: then look again."""
+    import inspect
+
     import torch
     from sglang.srt.eplb.expert_distribution import _CircularBuffer, _InfiniteBuffer
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    assert "get_global_expert_distribution_recorder().with_forward_pass(" in inspect.getsource(ModelRunner.forward)
+    assert " ".join("""with torch.inference_mode():
+            draft_out = self.draft_model_runner.forward(forward_batch)""".split()) in " ".join(
+        inspect.getsource(DFlashWorkerV2).split())
 
     def alternate(buf, passes=300):   # draft, target, draft, ... as DFlashWorkerV2 runs them
         v = torch.ones(2, 3, dtype=torch.int32)
@@ -333,7 +343,7 @@ def test_sglangs_recorder_buffer_grows_in_the_mode_of_the_pass_that_fills_it():
 def test_dflash_with_the_expert_recorder_is_refused(model_dir, tmp_path):
     """SGLang 0.5.17's recorder stopped every 16-layer DFlash server (H200, session 32)."""
     draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft")
-    with pytest.raises(ValueError, match="^expert_record: SGLang 0.5.17's expert recorder can stop a DFlash server"):
+    with pytest.raises(ValueError, match="^expert_record: SGLang 0.5.17's expert recorder with an unbounded buffer .as launched here. can stop a DFlash server"):
         resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft))
     cfg = resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft,
                                       expert_record=False))
@@ -576,7 +586,7 @@ def test_run_matrix_records_the_prefill_backend(fake, tmp_path, monkeypatch):
                                     progress=False, warmups=["sm120_long_prompt", "prefill_shapes"],
                                     launcher=fake, log_dir=tmp_path, log=said.append)
     assert [r["warmups"] for r in unrun.decode] == ["prefill_shapes"]
-    assert any("did not run the warm-ups ['sm120_long_prompt']" in line for line in said)
+    assert any("does not say it ran the warm-ups ['sm120_long_prompt']" in line for line in said)
     with pytest.raises(ValueError, match="^prefill_as_base: needs a prefill_backend"):
         decode_bench.run_matrix(backends=["triton"], prefill_as_base=True, tp=1, launcher=fake, log=lambda s: None)
 
