@@ -303,7 +303,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     (ServerConfig.prefill_as_base); records carry prefill_as_base.
     warmups: SGLang warm-ups each server runs before it listens (`--warmups`, e.g.
     "sm120_long_prompt"); their time is in startup_s, and records carry those the server's log
-    says it ran (a name SGLang does not know is only warned of, and left out).
+    says it ran (a name SGLang does not know is only warned of, and left out) and warmup_s, the
+    time they took by the log's stamps.
     """
     from tqdm.auto import tqdm
 
@@ -437,6 +438,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     server_log = srv.log_path
                     log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
                     ran = warmups_run(srv.log_path, warmups)
+                    warm_s = warmup_seconds(srv.log_path) if ran else None
                     fail["warmups"] = ",".join(ran)
                     if len(ran) < len(warmups):
                         log(f"  WARNING: the server's log does not say it ran the warm-ups "
@@ -458,7 +460,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
-                                    "expert_record": recorder, "warmups": ",".join(ran), "nvml_sampled": bool(nv),
+                                    "expert_record": recorder, "warmups": ",".join(ran),
+                                    "warmup_s": warm_s, "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                     "context_length": srv.config.context_length,
                                     # what SGLang resolved: it falls back from a draft backend it refuses
@@ -556,11 +559,33 @@ def profile_point(srv: SGLangServer, ctx: int, decode_tokens: int, vocab_size: i
             "accept_len": stats["accept_len"], "trace_file": rank0.name, "trace_path": str(rank0)}
 
 
+def _log_text(log_path: Path | None) -> str:
+    return Path(log_path).read_text(errors="replace") if log_path and Path(log_path).is_file() else ""
+
+
 def warmups_run(log_path: Path | None, asked: Sequence[str]) -> tuple[str, ...]:
     """The warm-ups of `asked` that the server's log says it ran (SGLang's execute_warmups logs
     "Running warmup NAME" for each it knows); none without a log."""
-    text = Path(log_path).read_text(errors="replace") if log_path and Path(log_path).is_file() else ""
+    text = _log_text(log_path)
     return tuple(w for w in asked if f"Running warmup {w}\n" in text)
+
+
+_LOG_STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
+
+
+def warmup_seconds(log_path: Path | None) -> float | None:
+    """Seconds from SGLang's first "Running warmup" line to its "Warmup ended" (the log's 1 s
+    stamps), part of startup_s; None where the log has not both."""
+    import datetime
+    import re
+
+    text = _log_text(log_path)
+    start = re.search(_LOG_STAMP + "Running warmup ", text, re.M)
+    end = re.search(_LOG_STAMP + "Warmup ended", text[start.end():], re.M) if start else None
+    if not end:
+        return None
+    stamp = lambda m: datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")  # noqa: E731
+    return (stamp(end) - stamp(start)).total_seconds()
 
 
 def _indent(text: str, lines: int) -> str:

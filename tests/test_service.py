@@ -166,7 +166,9 @@ class H(BaseHTTPRequestHandler):
 
 for w in (arg("--warmups") or "").split(","):   # as SGLang's execute_warmups logs each it runs
     if w and w not in os.environ.get("FAKE_UNKNOWN_WARMUPS", "").split(","):
-        print(f"[t] Running warmup {w}", flush=True)
+        print(f"[2026-12-01 20:53:21] Running warmup {w}", flush=True)
+if arg("--warmups"):
+    print("[2026-12-01 20:55:36] Warmup ended", flush=True)
 print("fake server listening", flush=True)
 ThreadingHTTPServer((arg("--host"), int(arg("--port"))), H).serve_forever()
 '''
@@ -576,6 +578,7 @@ def test_run_matrix_records_the_prefill_backend(fake, tmp_path, monkeypatch):
                                      progress=False, warmups=["sm120_long_prompt"], launcher=fake,
                                      log_dir=tmp_path, log=lambda s: None)
     assert [r["warmups"] for r in warmed.decode + plain.decode] == ["sm120_long_prompt", ""]
+    assert [r["warmup_s"] for r in warmed.decode + plain.decode] == [135.0, None]   # by the log's stamps
     assert [c.warmups for c in configs] == [("sm120_long_prompt",)]
     # a warm-up the server's log never names did not run (SGLang only warns of an unknown name):
     # said, and left out of the records
