@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -576,16 +578,13 @@ _LOG_STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
 def warmup_seconds(log_path: Path | None) -> float | None:
     """Seconds from SGLang's first "Running warmup" line to its "Warmup ended" (the log's 1 s
     stamps), part of startup_s; None where the log has not both."""
-    import datetime
-    import re
-
     text = _log_text(log_path)
     start = re.search(_LOG_STAMP + "Running warmup ", text, re.M)
     end = re.search(_LOG_STAMP + "Warmup ended", text[start.end():], re.M) if start else None
     if not end:
         return None
-    stamp = lambda m: datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")  # noqa: E731
-    return (stamp(end) - stamp(start)).total_seconds()
+    t0, t1 = (datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S") for m in (start, end))
+    return (t1 - t0).total_seconds()
 
 
 def _indent(text: str, lines: int) -> str:
