@@ -60,17 +60,12 @@ def prompt_lengths(chunked_prefill_size: int | None, context_len: int,
     return min(first, second - 1), second
 
 
-def random_prompt(n: int, vocab_size: int, seed: int = 0) -> list[int]:
-    import numpy as np
-
-    high = max(vocab_size, LOWEST_TOKEN_ID + 1)
-    return np.random.default_rng(seed).integers(LOWEST_TOKEN_ID, high, size=n).tolist()
-
-
 async def long_prompt_warmup(disaggregation_mode: str, tokenizer_manager) -> None:
     """SGLang's warm-up signature: (disaggregation_mode, tokenizer_manager)."""
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from ..decode_bench import random_input_ids
 
     chunk = tokenizer_manager.server_args.chunked_prefill_size
     first, second = prompt_lengths(chunk, tokenizer_manager.context_len,
@@ -80,7 +75,7 @@ async def long_prompt_warmup(disaggregation_mode: str, tokenizer_manager) -> Non
         logger.warning("%s: a %d-token prompt fits one chunk (chunked prefill size %s, context "
                        "%d); only the radix-cache extension warms the prefix path", WARMUP_NAME,
                        first, chunk, tokenizer_manager.context_len)
-    ids = random_prompt(second, tokenizer_manager.model_config.vocab_size)
+    ids = random_input_ids(second, tokenizer_manager.model_config.vocab_size, seed=0, low=LOWEST_TOKEN_ID)
     for n in (first, second):
         req = GenerateReqInput(input_ids=ids[:n], sampling_params={
             "max_new_tokens": DECODE_TOKENS, "temperature": 0.0, "ignore_eos": True})
