@@ -439,8 +439,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     started.add((plan.backend, plan.spec))
                     server_log = srv.log_path
                     log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
-                    ran = warmups_run(srv.log_path, warmups)
-                    warm_s = warmup_seconds(srv.log_path) if ran else None
+                    start_log = _log_text(srv.log_path) if warmups else ""
+                    ran = warmups_run(start_log, warmups)
+                    warm_s = warmup_seconds(start_log) if ran else None
                     fail["warmups"] = ",".join(ran)
                     if len(ran) < len(warmups):
                         log(f"  WARNING: the server's log does not say it ran the warm-ups "
@@ -504,7 +505,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             except ServerStartError as e:
                 log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}\n"
                     f"  its log ends:\n{_indent(e.log_tail, 15)}")
-                fail["warmups"] = ",".join(warmups_run(e.log_path, warmups))
+                fail["warmups"] = ",".join(warmups_run(_log_text(e.log_path) if warmups else "", warmups))
                 emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
                                         "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)}])
                 if plan.spec == "dflash" and spec_fallback and (plan.backend, spec_fallback) not in started:
@@ -565,22 +566,20 @@ def _log_text(log_path: Path | None) -> str:
     return Path(log_path).read_text(errors="replace") if log_path and Path(log_path).is_file() else ""
 
 
-def warmups_run(log_path: Path | None, asked: Sequence[str]) -> tuple[str, ...]:
-    """The warm-ups of `asked` that the server's log says it ran (SGLang's execute_warmups logs
-    "Running warmup NAME" for each it knows); none without a log."""
-    text = _log_text(log_path)
-    return tuple(w for w in asked if f"Running warmup {w}\n" in text)
+def warmups_run(log: str, asked: Sequence[str]) -> tuple[str, ...]:
+    """The warm-ups of `asked` that a server's log text says it ran (SGLang's execute_warmups
+    logs "Running warmup NAME" for each it knows)."""
+    return tuple(w for w in asked if f"Running warmup {w}\n" in log)
 
 
 _LOG_STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
 
 
-def warmup_seconds(log_path: Path | None) -> float | None:
-    """Seconds from SGLang's first "Running warmup" line to its "Warmup ended" (the log's 1 s
-    stamps), part of startup_s; None where the log has not both."""
-    text = _log_text(log_path)
-    start = re.search(_LOG_STAMP + "Running warmup ", text, re.M)
-    end = re.search(_LOG_STAMP + "Warmup ended", text[start.end():], re.M) if start else None
+def warmup_seconds(log: str) -> float | None:
+    """Seconds from SGLang's first "Running warmup" line to its "Warmup ended" in a server's log
+    text (its 1 s stamps), part of startup_s; None where the log has not both."""
+    start = re.search(_LOG_STAMP + "Running warmup ", log, re.M)
+    end = re.search(_LOG_STAMP + "Warmup ended", log[start.end():], re.M) if start else None
     if not end:
         return None
     t0, t1 = (datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S") for m in (start, end))
