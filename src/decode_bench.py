@@ -28,8 +28,9 @@ service_expert_load.jsonl and service_failures.jsonl):
 
     python -m sm120_workbook.decode_bench --backends triton sm120_mla --spec none dflash
 
-DFlash servers start without SGLang's expert recorder, which stops them mid-request in SGLang
-0.5.17 (service.DFLASH_RECORDER_CRASH); their records say expert_record false.
+DFlash servers record experts into a circular buffer sized above a request's forward passes
+(dflash_expert_buffer): SGLang 0.5.17's unbounded one, used for the rest, stops them mid-request
+(service.DFLASH_RECORDER_CRASH). Records carry the buffer as expert_buffer.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_model,
                            weight_format)
 from .patches import kv_sort
 from .results import cli_command
-from .service import (DFLASH_RECORDER_CRASH, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
+from .service import (STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
                       check_warmups, log_tail, resolve_tp, spec_metrics)
 
@@ -146,6 +147,14 @@ def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_token
         if "sm120_mla" in backends and n > MAX_Q_LEN:
             raise ValueError(f"{name}: {n} {s} draft tokens exceed the sm120_mla kernel's {MAX_Q_LEN} "
                              "queries per request")
+
+
+def dflash_expert_buffer(contexts: Sequence[int], decode_tokens: int) -> int:
+    """The circular recorder buffer (forward passes) of a DFlash server: above one recorded
+    request's passes, so that none is overwritten. Its prefill takes at most ctx / 1024 chunks
+    (SGLang's chunked prefill is 2048 tokens and up unless set lower); each decode step runs two
+    passes (the draft's and the target's verify) and emits at least one token."""
+    return -(-max(contexts) // 1024) + 2 * decode_tokens + 16
 
 
 def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
@@ -391,9 +400,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             plan = queue.pop(0)
             if (plan.backend, plan.spec) in started:
                 continue
-            # The recorder stops DFlash servers (service.DFLASH_RECORDER_CRASH): off for them.
-            recorder = expert and plan.spec != "dflash"
-            fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": recorder}
+            recorder = expert
+            # An unbounded buffer stops DFlash servers (service.DFLASH_RECORDER_CRASH): a circular one.
+            buffer = dflash_expert_buffer(plan.contexts, decode_tokens) if recorder and plan.spec == "dflash" else -1
+            fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": recorder,
+                    "expert_buffer": buffer}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
             if unsupported:   # FlashMLA on sm_120: a server start (and DFlash's fallback) would only fail
                 log(f"SKIPPED {plan.backend}/{plan.spec}: {unsupported}")
@@ -415,8 +426,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 extra += ("--ep-size", str(ep_size))
             if tp > 1 and not fusion:
                 extra += ("--enforce-disable-flashinfer-allreduce-fusion",)
-            if expert and not recorder:
-                log(f"{plan.backend}/{plan.spec}: expert recorder off: {DFLASH_RECORDER_CRASH}")
+            if buffer > 0:
+                log(f"{plan.backend}/{plan.spec}: the expert recorder keeps a circular buffer of {buffer} "
+                    "forward passes (an unbounded one stops DFlash servers: service.DFLASH_RECORDER_CRASH)")
             cfg = ServerConfig(
                 model_path=model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
                 prefill_as_base=prefill_as_base, warmups=warmups,
@@ -424,7 +436,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 mem_fraction_static=mem_fraction_static, extra_args=extra,
                 context_length=ctx_len,
                 spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
-                expert_record=recorder,
+                expert_record=recorder, expert_record_buffer=buffer,
                 draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens,
                                                        dest=Path(workdir) / f"draft-{run_id}")
                                   if plan.spec == "dflash" else None))
@@ -459,11 +471,12 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                                         "startup_s": round(srv.startup_s, 1)}])
                                 continue
                             row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
-                                                         nvml, nvml_interval_s, recorder, tp)
+                                                         nvml, nvml_interval_s, recorder, tp, buffer)
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
-                                    "expert_record": recorder, "warmups": ",".join(ran),
+                                    "expert_record": recorder, "expert_buffer": buffer,
+                                    "warmups": ",".join(ran),
                                     "warmup_s": warm_s, "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                     "context_length": srv.config.context_length,
@@ -498,7 +511,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                                 "backend": plan.backend,
                                                 "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
                                                 "cuda_graph": cuda_graph, "expert_record": recorder,
-                                                "with_stack": profile_with_stack, **prof}])
+                                                "expert_buffer": buffer, "with_stack": profile_with_stack, **prof}])
                         log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "
                             f"{100 * (prof['busy_share'] or 0):.0f}%: "
                             + ", ".join(f"{k} {v:.2f}" for k, v in list(prof["gpu_ms_per_step"].items())[:4]))
@@ -595,7 +608,7 @@ def _results_path(results_dir: Path | None, name: str) -> Path | None:
 
 
 def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: dict, seed: int,
-                   nvml: bool, nvml_interval_s: float, expert: bool, tp: int):
+                   nvml: bool, nvml_interval_s: float, expert: bool, tp: int, expert_buffer: int = -1):
     from .nvml_sampler import NvmlSampler, NvmlUnavailableError
 
     recording = False
@@ -634,18 +647,22 @@ def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: d
     ex = None
     if expert:
         try:
-            ex = _expert_record(srv, tp)
+            ex = _expert_record(srv, tp, expert_buffer)
         except Exception as e:  # noqa: BLE001 - the decode measurement stands without it
             row["expert_error"] = repr(e)[:500]
     return row, nv_rows, ex
 
 
-def _expert_record(srv: SGLangServer, tp: int) -> dict:
-    from .expert_balance import balancedness, expert_counts, gpu_load, load_expert_dump, moe_layer_ids
+def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1) -> dict:
+    from .expert_balance import balancedness, expert_counts, gpu_load, load_expert_dump, moe_layer_ids, routed_passes
 
     path = srv.dump_expert_record()
     dump = load_expert_dump(path)
     path.unlink()  # (passes, layers, experts) int32 per dump: megabytes; the record keeps the sum
+    passes = routed_passes(dump)
+    if buffer > 0 and passes >= buffer:   # every row written: the circular buffer may have wrapped
+        raise ValueError(f"expert_buffer: all {buffer} passes of the circular buffer routed tokens; "
+                         "the oldest may have been overwritten")
     ranks = tp
     try:
         counts = expert_counts(dump, ranks_summed=tp)
@@ -654,7 +671,7 @@ def _expert_record(srv: SGLangServer, tp: int) -> dict:
     moe = moe_layer_ids(counts)
     bal = balancedness(gpu_load(counts[moe], 8)) if moe and counts.shape[1] % 8 == 0 else []
     return {"num_experts": int(counts.shape[1]), "counts": counts.tolist(), "moe_layers": moe,
-            "ranks_summed": ranks, "forward_passes": int(dump["logical_count"].shape[0]),
+            "ranks_summed": ranks, "forward_passes": passes,
             "balancedness_ep8": [round(float(b), 4) for b in bal]}
 
 

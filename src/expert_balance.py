@@ -60,6 +60,14 @@ def load_expert_dump(path: str | Path) -> dict:
             "average_utilization_rate_over_window": data.get("average_utilization_rate_over_window")}
 
 
+def routed_passes(dump: dict) -> int:
+    """The forward passes in a dump that routed any token. A circular buffer (a positive
+    --expert-distribution-recorder-buffer-size) dumps all its rows, the unwritten ones zero, and a
+    DFlash draft's passes (no MoE layers) append zero rows too: neither counts."""
+    count = np.asarray(dump["logical_count"])
+    return int(count.reshape(count.shape[0], -1).any(axis=1).sum())
+
+
 def expert_counts(dump: dict, ranks_summed: int = 1) -> np.ndarray:
     """(layers, experts) routed-token counts, summed over passes, divided by ranks_summed."""
     c = np.asarray(dump["logical_count"]).sum(axis=0).astype(np.int64)

@@ -72,18 +72,18 @@ class ServerStartError(ServerError):
         self.log_path = log_path
 
 
-# SGLang 0.5.17's expert recorder and DFlash: with the recorder on, every DFlash server of
-# session 32 (16 layers, H200; triton and sm120_mla alike) stopped in its first recorded request;
-# 9880eff's 4-layer ones had run (not explained). The mechanism, in SGLang's source and reproduced
-# on the CPU with its own classes (tests/test_service.py): every ModelRunner forward, the draft's
-# included, goes through the one global recorder; DFlashWorkerV2 runs the draft's forward under
-# torch.inference_mode and the target's under no_grad; and the unbounded step buffer that
-# launch_args asks for (--expert-distribution-recorder-buffer-size -1, so that long runs keep every
-# pass) reallocates when full, in the grad mode of the pass that fills it. Grown by a draft pass,
-# it is an inference tensor the target's next pass may not write. SGLang's default, a preallocated
-# circular buffer, is never grown (not tried on a GPU). DFlash with the recorder is refused
-# whatever the shape: which pass fills the buffer is not predictable from the arguments.
-DFLASH_RECORDER_CRASH = ("SGLang 0.5.17's expert recorder with an unbounded buffer (as launched here) can "
+# SGLang 0.5.17's expert recorder and DFlash: with the recorder's unbounded buffer, every DFlash
+# server of session 32 (16 layers, H200; triton and sm120_mla alike) stopped in its first recorded
+# request; 9880eff's 4-layer ones had run (not explained). The mechanism, in SGLang's source and
+# reproduced on the CPU with its own classes (tests/test_service.py): every ModelRunner forward, the
+# draft's included, goes through the one global recorder; DFlashWorkerV2 runs the draft's forward
+# under torch.inference_mode and the target's under no_grad; and the unbounded step buffer
+# (--expert-distribution-recorder-buffer-size -1) reallocates when full, in the grad mode of the
+# pass that fills it. Grown by a draft pass, it is an inference tensor the target's next pass may
+# not write. A circular buffer (a positive size) is allocated once, at start-up, and never grown,
+# so DFlash servers record with one sized above a recorded request's passes. Which pass fills an
+# unbounded buffer is not predictable from the arguments, so that pair is refused whatever the shape.
+DFLASH_RECORDER_CRASH = ("SGLang 0.5.17's expert recorder with an unbounded buffer (expert_record_buffer -1) can "
                          "stop a DFlash server mid-request (RuntimeError: Inplace update to inference "
                          "tensor outside InferenceMode; so it did to every recording DFlash server of "
                          "session 32 on the H200, with triton and sm120_mla alike)")
@@ -220,6 +220,10 @@ class ServerConfig:
     cuda_graph_max_bs: int | None = 4        # batch 1 is measured; small graphs start faster
     enable_metrics: bool = True
     expert_record: bool = True               # --expert-distribution-recorder-mode stat
+    # Forward passes the recorder keeps between a start and a dump: -1 an unbounded buffer that
+    # grows when full (not for DFlash: DFLASH_RECORDER_CRASH); N > 0 a circular buffer of N passes,
+    # allocated at start-up, which overwrites the oldest pass beyond N.
+    expert_record_buffer: int = -1
     # SGLang warm-ups run before the server listens (--warmups), e.g. patches.warmup's
     # "sm120_long_prompt", which takes the first long prompt's kernel builds out of requests.
     warmups: tuple[str, ...] = ()
@@ -279,6 +283,10 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     cfg.warmups = tuple(cfg.warmups)
     if cfg.warmups:
         check_warmups(cfg.warmups)
+    if (isinstance(cfg.expert_record_buffer, bool) or not isinstance(cfg.expert_record_buffer, int)
+            or cfg.expert_record_buffer == 0 or cfg.expert_record_buffer < -1):
+        raise ValueError(f"expert_record_buffer: -1 (unbounded) or a positive number of forward "
+                         f"passes, got {cfg.expert_record_buffer!r}")
     if cfg.spec not in SPEC_ALGORITHMS:
         raise ValueError(f"spec: must be one of {sorted(SPEC_ALGORITHMS)}, got {cfg.spec!r}")
     paged = [PAGED_BACKENDS[b] for b in (cfg.attention_backend, cfg.prefill_attention_backend) if b in PAGED_BACKENDS]
@@ -306,8 +314,10 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
         if block is not None and cfg.num_draft_tokens != block:
             raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} differs from the draft's "
                              f"block_size {block} (SGLang requires them equal for DFlash)")
-        if cfg.expert_record:
-            raise ValueError(f"expert_record: {DFLASH_RECORDER_CRASH}; pass expert_record=False for DFlash")
+        if cfg.expert_record and cfg.expert_record_buffer < 0:
+            raise ValueError(f"expert_record_buffer: {DFLASH_RECORDER_CRASH}; give DFlash a circular "
+                             "buffer (a positive expert_record_buffer above a recorded request's "
+                             "forward passes) or expert_record=False")
     if cfg.port is None:
         cfg.port = free_port(cfg.host)
     return cfg
@@ -331,9 +341,10 @@ def launch_args(cfg: ServerConfig) -> list[str]:
     if cfg.enable_metrics:
         a += ["--enable-metrics"]
     if cfg.expert_record:
-        # An unbounded buffer: the circular default (1000 passes) would drop long runs.
+        # -1 by default, an unbounded buffer: SGLang's circular default (1000 passes) would drop
+        # long runs.
         a += ["--expert-distribution-recorder-mode", "stat",
-              "--expert-distribution-recorder-buffer-size", "-1"]
+              "--expert-distribution-recorder-buffer-size", str(cfg.expert_record_buffer)]
     if cfg.cuda_graph:
         if cfg.cuda_graph_max_bs is not None:
             a += ["--cuda-graph-max-bs-decode", str(cfg.cuda_graph_max_bs)]

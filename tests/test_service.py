@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import json
+import re
 import socket
 import sys
 import threading
@@ -152,12 +153,15 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/dump_expert_distribution_record":
             import torch
             L, E, k = model["num_hidden_layers"], model["n_routed_experts"], model["num_experts_per_tok"]
-            count = torch.zeros(max(recording["passes"], 1), L, E, dtype=torch.int32)
+            # as SGLang's buffers: a circular one dumps all its rows, the unwritten ones zero
+            buffer = int(arg("--expert-distribution-recorder-buffer-size", "-1"))
+            count = torch.zeros(buffer if buffer > 0 else max(recording["passes"], 1), L, E, dtype=torch.int32)
             dense = model.get("first_k_dense_replace", 0)
             for p in range(recording["passes"]):
+                count[p % len(count)] = 0
                 for l in range(dense, L):
                     for j in range(k):
-                        count[p, l, (p * 7 + j * 5 + l) % E] += tp   # all-reduced over tp ranks
+                        count[p % len(count), l, (p * 7 + j * 5 + l) % E] += tp   # all-reduced over tp ranks
             d = os.environ["SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"]
             torch.save({"rank": 0, "logical_count": count, "average_utilization_rate_over_window": None},
                        os.path.join(d, f"expert_distribution_recorder_{time.time()}.pt"))
@@ -209,13 +213,14 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
     draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft") if spec == "dflash" else None
     cfg = resolve_config(ServerConfig(model_dir, backend, tp=1, context_length=70000, spec=spec,
                                       draft_model_path=draft, cuda_graph=cuda_graph,
-                                      expert_record=spec != "dflash"))
+                                      expert_record_buffer=300 if spec == "dflash" else -1))
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(launch_args(cfg))
     assert ns.load_format == "dummy" and ns.skip_tokenizer_init and ns.enable_metrics
     assert ns.attention_backend == backend and ns.tp_size == 1 and ns.context_length == 70000
-    assert ns.expert_distribution_recorder_mode == (None if spec == "dflash" else "stat")
+    assert ns.expert_distribution_recorder_mode == "stat"
+    assert ns.expert_distribution_recorder_buffer_size == (300 if spec == "dflash" else -1)
     assert ns.speculative_algorithm == {"none": None, "dflash": "DFLASH", "ngram": "NGRAM"}[spec]
     if backend in ("flashmla", "trtllm_mla"):   # the page size SGLang would force, named up front
         assert ns.page_size == 64
@@ -309,47 +314,85 @@ def test_dflash_draft_must_match_target(model_dir, tmp_path):
                                     num_draft_tokens=8))
 
 
-def test_sglangs_recorder_buffer_grows_in_the_mode_of_the_pass_that_fills_it():
-    """Why DFlash runs without the recorder (service.DFLASH_RECORDER_CRASH), with SGLang's own
-    code: every ModelRunner forward, the draft's included, goes through the one global recorder;
-    DFlashWorkerV2 runs the draft's under inference_mode; and the unbounded buffer grown in such a
-    pass cannot be written by the target's next (no_grad) one. A preallocated circular buffer is
-    not grown. When SGLang changes any of the three, this fails: then look again."""
-    import inspect
+def _dflash_record(monkeypatch, buffer: int, draft_first: bool, passes: int = 300) -> dict:
+    """SGLang's own stat-mode recorder (CPU) through `passes` forward passes that alternate as
+    DFlashWorkerV2 runs them: the draft's under inference_mode with no MoE layer, the target's
+    under no_grad routing 2 tokens (top-2) in each of 2 layers. Returns the dump."""
+    import types
 
     import torch
-    from sglang.srt.eplb.expert_distribution import _CircularBuffer, _InfiniteBuffer
+    from sglang.srt.eplb import expert_distribution as ed
+
+    monkeypatch.setattr(ed, "get_device", lambda: "cpu")          # SGLang asks for an accelerator
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: None)   # one rank
+    args = types.SimpleNamespace(expert_distribution_recorder_mode="stat", moe_a2a_backend="none",
+                                 expert_distribution_recorder_buffer_size=buffer, device="cpu",
+                                 enable_expert_distribution_metrics=False)
+    meta = types.SimpleNamespace(num_layers=2, num_physical_experts=4, num_logical_experts=4,
+                                 num_local_physical_experts=4, ep_size=1,
+                                 physical_to_logical_map=torch.arange(4).repeat(2, 1))
+    rec = ed._ExpertDistributionRecorderReal(args, meta, rank=0)
+    rec.start_record()
+    with torch.no_grad():
+        for i in range(passes):
+            draft = (i % 2 == 0) == draft_first
+            with (torch.inference_mode() if draft else torch.no_grad()), rec.with_forward_pass(i, None):
+                for layer in range(0 if draft else 2):
+                    with rec.with_current_layer(layer):
+                        rec.on_select_experts(torch.tensor([[0, 1], [1, 3]]))
+    rec.stop_record()
+    return {"logical_count": rec.dump_record("object")["logical_count"].numpy()}
+
+
+def test_sglangs_unbounded_recorder_buffer_grows_in_the_mode_of_the_pass_that_fills_it(monkeypatch):
+    """Why DFlash servers record into a circular buffer (service.DFLASH_RECORDER_CRASH), with
+    SGLang's own recorder: every ModelRunner forward, the draft's included, goes through the one
+    global recorder; DFlashWorkerV2 runs the draft's under inference_mode; and the unbounded buffer
+    grown in such a pass cannot be written by the target's next (no_grad) one. Whether a draft's
+    pass is the one that fills it (the 129th, 257th, ...) depends on the passes before: with the
+    target's passes there it runs. A circular buffer is allocated at start-up and never grown.
+    When SGLang changes any of this, this fails: then look again."""
+    import inspect
+
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sm120_workbook.expert_balance import routed_passes
 
     assert "get_global_expert_distribution_recorder().with_forward_pass(" in inspect.getsource(ModelRunner.forward)
     assert " ".join("""with torch.inference_mode():
             draft_out = self.draft_model_runner.forward(forward_batch)""".split()) in " ".join(
         inspect.getsource(DFlashWorkerV2).split())
 
-    def alternate(buf, passes=300):   # draft, target, draft, ... as DFlashWorkerV2 runs them
-        v = torch.ones(2, 3, dtype=torch.int32)
-        with torch.no_grad():
-            for i in range(passes):
-                if i % 2 == 0:
-                    with torch.inference_mode():
-                        buf.append(v)
-                else:
-                    buf.append(v)
-
     with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
-        alternate(_InfiniteBuffer((2, 3), torch.int32, "cpu"))   # grown at the 129th pass, a draft's
-    alternate(_CircularBuffer((2, 3), 300, torch.int32, "cpu"))
+        _dflash_record(monkeypatch, -1, draft_first=True)       # grown at the 129th pass, a draft's
+    assert routed_passes(_dflash_record(monkeypatch, -1, draft_first=False)) == 150
+    for draft_first in (True, False):
+        dump = _dflash_record(monkeypatch, 400, draft_first)
+        assert dump["logical_count"].shape == (400, 2, 4)        # every row, the unwritten ones zero
+        assert routed_passes(dump) == 150                        # the target's passes alone
+        assert dump["logical_count"].sum(axis=0).tolist() == [[150, 300, 0, 150]] * 2
 
 
-def test_dflash_with_the_expert_recorder_is_refused(model_dir, tmp_path):
-    """SGLang 0.5.17's recorder stopped every 16-layer DFlash server (H200, session 32)."""
+def test_dflash_with_the_unbounded_expert_recorder_buffer_is_refused(model_dir, tmp_path):
+    """SGLang 0.5.17's recorder with an unbounded buffer stopped every 16-layer DFlash server (H200,
+    session 32); a circular buffer or no recorder is let through."""
     draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft")
-    with pytest.raises(ValueError, match="^expert_record: SGLang 0.5.17's expert recorder with an unbounded buffer .as launched here. can stop a DFlash server"):
+    with pytest.raises(ValueError, match="^expert_record_buffer: SGLang 0.5.17's expert recorder with an unbounded buffer .expert_record_buffer -1. can stop a DFlash server"):
         resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft))
     cfg = resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft,
                                       expert_record=False))
     assert "--expert-distribution-recorder-mode" not in launch_args(cfg)
+    cfg = resolve_config(ServerConfig(model_dir, "triton", tp=1, spec="dflash", draft_model_path=draft,
+                                      expert_record_buffer=300))
+    args = launch_args(cfg)
+    assert args[args.index("--expert-distribution-recorder-buffer-size") + 1] == "300"
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "300"])
+def test_the_expert_record_buffer_is_minus_one_or_a_positive_count(model_dir, bad):
+    with pytest.raises(ValueError, match=f"^expert_record_buffer: -1 .unbounded. or a positive number of forward passes, got {re.escape(repr(bad))}"):
+        resolve_config(ServerConfig(model_dir, "triton", tp=1, expert_record_buffer=bad))
 
 
 def test_tp_must_divide_heads_and_all_gpus_needs_a_gpu(model_dir):
@@ -893,18 +936,52 @@ def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkey
     assert {(r["spec"], r["draft_attention_backend"]) for r in res.decode} == {("dflash", "triton"), ("none", None)}
 
 
-def test_dflash_servers_run_without_the_expert_recorder(fake, tmp_path, monkeypatch):
-    """With the recorder asked for, DFlash servers start without it (and say why); the others keep it."""
+def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatch):
+    """With the recorder asked for, DFlash servers record into a circular buffer sized above a
+    request's passes (and say so); the others keep the unbounded one."""
     monkeypatch.setenv("FAKE_MODE", "serve")
     said = []
     res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
                                   spec=["dflash", "none"], draft_tokens=4, decode_tokens=12, tp=1, nvml=False,
                                   expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   log=said.append)
-    assert {(r["spec"], r["expert_record"]) for r in res.decode} == {("dflash", False), ("none", True)}
-    assert {r["spec"] for r in res.expert} == {"none"}
-    assert [line for line in said if "expert recorder off" in line] == [
-        f"triton/dflash: expert recorder off: {service.DFLASH_RECORDER_CRASH}"]
+    buffer = decode_bench.dflash_expert_buffer([64], 12)
+    assert buffer == 1 + 24 + 16
+    assert {(r["spec"], r["expert_record"], r["expert_buffer"]) for r in res.decode} == {
+        ("dflash", True, buffer), ("none", True, -1)}
+    assert {r["spec"] for r in res.expert} == {"dflash", "none"}
+    assert [line for line in said if "circular buffer" in line] == [
+        f"triton/dflash: the expert recorder keeps a circular buffer of {buffer} forward passes (an "
+        "unbounded one stops DFlash servers: service.DFLASH_RECORDER_CRASH)"]
+    dflash = [r for r in res.expert if r["spec"] == "dflash"]
+    assert dflash and all(0 < r["forward_passes"] < buffer for r in dflash)   # the zero rows do not count
+
+
+def test_an_expert_record_whose_circular_buffer_is_full_is_refused(tmp_path):
+    """Every row of a circular buffer routed tokens: the oldest passes may have been overwritten."""
+    import torch
+
+    class Srv:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def dump_expert_record(self):
+            count = torch.zeros(4, 3, 8, dtype=torch.int32)
+            count[:self.rows, 1, 2] = 1
+            path = tmp_path / "expert_distribution_recorder_1.pt"
+            torch.save({"rank": 0, "logical_count": count}, path)
+            return path
+
+    assert decode_bench._expert_record(Srv(3), 1, buffer=4)["forward_passes"] == 3
+    assert decode_bench._expert_record(Srv(4), 1)["forward_passes"] == 4       # unbounded: all rows are passes
+    with pytest.raises(ValueError, match="^expert_buffer: all 4 passes of the circular buffer routed tokens"):
+        decode_bench._expert_record(Srv(4), 1, buffer=4)
+
+
+def test_dflash_expert_buffer_holds_a_requests_passes():
+    # 128k in 1024-token chunks (128) + 2 passes a step for 128 steps + 16
+    assert decode_bench.dflash_expert_buffer([16384, 131072], 128) == 128 + 256 + 16
+    assert decode_bench.dflash_expert_buffer([1], 1) == 1 + 2 + 16
 
 
 def test_generate_raises_on_an_aborted_request(model_dir, fake, tmp_path, monkeypatch):
@@ -1031,7 +1108,7 @@ def test_nvml_samples_the_request_alone(monkeypatch):
 
     monkeypatch.setattr(nvml_sampler, "NvmlSampler", Sampler)
     monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: events.append("request") or {"tok_s": 1.0})
-    monkeypatch.setattr(decode_bench, "_expert_record", lambda srv, tp: {"counts": []})
+    monkeypatch.setattr(decode_bench, "_expert_record", lambda srv, tp, buffer: {"counts": []})
     row, nv, ex = decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, True, 0.2, True, 1)
     assert events == ["recorder start", "sampler start", "request", "sampler stop", "recorder stop"]
     assert row == {"tok_s": 1.0} and nv[0]["metric"] == "sm_util_pct" and ex == {"counts": []}
