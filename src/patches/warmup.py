@@ -1,10 +1,11 @@
 """`--warmups sm120_long_prompt`: take a server's first-long-prompt builds out of users' requests.
 
-A server's first prompt longer than one prefill chunk waits 16-28 s on the H200 while the host
-builds kernels (session 31's scheduler stacks, data/results/probes/first_request_stacks.jsonl):
-SGLang's `set_mla_kv_buffer` through tvm-ffi, FlashInfer's batch MLA module, and a Triton kernel.
-They run where a chunk extends a prefix already in the KV pool, which short prompts (and
-SGLang's own start-up request) never reach.
+On a fresh machine a server's first prompt longer than one prefill chunk waits on the host while
+kernels are built: 32.6 s on the H200 (session 33, by the files each build wrote: SGLang's
+`set_mla_kv_buffer` through tvm-ffi, 11 s, and FlashInfer's batch MLA module, 21 s; session 31's
+scheduler stacks showed the same, data/results/probes/first_request_stacks.jsonl). They run where
+a chunk extends a prefix already in the KV pool, which short prompts (and SGLang's own start-up
+request) never reach.
 
 This registers a warm-up with SGLang's own registry (`sglang.srt.entrypoints.warmup.warmup`), so
 `--warmups sm120_long_prompt` runs it in the launcher before the server listens:
@@ -17,8 +18,9 @@ token ids, as `--skip-tokenizer-init` servers take them. A prompt the server rej
 start-up with SGLang's message (SGLang raises for aborts with a status code; an abort without one
 is raised here): a server that cannot prefill a long prompt should say so before it listens.
 
-What it cost on the H200 (session 32, 16 layers): 134.6 s on a fresh machine, nearly all of it
-the first chunk, the server's first prefill of all; not measured on a warm machine.
+What it cost on the H200 (16 layers): 4.0 s on a machine whose caches were filled (session 33);
+134.6 s on a fresh one (session 32). It runs before SGLang's own start-up request, so there it
+also builds FlashInfer's ragged prefill module (88 s in that request without the warm-up).
 """
 from __future__ import annotations
 
