@@ -149,12 +149,16 @@ def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_token
                              "queries per request")
 
 
+DFLASH_ROWS_PER_ROUTED_PASS = 2   # each verify pass comes with a draft pass, whose row is zero
+
+
 def dflash_expert_buffer(contexts: Sequence[int], decode_tokens: int) -> int:
-    """The circular recorder buffer (forward passes) of a DFlash server: above one recorded
-    request's passes, so that none is overwritten. Its prefill takes at most ctx / 1024 chunks
-    (SGLang's chunked prefill is 2048 tokens and up unless set lower); each decode step runs two
-    passes (the draft's and the target's verify) and emits at least one token."""
-    return -(-max(contexts) // 1024) + 2 * decode_tokens + 16
+    """The circular recorder buffer (rows, one per forward pass) of a DFlash server: room for one
+    recorded request's passes twice over, so that none is overwritten and _expert_record can tell.
+    Its prefill takes at most ctx / 1024 chunks (SGLang's chunked prefill is 2048 tokens and up
+    unless set lower), one pass each (the draft's KV is written outside ModelRunner.forward); each
+    decode step runs two passes (the draft's and the target's verify) and emits at least one token."""
+    return DFLASH_ROWS_PER_ROUTED_PASS * (-(-max(contexts) // 1024) + decode_tokens) + 16
 
 
 def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
@@ -471,7 +475,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                                         "startup_s": round(srv.startup_s, 1)}])
                                 continue
                             row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
-                                                         nvml, nvml_interval_s, recorder, tp, buffer)
+                                                         nvml, nvml_interval_s, recorder, tp, buffer,
+                                                         DFLASH_ROWS_PER_ROUTED_PASS if plan.spec == "dflash" else 1)
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
@@ -608,7 +613,8 @@ def _results_path(results_dir: Path | None, name: str) -> Path | None:
 
 
 def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: dict, seed: int,
-                   nvml: bool, nvml_interval_s: float, expert: bool, tp: int, expert_buffer: int = -1):
+                   nvml: bool, nvml_interval_s: float, expert: bool, tp: int, expert_buffer: int = -1,
+                   rows_per_routed_pass: int = 1):
     from .nvml_sampler import NvmlSampler, NvmlUnavailableError
 
     recording = False
@@ -647,22 +653,26 @@ def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: d
     ex = None
     if expert:
         try:
-            ex = _expert_record(srv, tp, expert_buffer)
+            ex = _expert_record(srv, tp, expert_buffer, rows_per_routed_pass)
         except Exception as e:  # noqa: BLE001 - the decode measurement stands without it
             row["expert_error"] = repr(e)[:500]
     return row, nv_rows, ex
 
 
-def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1) -> dict:
+def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1, rows_per_routed_pass: int = 1) -> dict:
+    """One dump as a record. `forward_passes` counts the passes that routed tokens (records before
+    3486e7d counted every row: 9880eff's DFlash rows include the draft's zero rows). A circular
+    buffer may have wrapped once the rows the routed passes account for (rows_per_routed_pass each:
+    2 with a DFlash draft, whose passes write zero rows) reach its size: then the record is refused."""
     from .expert_balance import balancedness, expert_counts, gpu_load, load_expert_dump, moe_layer_ids, routed_passes
 
     path = srv.dump_expert_record()
     dump = load_expert_dump(path)
     path.unlink()  # (passes, layers, experts) int32 per dump: megabytes; the record keeps the sum
     passes = routed_passes(dump)
-    if buffer > 0 and passes >= buffer:   # every row written: the circular buffer may have wrapped
-        raise ValueError(f"expert_buffer: all {buffer} passes of the circular buffer routed tokens; "
-                         "the oldest may have been overwritten")
+    if buffer > 0 and passes * rows_per_routed_pass >= buffer:
+        raise ValueError(f"expert_buffer: {passes} routed passes (x{rows_per_routed_pass} rows) fill the "
+                         f"circular buffer of {buffer} rows; the oldest may have been overwritten")
     ranks = tp
     try:
         counts = expert_counts(dump, ranks_summed=tp)

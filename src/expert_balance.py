@@ -65,7 +65,7 @@ def routed_passes(dump: dict) -> int:
     --expert-distribution-recorder-buffer-size) dumps all its rows, the unwritten ones zero, and a
     DFlash draft's passes (no MoE layers) append zero rows too: neither counts."""
     count = np.asarray(dump["logical_count"])
-    return int(count.reshape(count.shape[0], -1).any(axis=1).sum())
+    return int(count.any(axis=tuple(range(1, count.ndim))).sum())
 
 
 def expert_counts(dump: dict, ranks_summed: int = 1) -> np.ndarray:

@@ -18,6 +18,7 @@ import functools
 import importlib.metadata as md
 import json
 import math
+import numbers
 import os
 import signal
 import socket
@@ -47,8 +48,8 @@ PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokensp
                   "cutedsl_mla": 64, "hpc_ops": 64}
 LOG_TAIL_LINES = 60
 # /generate: the longest silence from the server, before the first chunk (the first token: at
-# most 41 s in the H200 records, 128k on 16 layers with the Triton prefill; a server's first
-# prompt longer than one chunk can wait 16-28 s more while kernels are built) or between two
+# most 41 s in the H200 records, 128k on 16 layers with the Triton prefill; on a fresh machine a
+# server's first prompt longer than one chunk can wait 16-33 s more while kernels are built) or between two
 # chunks, before the request is given up as stalled (it was requests' read timeout of 1,800 s)
 STALL_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 10.0
@@ -74,15 +75,17 @@ class ServerStartError(ServerError):
 
 # SGLang 0.5.17's expert recorder and DFlash: with the recorder's unbounded buffer, every DFlash
 # server of session 32 (16 layers, H200; triton and sm120_mla alike) stopped in its first recorded
-# request; 9880eff's 4-layer ones had run (not explained). The mechanism, in SGLang's source and
-# reproduced on the CPU with its own classes (tests/test_service.py): every ModelRunner forward, the
-# draft's included, goes through the one global recorder; DFlashWorkerV2 runs the draft's forward
-# under torch.inference_mode and the target's under no_grad; and the unbounded step buffer
-# (--expert-distribution-recorder-buffer-size -1) reallocates when full, in the grad mode of the
-# pass that fills it. Grown by a draft pass, it is an inference tensor the target's next pass may
-# not write. A circular buffer (a positive size) is allocated once, at start-up, and never grown,
-# so DFlash servers record with one sized above a recorded request's passes. Which pass fills an
-# unbounded buffer is not predictable from the arguments, so that pair is refused whatever the shape.
+# request. The mechanism, in SGLang's source and reproduced on the CPU with its own recorder
+# (tests/test_service.py): every ModelRunner forward, the draft's included, goes through the one
+# global recorder; DFlashWorkerV2 runs the draft's forward under torch.inference_mode and the
+# target's under no_grad; and the unbounded step buffer (--expert-distribution-recorder-buffer-size
+# -1) reallocates when full (at the 129th append, the 257th, ...; a dump keeps its size), in the
+# grad mode of the pass that fills it. Grown by a draft pass, it is an inference tensor the
+# target's next pass may not write. Which pass that is depends on the chunks of the requests
+# recorded before: session 32's first recorded request had two prefill chunks, which puts draft
+# passes on the odd appends from the 3rd; 9880eff's 4-layer servers, which ran, had one (4k), which
+# puts target passes there. So that pair is refused whatever the shape. A circular buffer (a
+# positive size) is allocated once, at start-up, and never grown: DFlash servers record with one.
 DFLASH_RECORDER_CRASH = ("SGLang 0.5.17's expert recorder with an unbounded buffer (expert_record_buffer -1) can "
                          "stop a DFlash server mid-request (RuntimeError: Inplace update to inference "
                          "tensor outside InferenceMode; so it did to every recording DFlash server of "
@@ -283,10 +286,11 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     cfg.warmups = tuple(cfg.warmups)
     if cfg.warmups:
         check_warmups(cfg.warmups)
-    if (isinstance(cfg.expert_record_buffer, bool) or not isinstance(cfg.expert_record_buffer, int)
+    if (isinstance(cfg.expert_record_buffer, bool) or not isinstance(cfg.expert_record_buffer, numbers.Integral)
             or cfg.expert_record_buffer == 0 or cfg.expert_record_buffer < -1):
         raise ValueError(f"expert_record_buffer: -1 (unbounded) or a positive number of forward "
                          f"passes, got {cfg.expert_record_buffer!r}")
+    cfg.expert_record_buffer = int(cfg.expert_record_buffer)
     if cfg.spec not in SPEC_ALGORITHMS:
         raise ValueError(f"spec: must be one of {sorted(SPEC_ALGORITHMS)}, got {cfg.spec!r}")
     paged = [PAGED_BACKENDS[b] for b in (cfg.attention_backend, cfg.prefill_attention_backend) if b in PAGED_BACKENDS]

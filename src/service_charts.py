@@ -312,7 +312,7 @@ def first_token_points(points):
     """Time to the first token against context, one row per server backend with its prefill
     backend, layer count and context: decode_points' ttft_s, the fastest request that repeated
     a length on its server (repeat >= 1). A server's first request at a new length can wait
-    seconds on the host with the GPU idle while kernels are built (16-28 s on the H200 at the
+    seconds on the host with the GPU idle while kernels are built (16-33 s on the H200 at the
     first prompt beyond one chunk, FlashInfer prefilling), so a first request may not show the
     prefill's time; a repeat does. Points without a repeat are left out.
     Configurations that do not change a prefill (no speculation or NGRAM, the expert recorder,

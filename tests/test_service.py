@@ -389,6 +389,13 @@ def test_dflash_with_the_unbounded_expert_recorder_buffer_is_refused(model_dir, 
     assert args[args.index("--expert-distribution-recorder-buffer-size") + 1] == "300"
 
 
+def test_a_numpy_integer_expert_record_buffer_is_taken(model_dir):
+    import numpy as np
+
+    cfg = resolve_config(ServerConfig(model_dir, "triton", tp=1, expert_record_buffer=np.int64(300)))
+    assert type(cfg.expert_record_buffer) is int and cfg.expert_record_buffer == 300
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "300"])
 def test_the_expert_record_buffer_is_minus_one_or_a_positive_count(model_dir, bad):
     with pytest.raises(ValueError, match=f"^expert_record_buffer: -1 .unbounded. or a positive number of forward passes, got {re.escape(repr(bad))}"):
@@ -946,7 +953,7 @@ def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatc
                                   expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   log=said.append)
     buffer = decode_bench.dflash_expert_buffer([64], 12)
-    assert buffer == 1 + 24 + 16
+    assert buffer == 2 * (1 + 12) + 16
     assert {(r["spec"], r["expert_record"], r["expert_buffer"]) for r in res.decode} == {
         ("dflash", True, buffer), ("none", True, -1)}
     assert {r["spec"] for r in res.expert} == {"dflash", "none"}
@@ -957,31 +964,50 @@ def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatc
     assert dflash and all(0 < r["forward_passes"] < buffer for r in dflash)   # the zero rows do not count
 
 
-def test_an_expert_record_whose_circular_buffer_is_full_is_refused(tmp_path):
-    """Every row of a circular buffer routed tokens: the oldest passes may have been overwritten."""
-    import torch
+class _DumpServer:
+    """A server whose expert dump is the given logical_count."""
 
-    class Srv:
-        def __init__(self, rows):
-            self.rows = rows
+    def __init__(self, count, tmp_path):
+        self.count, self.tmp_path = count, tmp_path
 
-        def dump_expert_record(self):
-            count = torch.zeros(4, 3, 8, dtype=torch.int32)
-            count[:self.rows, 1, 2] = 1
-            path = tmp_path / "expert_distribution_recorder_1.pt"
-            torch.save({"rank": 0, "logical_count": count}, path)
-            return path
+    def dump_expert_record(self):
+        import torch
 
-    assert decode_bench._expert_record(Srv(3), 1, buffer=4)["forward_passes"] == 3
-    assert decode_bench._expert_record(Srv(4), 1)["forward_passes"] == 4       # unbounded: all rows are passes
-    with pytest.raises(ValueError, match="^expert_buffer: all 4 passes of the circular buffer routed tokens"):
-        decode_bench._expert_record(Srv(4), 1, buffer=4)
+        path = self.tmp_path / "expert_distribution_recorder_1.pt"
+        torch.save({"rank": 0, "logical_count": torch.as_tensor(self.count)}, path)
+        return path
+
+
+def test_an_expert_record_whose_circular_buffer_may_have_wrapped_is_refused(monkeypatch, tmp_path):
+    """SGLang's own recorder through DFlash's alternating passes: once the buffer has wrapped only
+    about half its rows route (the draft's are zero), so the check counts 2 rows a routed pass."""
+    import numpy as np
+
+    fits = _dflash_record(monkeypatch, 100, draft_first=False, passes=90)      # 45 routed passes
+    wrapped = _dflash_record(monkeypatch, 100, draft_first=False, passes=600)  # 300, 50 of them kept
+    assert decode_bench._expert_record(_DumpServer(fits["logical_count"], tmp_path), 1, 100, 2)["forward_passes"] == 45
+    with pytest.raises(ValueError, match=r"^expert_buffer: 50 routed passes \(x2 rows\) fill the circular buffer of 100 rows"):
+        decode_bench._expert_record(_DumpServer(wrapped["logical_count"], tmp_path), 1, 100, 2)
+    full = np.zeros((4, 3, 8), dtype=np.int32)
+    full[:, 1, 2] = 1                                                        # every row routed
+    assert decode_bench._expert_record(_DumpServer(full, tmp_path), 1)["forward_passes"] == 4   # unbounded
+    with pytest.raises(ValueError, match="^expert_buffer: 4 routed passes"):
+        decode_bench._expert_record(_DumpServer(full, tmp_path), 1, 4)
+    assert decode_bench._expert_record(_DumpServer(full[:3], tmp_path), 1, 4)["forward_passes"] == 3
+
+
+def test_routed_passes_of_an_empty_dump_is_zero():
+    import numpy as np
+
+    from sm120_workbook.expert_balance import routed_passes
+
+    assert routed_passes({"logical_count": np.zeros((0, 3, 8))}) == 0
 
 
 def test_dflash_expert_buffer_holds_a_requests_passes():
-    # 128k in 1024-token chunks (128) + 2 passes a step for 128 steps + 16
-    assert decode_bench.dflash_expert_buffer([16384, 131072], 128) == 128 + 256 + 16
-    assert decode_bench.dflash_expert_buffer([1], 1) == 1 + 2 + 16
+    # twice (128k in 1024-token chunks: 128, + one verify pass a decode token: 128) + 16
+    assert decode_bench.dflash_expert_buffer([16384, 131072], 128) == 2 * (128 + 128) + 16
+    assert decode_bench.dflash_expert_buffer([1], 1) == 2 * (1 + 1) + 16
 
 
 def test_generate_raises_on_an_aborted_request(model_dir, fake, tmp_path, monkeypatch):
@@ -1108,7 +1134,7 @@ def test_nvml_samples_the_request_alone(monkeypatch):
 
     monkeypatch.setattr(nvml_sampler, "NvmlSampler", Sampler)
     monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: events.append("request") or {"tok_s": 1.0})
-    monkeypatch.setattr(decode_bench, "_expert_record", lambda srv, tp, buffer: {"counts": []})
+    monkeypatch.setattr(decode_bench, "_expert_record", lambda srv, tp, buffer, rows: {"counts": []})
     row, nv, ex = decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, True, 0.2, True, 1)
     assert events == ["recorder start", "sampler start", "request", "sampler stop", "recorder stop"]
     assert row == {"tok_s": 1.0} and nv[0]["metric"] == "sm_util_pct" and ex == {"counts": []}

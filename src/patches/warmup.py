@@ -2,8 +2,8 @@
 
 On a fresh machine a server's first prompt longer than one prefill chunk waits on the host while
 kernels are built: 32.6 s on the H200 (session 33, by the files each build wrote: SGLang's
-`set_mla_kv_buffer` through tvm-ffi, 11 s, and FlashInfer's batch MLA module, 21 s; session 31's
-scheduler stacks showed the same, data/results/probes/first_request_stacks.jsonl). They run where
+`set_mla_kv_buffer` through tvm-ffi, 11 s, FlashInfer's batch MLA module, 21 s, and a Triton
+kernel; session 31's scheduler stacks showed the same, data/results/probes/first_request_stacks.jsonl). They run where
 a chunk extends a prefix already in the KV pool, which short prompts (and SGLang's own start-up
 request) never reach.
 
@@ -18,8 +18,9 @@ token ids, as `--skip-tokenizer-init` servers take them. A prompt the server rej
 start-up with SGLang's message (SGLang raises for aborts with a status code; an abort without one
 is raised here): a server that cannot prefill a long prompt should say so before it listens.
 
-What it cost on the H200 (16 layers): 4.0 s on a machine whose caches were filled (session 33);
-134.6 s on a fresh one (session 32). It runs before SGLang's own start-up request, so there it
+What it cost on the H200 (16 layers): 134.6 s on a fresh machine (session 32); 4.0 s on one where
+a server had run (session 33), most of it Triton rebuilding kernels that the first server had put
+in torch inductor's Triton cache folder. It runs before SGLang's own start-up request, so there it
 also builds FlashInfer's ragged prefill module (88 s in that request without the warm-up).
 """
 from __future__ import annotations
