@@ -28,7 +28,7 @@ endif
 RUN_DIR := $(or $(RUN_DIR),runs/$(shell date +%Y%m%d-%H%M%S))
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: help setup run test test-cpu lab kernel-resources wheelhouse gpu-check clean
+.PHONY: help setup run test test-cpu lab kernel-resources wheelhouse device-wheel gpu-check clean
 
 help:
 	@echo "make run      run the workbook (papermill) into runs/<timestamp>/"
@@ -36,6 +36,7 @@ help:
 	@echo "make lab      JupyterLab with widgets"
 	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
 	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1, .whl2, ...: one device call each)"
+	@echo "make device-wheel       this project's committed code as a wheel for the GPU machine (.whlp)"
 	@echo "make gpu-check OUT=dir [TAG=vN] [NCU=1] [JOBS=\"tests targets\"]   on the GPU machine: every kernel check (or those named), over all GPUs"
 
 setup: $(STAMP)
@@ -87,6 +88,18 @@ wheelhouse:
 	@# a call ships the tracked tree (~19 MB, mostly data/results, and growing) beside its folder, within
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
+
+# The project for the GPU machine, from the committed tree (`git archive HEAD`, so a record's commit
+# names the code that ran): there `bash .whlp/install.sh` installs it into /tmp/site once per
+# commit (a reinstall would make the kernel rebuild) and `export SM120_COMMIT=$$(cat .whlp/COMMIT)`.
+device-wheel: $(STAMP)
+	@git diff --quiet HEAD -- src pyproject.toml || echo "warning: uncommitted changes under src/ are not in the wheel (it is built from HEAD)"
+	rm -rf .whlp && mkdir -p .whlp
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && git archive HEAD | tar -x -C "$$tmp" && \
+	  (cd "$$tmp" && "$(CURDIR)/$(PY)" -m pip wheel -q --no-deps --no-build-isolation -w "$(CURDIR)/.whlp" .)
+	git rev-parse HEAD > .whlp/COMMIT
+	$(PY) -c "import sys; sys.path.insert(0, 'src'); import wheel_folders as w; open('.whlp/install.sh', 'w').write(w.INSTALL_SH)"
+	@echo "made .whlp ($$(ls .whlp/*.whl | xargs -n1 basename), commit $$(cut -c1-7 .whlp/COMMIT))"
 
 # On a GPU machine: tests, sanitizers, backend tests, benchmark and ablation side by side over
 # the visible GPUs, into $(OUT). The project's .venv where it has one; python3 on the lent GPU

@@ -31,18 +31,21 @@ CALL_LIMIT_BYTES = 64 << 20    # what one device call ships: the tree, plus the 
 MARGIN_BYTES = 2 << 20         # for the scripts and .whlp a call carries, and a session's records
 INSTALL_SH = """#!/bin/bash
 # install this folder's wheels into /tmp/site on the GPU machine; exits with pip's status.
-# Once per machine: a reinstall gives every file a new mtime, and JIT caches that track headers
-# (FlashInfer's ninja builds, tvm-ffi's) would then rebuild at the next server's first prompt.
+# Once per machine and content: a reinstall gives every file a new mtime, and builds that track
+# headers (FlashInfer's ninja builds, tvm-ffi's, this project's kernel: 75 s in session 33) would
+# then rebuild at the next server. The content is the wheels' names and, for the project's own
+# wheel (.whlp, whose name stays the same from commit to commit), the COMMIT file beside them.
 cd "$(dirname "$0")" || exit 1
 site=${SM120_SITE:-/tmp/site}
 stamp="$site/.installed-$(basename "$PWD")"
 wheels=$(ls ./*.whl)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wheels" ]; then
+content="$wheels$(test -f COMMIT && printf '\\ncommit %s' "$(cat COMMIT)")"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$content" ]; then
   echo "wheels of $(basename "$PWD") already installed"; exit 0
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" ./*.whl 2>&1 | grep -v 'already exists'
 rc=${PIPESTATUS[0]}
-if [ "$rc" -eq 0 ]; then echo "installed $(echo "$wheels" | wc -l) wheels from $(basename "$PWD")"; echo "$wheels" > "$stamp"
+if [ "$rc" -eq 0 ]; then echo "installed $(echo "$wheels" | wc -l) wheels from $(basename "$PWD")"; echo "$content" > "$stamp"
 else echo "pip failed (exit $rc) installing the wheels of $(basename "$PWD")" >&2; fi
 exit "$rc"
 """

@@ -152,6 +152,33 @@ def test_install_sh_installs_a_folder_once_per_machine(tmp_path):
     assert "installed 2 wheels" in install().stdout and calls.read_text().count("x") == 2
 
 
+def test_install_sh_installs_the_project_wheel_once_per_commit(tmp_path):
+    """.whlp's wheel keeps its name from commit to commit: its COMMIT file decides. A reinstall of
+    the same commit would give the kernel's headers new mtimes and rebuild it (75 s, session 33)."""
+    folder = tmp_path / ".whlp"
+    _wheel(folder, "sm120_workbook", "sm120_workbook", 1)
+    (folder / "install.sh").write_text(wf.INSTALL_SH)
+    (folder / "COMMIT").write_text("aaa\n")
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    calls = tmp_path / "pip_calls"
+    (fake / "python3").write_text(f"#!/bin/sh\necho x >> {calls}\nexit 0\n")
+    (fake / "python3").chmod(0o755)
+    site = tmp_path / "site"
+    site.mkdir()
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SM120_SITE=str(site))
+
+    def install():
+        return subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
+
+    assert "installed 1 wheels from .whlp" in install().stdout
+    assert "wheels of .whlp already installed" in install().stdout
+    assert (site / ".installed-.whlp").read_text().endswith("\ncommit aaa\n")
+    (folder / "COMMIT").write_text("bbb\n")
+    assert "installed 1 wheels from .whlp" in install().stdout
+    assert calls.read_text().count("x") == 2
+
+
 def test_no_wheels_is_an_error_that_says_how_to_make_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="wheelhouse.sh"):
         wf.repack(tmp_path, 100)
