@@ -316,7 +316,9 @@ def first_token_points(points):
     first prompt beyond one chunk, FlashInfer prefilling), so a first request may not show the
     prefill's time; a repeat does. Points without a repeat are left out.
     Configurations that do not change a prefill (no speculation or NGRAM, the expert recorder,
-    the NGRAM fix) are pooled: the newest point stands. DFlash's draft model prefills the prompt
+    the NGRAM fix) are pooled: the newest point with a repeat stands. Pass every run's points
+    (decode_points(..., every_run=True)): with each point's newest run alone, a newer run without
+    a repeat would hide an older one's. DFlash's draft model prefills the prompt
     too, so its points stay apart (", DFlash draft")."""
     _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend", "prefill_as_base"], "points")
     if "ttft_s" not in points:

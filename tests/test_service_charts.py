@@ -207,6 +207,18 @@ def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels
         sc.first_token_points(sc.decode_points(pd.DataFrame([_rec("triton", 4096, 1.0, "a", "d")])))
 
 
+def test_a_newer_run_without_a_repeat_leaves_the_older_repeated_point_standing():
+    """Every run's points (decode_points(every_run=True)): eef2095's warm-up servers measured 16k
+    once each (no repeat), and must not hide 3486e7d's repeated 16k point."""
+    def req(ctx, ttft, rep, commit, date, run_id):
+        return _rec("sm120_mla", ctx, 1000.0, commit, date, ttft_s=ttft, repeat=rep, run_id=run_id)
+
+    recs = [req(16384, 30.0, 0, "3486e7d", "2026-12-01T23:26", "F"), req(16384, 0.18, 1, "3486e7d", "2026-12-01T23:27", "F"),
+            req(16384, 0.17, 0, "eef2095", "2026-12-01T23:54", "G"), req(16384, 0.18, 0, "eef2095", "2026-12-01T23:56", "H")]
+    tt = sc.first_token_points(sc.decode_points(pd.DataFrame(recs), every_run=True))
+    assert list(zip(tt["ttft_s"], tt["commit"])) == [(0.18, "3486e7d")]
+
+
 def test_prefill_label():
     assert sc.prefill_label("sm120_mla", "flashinfer", as_base=True) == "sm120_mla (prefill: flashinfer as base)"
     assert sc.config_label("sm120_mla", prefill_backend="flashinfer", prefill_as_base=True) == (

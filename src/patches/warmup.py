@@ -18,9 +18,9 @@ token ids, as `--skip-tokenizer-init` servers take them. A prompt the server rej
 start-up with SGLang's message (SGLang raises for aborts with a status code; an abort without one
 is raised here): a server that cannot prefill a long prompt should say so before it listens.
 
-What it cost on the H200 (16 layers): 134.6 s on a fresh machine (session 32); 4.0 s on one where
-a server had run (session 33), most of it Triton rebuilding kernels that the first server had put
-in torch inductor's Triton cache folder. It runs before SGLang's own start-up request, so there it
+What it cost on the H200 (16 layers): 113-135 s on a fresh machine (sessions 32-33); 4-5 s on one
+where a server had run, most of it Triton rebuilding kernels that the first server had put in torch
+inductor's Triton cache folder; 0.5 s with every cache filled (session 33). It runs before SGLang's own start-up request, so there it
 also builds FlashInfer's ragged prefill module (88 s in that request without the warm-up).
 """
 from __future__ import annotations
