@@ -36,7 +36,7 @@ help:
 	@echo "make lab      JupyterLab with widgets"
 	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
 	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1, .whl2, ...: one device call each)"
-	@echo "make device-wheel       this project's committed code as a wheel for the GPU machine (.whlp)"
+	@echo "make device-wheel       this project's committed code as a wheel for the GPU machine (.whlp; sets up .venv first)"
 	@echo "make gpu-check OUT=dir [TAG=vN] [NCU=1] [JOBS=\"tests targets\"]   on the GPU machine: every kernel check (or those named), over all GPUs"
 
 setup: $(STAMP)
@@ -89,16 +89,18 @@ wheelhouse:
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
 
-# The project for the GPU machine, from the committed tree (`git archive HEAD`, so a record's commit
-# names the code that ran): there `bash .whlp/install.sh` installs it into /tmp/site once per
-# commit (a reinstall would make the kernel rebuild) and `export SM120_COMMIT=$$(cat .whlp/COMMIT)`.
+# The project for the GPU machine, from the committed tree (`git archive` of one commit, so a
+# record's commit names the code that ran): there `bash .whlp/install.sh` installs it into
+# /tmp/site once per commit (a reinstall would make the kernel rebuild), and
+# `export SM120_COMMIT=$(cat .whlp/COMMIT)`. pip builds the wheel in .venv (made on first use).
 device-wheel: $(STAMP)
-	@git diff --quiet HEAD -- src pyproject.toml || echo "warning: uncommitted changes under src/ are not in the wheel (it is built from HEAD)"
+	@test -z "$$(git status --porcelain -- src pyproject.toml)" || echo "warning: changes to src/ or pyproject.toml that are not committed are not in the wheel (it is built from HEAD)"
 	rm -rf .whlp && mkdir -p .whlp
-	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && git archive HEAD | tar -x -C "$$tmp" && \
-	  (cd "$$tmp" && "$(CURDIR)/$(PY)" -m pip wheel -q --no-deps --no-build-isolation -w "$(CURDIR)/.whlp" .)
-	git rev-parse HEAD > .whlp/COMMIT
-	$(PY) -c "import sys; sys.path.insert(0, 'src'); import wheel_folders as w; open('.whlp/install.sh', 'w').write(w.INSTALL_SH)"
+	commit=$$(git rev-parse HEAD) && tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  git archive "$$commit" | tar -x -C "$$tmp" && \
+	  (cd "$$tmp" && "$(CURDIR)/$(PY)" -m pip wheel -q --no-deps --no-build-isolation -w "$(CURDIR)/.whlp" .) && \
+	  (cd "$$tmp" && $(PYTHON) -c "import sys; sys.path.insert(0, 'src'); import wheel_folders as w; sys.stdout.write(w.INSTALL_SH)") > .whlp/install.sh && \
+	  echo "$$commit" > .whlp/COMMIT
 	@echo "made .whlp ($$(ls .whlp/*.whl | xargs -n1 basename), commit $$(cut -c1-7 .whlp/COMMIT))"
 
 # On a GPU machine: tests, sanitizers, backend tests, benchmark and ablation side by side over

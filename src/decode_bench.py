@@ -153,8 +153,9 @@ DFLASH_ROWS_PER_ROUTED_PASS = 2   # each verify pass comes with a draft pass, wh
 
 
 def dflash_expert_buffer(contexts: Sequence[int], decode_tokens: int) -> int:
-    """The circular recorder buffer (rows, one per forward pass) of a DFlash server: room for one
-    recorded request's passes twice over, so that none is overwritten and _expert_record can tell.
+    """The circular recorder buffer (rows, one per forward pass) of a DFlash server: twice an upper
+    bound on one recorded request's routed passes (each verify pass has the draft's zero row beside
+    it), so that none is overwritten and _expert_record can tell.
     Its prefill takes at most ctx / 1024 chunks (SGLang's chunked prefill is 2048 tokens and up
     unless set lower), one pass each (the draft's KV is written outside ModelRunner.forward); each
     decode step runs two passes (the draft's and the target's verify) and emits at least one token."""
@@ -670,7 +671,8 @@ def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1, rows_per_routed
     dump = load_expert_dump(path)
     path.unlink()  # (passes, layers, experts) int32 per dump: megabytes; the record keeps the sum
     passes = routed_passes(dump)
-    if buffer > 0 and passes * rows_per_routed_pass >= buffer:
+    # a wrapped buffer holds at least buffer - (rows - 1) rows of which 1 in rows routed
+    if buffer > 0 and (passes + 1) * rows_per_routed_pass - 1 >= buffer:
         raise ValueError(f"expert_buffer: {passes} routed passes (x{rows_per_routed_pass} rows) fill the "
                          f"circular buffer of {buffer} rows; the oldest may have been overwritten")
     ranks = tp

@@ -993,7 +993,11 @@ def test_an_expert_record_whose_circular_buffer_may_have_wrapped_is_refused(monk
     assert decode_bench._expert_record(_DumpServer(full, tmp_path), 1)["forward_passes"] == 4   # unbounded
     with pytest.raises(ValueError, match="^expert_buffer: 4 routed passes"):
         decode_bench._expert_record(_DumpServer(full, tmp_path), 1, 4)
-    assert decode_bench._expert_record(_DumpServer(full[:3], tmp_path), 1, 4)["forward_passes"] == 3
+    full[3] = 0                                                              # 3 of 4 rows routed
+    assert decode_bench._expert_record(_DumpServer(full, tmp_path), 1, 4)["forward_passes"] == 3
+    odd = _dflash_record(monkeypatch, 101, draft_first=False, passes=600)    # 50 routed of 101 rows
+    with pytest.raises(ValueError, match="^expert_buffer: 50 routed passes"):
+        decode_bench._expert_record(_DumpServer(odd["logical_count"], tmp_path), 1, 101, 2)
 
 
 def test_routed_passes_of_an_empty_dump_is_zero():
