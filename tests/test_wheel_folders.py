@@ -126,11 +126,8 @@ def test_install_sh_exits_with_pips_status(tmp_path):
     assert r.returncode == 0 and "installed 1 wheels from .whl1" in r.stdout
 
 
-def test_install_sh_installs_a_folder_once_per_machine(tmp_path):
-    """A second call on the same machine leaves the installed files (and their mtimes) alone;
-    a folder whose wheels changed installs again."""
-    folder = tmp_path / ".whl4"
-    _wheel(folder, "a", "a", 1)
+def _counting_install(tmp_path, folder):
+    """install.sh of `folder` run against a fake pip that counts its calls: (install, calls, site)."""
     (folder / "install.sh").write_text(wf.INSTALL_SH)
     fake = tmp_path / "fakebin"
     fake.mkdir()
@@ -144,12 +141,21 @@ def test_install_sh_installs_a_folder_once_per_machine(tmp_path):
     def install():
         return subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
 
+    return install, lambda: calls.read_text().count("x"), site
+
+
+def test_install_sh_installs_a_folder_once_per_machine(tmp_path):
+    """A second call on the same machine leaves the installed files (and their mtimes) alone;
+    a folder whose wheels changed installs again."""
+    folder = tmp_path / ".whl4"
+    _wheel(folder, "a", "a", 1)
+    install, pip_calls, _ = _counting_install(tmp_path, folder)
     assert "installed 1 wheels" in install().stdout
     r = install()
     assert r.returncode == 0 and "wheels of .whl4 already installed" in r.stdout
-    assert calls.read_text().count("x") == 1
+    assert pip_calls() == 1
     _wheel(folder, "b", "b", 1)
-    assert "installed 2 wheels" in install().stdout and calls.read_text().count("x") == 2
+    assert "installed 2 wheels" in install().stdout and pip_calls() == 2
 
 
 def test_install_sh_installs_the_project_wheel_once_per_commit(tmp_path):
@@ -157,26 +163,14 @@ def test_install_sh_installs_the_project_wheel_once_per_commit(tmp_path):
     the same commit would give the kernel's headers new mtimes and rebuild it (75 s, session 33)."""
     folder = tmp_path / ".whlp"
     _wheel(folder, "sm120_workbook", "sm120_workbook", 1)
-    (folder / "install.sh").write_text(wf.INSTALL_SH)
     (folder / "COMMIT").write_text("aaa\n")
-    fake = tmp_path / "fakebin"
-    fake.mkdir()
-    calls = tmp_path / "pip_calls"
-    (fake / "python3").write_text(f"#!/bin/sh\necho x >> {calls}\nexit 0\n")
-    (fake / "python3").chmod(0o755)
-    site = tmp_path / "site"
-    site.mkdir()
-    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SM120_SITE=str(site))
-
-    def install():
-        return subprocess.run(["bash", str(folder / "install.sh")], env=env, capture_output=True, text=True)
-
+    install, pip_calls, site = _counting_install(tmp_path, folder)
     assert "installed 1 wheels from .whlp" in install().stdout
     assert "wheels of .whlp already installed" in install().stdout
     assert (site / ".installed-.whlp").read_text().endswith("\ncommit aaa\n")
     (folder / "COMMIT").write_text("bbb\n")
     assert "installed 1 wheels from .whlp" in install().stdout
-    assert calls.read_text().count("x") == 2
+    assert pip_calls() == 2
 
 
 def test_no_wheels_is_an_error_that_says_how_to_make_them(tmp_path):
