@@ -28,9 +28,9 @@ service_expert_load.jsonl and service_failures.jsonl):
 
     python -m sm120_workbook.decode_bench --backends triton sm120_mla --spec none dflash
 
-DFlash servers record experts into a circular buffer sized above a request's forward passes
-(dflash_expert_buffer): SGLang 0.5.17's unbounded one, used for the rest, stops them mid-request
-(service.DFLASH_RECORDER_CRASH). Records carry the buffer as expert_buffer.
+DFlash servers record experts into a circular buffer of twice an upper bound on a request's
+routed passes (dflash_expert_buffer): SGLang 0.5.17's unbounded one, used for the rest, stops
+them mid-request (service.DFLASH_RECORDER_CRASH). Records carry the buffer as expert_buffer.
 """
 from __future__ import annotations
 

@@ -49,8 +49,9 @@ PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokensp
 LOG_TAIL_LINES = 60
 # /generate: the longest silence from the server, before the first chunk (the first token: at
 # most 41 s in the H200 records, 128k on 16 layers with the Triton prefill; on a fresh machine a
-# server's first prompt longer than one chunk can wait 16-33 s more while kernels are built) or between two
-# chunks, before the request is given up as stalled (it was requests' read timeout of 1,800 s)
+# server's first prompt longer than one chunk can wait 16-33 s more while kernels are built) or
+# between two chunks, before the request is given up as stalled (it was requests' read timeout of
+# 1,800 s)
 STALL_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 10.0
 EXPERT_DUMP_GLOB = "expert_distribution_recorder_*.pt"

@@ -3,9 +3,9 @@
 On a fresh machine a server's first prompt longer than one prefill chunk waits on the host while
 kernels are built: 32.6 s on the H200 (session 33, by the files each build wrote: SGLang's
 `set_mla_kv_buffer` through tvm-ffi, 11 s, FlashInfer's batch MLA module, 21 s, and a Triton
-kernel; session 31's scheduler stacks showed the same, data/results/probes/first_request_stacks.jsonl). They run where
-a chunk extends a prefix already in the KV pool, which short prompts (and SGLang's own start-up
-request) never reach.
+kernel; session 31's scheduler stacks showed the same,
+data/results/probes/first_request_stacks.jsonl). They run where a chunk extends a prefix already
+in the KV pool, which short prompts (and SGLang's own start-up request) never reach.
 
 This registers a warm-up with SGLang's own registry (`sglang.srt.entrypoints.warmup.warmup`), so
 `--warmups sm120_long_prompt` runs it in the launcher before the server listens:
@@ -18,10 +18,11 @@ token ids, as `--skip-tokenizer-init` servers take them. A prompt the server rej
 start-up with SGLang's message (SGLang raises for aborts with a status code; an abort without one
 is raised here): a server that cannot prefill a long prompt should say so before it listens.
 
-What it cost on the H200 (16 layers): 113-135 s on a fresh machine (sessions 32-33); 4-5 s on one
-where a server had run, most of it Triton rebuilding kernels that the first server had put in torch
-inductor's Triton cache folder; 0.5 s with every cache filled (session 33). It runs before SGLang's own start-up request, so there it
-also builds FlashInfer's ragged prefill module (88 s in that request without the warm-up).
+What it cost on the H200 (16 layers): 113-135 s on a fresh machine (sessions 32-33), where it
+runs before SGLang's own start-up request and so also builds FlashInfer's ragged prefill module
+(88 s in that request without the warm-up); 4-5 s on a machine where a server had run, most of it
+Triton rebuilding kernels that the first server had put in torch inductor's Triton cache folder;
+0.5 s with every cache filled (session 33).
 """
 from __future__ import annotations
 
