@@ -405,10 +405,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             plan = queue.pop(0)
             if (plan.backend, plan.spec) in started:
                 continue
-            recorder = expert
             # An unbounded buffer stops DFlash servers (service.DFLASH_RECORDER_CRASH): a circular one.
-            buffer = dflash_expert_buffer(plan.contexts, decode_tokens) if recorder and plan.spec == "dflash" else -1
-            fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": recorder,
+            buffer = dflash_expert_buffer(plan.contexts, decode_tokens) if expert and plan.spec == "dflash" else -1
+            fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": expert,
                     "expert_buffer": buffer}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
             if unsupported:   # FlashMLA on sm_120: a server start (and DFlash's fallback) would only fail
@@ -441,7 +440,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 mem_fraction_static=mem_fraction_static, extra_args=extra,
                 context_length=ctx_len,
                 spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
-                expert_record=recorder, expert_record_buffer=buffer,
+                expert_record=expert, expert_record_buffer=buffer,
                 draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens,
                                                        dest=Path(workdir) / f"draft-{run_id}")
                                   if plan.spec == "dflash" else None))
@@ -476,12 +475,12 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                                         "startup_s": round(srv.startup_s, 1)}])
                                 continue
                             row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
-                                                         nvml, nvml_interval_s, recorder, tp, buffer,
+                                                         nvml, nvml_interval_s, expert, tp, buffer,
                                                          DFLASH_ROWS_PER_ROUTED_PASS if plan.spec == "dflash" else 1)
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
-                                    "expert_record": recorder, "expert_buffer": buffer,
+                                    "expert_record": expert, "expert_buffer": buffer,
                                     "warmups": ",".join(ran),
                                     "warmup_s": warm_s, "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
@@ -516,7 +515,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                         emit(PROFILE_RESULTS, [{**common, "warmups": fail["warmups"], "run_id": run_id,
                                                 "backend": plan.backend,
                                                 "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
-                                                "cuda_graph": cuda_graph, "expert_record": recorder,
+                                                "cuda_graph": cuda_graph, "expert_record": expert,
                                                 "expert_buffer": buffer, "with_stack": profile_with_stack, **prof}])
                         log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "
                             f"{100 * (prof['busy_share'] or 0):.0f}%: "
