@@ -199,6 +199,34 @@ def extend_batch(runner, prefix_lens, extend_lens, gen):
     return fb, *_qkv(total, heads, runner.dtype, device, gen)
 
 
+def draft_extend_batch(runner, prefix_lens, num_draft_tokens, gen):
+    """An EAGLE v2 draft extend (an MTP draft model's): num_draft_tokens new tokens a request
+    after its prefix, as SGLang's eagle worker builds it (seq_lens after the write)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    fb, q, k, v = extend_batch(runner, prefix_lens, [num_draft_tokens] * len(prefix_lens), gen)
+    fb.forward_mode = ForwardMode.DRAFT_EXTEND_V2
+    fb.spec_info = SimpleNamespace(extend_seq_lens_tensor=fb.extend_seq_lens.clone(), custom_mask=None)
+    return fb, q, k, v
+
+
+def draft_decode_batch(runner, prefix_lens, steps, gen):
+    """The input of an EAGLE multi-step draft decode, topk 1: each request's draft tokens after
+    its prefix (the multi-step backend builds each step's kv_indices from these)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    device, heads = runner.device, runner.model_config.num_attention_heads
+    prefix = _rows(runner, prefix_lens, steps)
+    bs = len(prefix_lens)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
+                      input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+                      req_pool_indices=torch.arange(bs, device=device), seq_lens=prefix,
+                      seq_lens_cpu=prefix.cpu(), out_cache_loc=None, seq_lens_sum=int(prefix.sum()),
+                      positions=prefix.clone(),
+                      spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None))
+    return fb, *_qkv(bs, heads, runner.dtype, device, gen)
+
+
 def _qkv(tokens, heads, dtype, device, gen):
     q = torch.randn(tokens, heads, DIM_QK, generator=gen).to(device=device, dtype=dtype)
     k = torch.randn(tokens, 1, DIM_QK, generator=gen).to(device=device, dtype=dtype)
@@ -262,6 +290,7 @@ def _cpu_wiring_checks() -> dict:
     compare("verify_tree_mask", verify_batch(runner, [5, 17, 30], ndt, gen, tree_mask=True))
     compare("verify_causal", verify_batch(runner, [9, 2, 40], ndt, gen, tree_mask=False))
     compare("extend_stays_on_triton", extend_batch(runner, [0, 6], [5, 3], gen))
+    compare("draft_extend", draft_extend_batch(runner, [4, 19, 31], ndt, gen))
     sm120.init_cuda_graph_state(max_requests, max_requests * ndt)
     compare("graph_decode_capture", decode_batch(runner, [7, 20, 33], gen), graph="capture")
     compare("graph_decode_replay", decode_batch(runner, [11, 3, 50], gen), graph="replay")
@@ -302,6 +331,34 @@ def _cpu_wiring_checks() -> dict:
 
     compare_padded("graph_decode_padded", decode_batch(runner, [13, 4, 41], gen), 1)
     compare_padded("graph_verify_padded", verify_batch(runner, [21, 2, 11], ndt, gen, True), ndt)
+    # after the verify graph's checks: a replay reuses the metadata of the mode last captured
+    compare("graph_draft_extend_capture", draft_extend_batch(runner, [4, 19, 31], ndt, gen),
+            graph="capture")
+    compare("graph_draft_extend_replay", draft_extend_batch(runner, [30, 2, 12], ndt, gen),
+            graph="replay")
+
+    # EAGLE's draft decode steps (Sm120MlaMultiStepDraftBackend against SGLang's Triton one, topk
+    # 1, 3 steps): the parent builds each step's kv_indices; each step's decode reaches the kernel.
+    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+
+    from sm120_workbook.patches.backend import Sm120MlaMultiStepDraftBackend
+
+    steps = 3
+    multi = {"triton": TritonMultiStepDraftBackend(runner, 1, steps),
+             "sm120": Sm120MlaMultiStepDraftBackend(runner, 1, steps, kernel_ops=ops)}
+    out["draft_step_backends"] = [type(b).__name__ for b in multi["sm120"].attn_backends]
+    fb, q, k, v = draft_decode_batch(runner, [6, 23, 40], steps, gen)
+    got, calls = {}, {}
+    for name, backend in multi.items():
+        backend.init_forward_metadata(fb)
+        before = ops.calls
+        got[name] = [b.forward_decode(q.clone(), k.clone(), v.clone(), layer, fb, save_kv_cache=False)
+                     for b in backend.attn_backends]
+        calls[name] = ops.calls - before
+    out["draft_decode_steps"] = {
+        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got["triton"], got["sm120"])),
+        "kernel_calls": calls, "kv_lens": [int(b.forward_metadata.kv_indptr[-1])
+                                           for b in multi["sm120"].attn_backends]}
 
     # A layer the parent would run without a causal mask is refused, not masked causally.
     from sglang.srt.layers.radix_attention import AttentionType
@@ -335,8 +392,9 @@ def test_cpu_wiring_against_triton_in_interpreter():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line[len("RESULT "):])
-    for name in ("decode", "verify_tree_mask", "verify_causal", "graph_decode_capture",
+    for name in ("decode", "verify_tree_mask", "verify_causal", "draft_extend", "graph_decode_capture",
                  "graph_decode_replay", "graph_verify_capture", "graph_verify_replay",
+                 "graph_draft_extend_capture", "graph_draft_extend_replay",
                  "graph_decode_padded", "graph_verify_padded"):
         assert out[name]["shape_ok"], name
         assert out[name]["kernel_calls"] == 1, f"{name} did not reach the kernel: {out[name]}"
@@ -344,6 +402,12 @@ def test_cpu_wiring_against_triton_in_interpreter():
     assert out["extend_stays_on_triton"] == {"max_abs_diff": 0.0, "kernel_calls": 0,
                                              "shape_ok": True}
     assert out["graph_qo_indptr_dtype"] == "torch.int64"  # so the int32 copy was exercised
+    # EAGLE's draft decode: two step backends on the kernel, each step one draft token longer
+    steps = out["draft_decode_steps"]
+    assert out["draft_step_backends"] == ["Sm120MlaAttnBackend"] * 2
+    assert steps["kernel_calls"] == {"triton": 0, "sm120": 2}, steps
+    assert steps["max_abs_diff"] < 1e-4, steps
+    assert steps["kv_lens"] == [sum([6, 23, 40]) + 3, sum([6, 23, 40]) + 6], steps
     assert "ENCODER_ONLY; the kernel runs causal decoder self-attention only" in (out["encoder_layer_error"] or "")
     assert out["factory_error"] and "no CUDA GPU" in out["factory_error"], out["factory_error"]
     # the target runner's line names its routes (the test kit's runner says --attention-backend

@@ -181,6 +181,43 @@ def test_spec_compat_gives_sm120_mla_the_triton_draft_backends(clean_plugin_stat
         factory._create_backend("decode_attention_backend", backend_map, "no {backend_type}")
 
 
+def test_spec_compat_puts_an_mla_drafts_decode_steps_and_extend_on_the_kernel(clean_plugin_state, monkeypatch):
+    """EAGLE / MTP: for an MLA draft model, SGLang's own draft-decode and draft-extend makers give
+    way to the kernel's backends; a non-MLA draft (an EAGLE3 head) keeps SGLang's Triton ones, and
+    --speculative-draft-attention-backend triton keeps the draft on Triton."""
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    from sm120_workbook.patches import backend
+
+    built = []
+    monkeypatch.setattr(backend, "Sm120MlaMultiStepDraftBackend",
+                        lambda runner, topk, steps: built.append(("multi-step", runner.name, topk, steps)) or "sm120-steps")
+    monkeypatch.setattr(backend, "Sm120MlaAttnBackend", lambda runner: built.append(("extend", runner.name)) or "sm120-extend")
+    plugin.install_spec_compat()
+
+    def factory(use_mla, draft_backend=None):
+        args = SimpleNamespace(speculative_draft_attention_backend=draft_backend, attention_backend="sm120_mla",
+                               decode_attention_backend=None, prefill_attention_backend=None)
+        f = DraftBackendFactory(args, SimpleNamespace(name="draft", use_mla_backend=use_mla), 1, 3)
+        monkeypatch.setattr(f, "_create_triton_decode_backend", lambda: "triton-steps", raising=False)
+        monkeypatch.setattr(f, "_create_triton_prefill_backend", lambda: "triton-extend", raising=False)
+        return f
+
+    def made(f, kind):
+        name = "_create_triton_decode_backend" if kind == "decode" else "_create_triton_prefill_backend"
+        backend_map = {"triton": getattr(f, name), "fa3": lambda: "fa3"}
+        return f._create_backend("decode_attention_backend", backend_map, "no {backend_type}")
+
+    mla = factory(use_mla=True)
+    assert made(mla, "decode") == "sm120-steps" and made(mla, "extend") == "sm120-extend"
+    assert built == [("multi-step", "draft", 1, 3), ("extend", "draft")]
+    built.clear()
+    assert made(factory(use_mla=False), "decode") == "triton-steps"
+    assert made(factory(use_mla=False), "extend") == "triton-extend"
+    assert made(factory(use_mla=True, draft_backend="triton"), "decode") == "triton-steps"
+    assert built == []
+
+
 def _mid_resolution_server_args(**fields):
     """A real ServerArgs as the DFLASH hook sees it: still writable (before materialization)."""
     from sglang.srt.runtime_context import get_context

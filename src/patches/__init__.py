@@ -148,8 +148,11 @@ def install_spec_compat() -> bool:
 
     Three places in SGLang 0.5.17 check draft backends by name:
     - `DraftBackendFactory._create_backend` (sglang/srt/speculative/draft_utils.py): the
-      EAGLE / MTP multi-step draft-decode and draft-extend backends. `sm120_mla` gets the
-      `triton` entries (TritonMultiStepDraftBackend, TritonAttnBackend).
+      EAGLE / MTP multi-step draft-decode and draft-extend backends. For an MLA draft model
+      (DeepSeek-V3's MTP layer) `sm120_mla` gets the kernel's own: `Sm120MlaMultiStepDraftBackend`
+      and `Sm120MlaAttnBackend`, in place of SGLang's TritonMultiStepDraftBackend and
+      TritonAttnBackend; any other map (a non-MLA draft, a factory of another SGLang) gets the
+      `triton` entry. `--speculative-draft-attention-backend triton` keeps the draft on Triton.
     - `_resolve_dflash_draft_attention_backend` (sglang/srt/arg_groups/speculative_hook.py):
       DFLASH's draft backend, by default the prefill backend; when that is `sm120_mla` and no
       draft backend is given, the draft gets `triton` instead of the flashinfer fallback.
@@ -168,7 +171,7 @@ def install_spec_compat() -> bool:
 
     def _create_backend_accepting_sm120(self, backend_name, backend_map, error_template):
         if "triton" in backend_map and BACKEND_NAME not in backend_map:
-            backend_map = {**backend_map, BACKEND_NAME: backend_map["triton"]}
+            backend_map = {**backend_map, BACKEND_NAME: _draft_backend_on_kernel(self, backend_map["triton"])}
         return create_backend(self, backend_name, backend_map, error_template)
 
     resolve_dflash = speculative_hook._resolve_dflash_draft_attention_backend
@@ -194,6 +197,22 @@ def install_spec_compat() -> bool:
                 "(DraftBackendFactory._create_backend, _resolve_dflash_draft_attention_backend, "
                 "draft_worker_common._SUPPORTED_DRAFT_BACKENDS)", os.getpid(), BACKEND_NAME)
     return True
+
+
+def _draft_backend_on_kernel(factory, triton_entry):
+    """The `sm120_mla` entry of a DraftBackendFactory map whose `triton` entry is `triton_entry`:
+    the kernel's draft backends where the entry is SGLang's own Triton draft-decode or
+    draft-extend maker and the draft model is MLA, else `triton_entry` itself."""
+    runner = factory.draft_model_runner
+    if not getattr(runner, "use_mla_backend", False):
+        return triton_entry
+    from .backend import Sm120MlaAttnBackend, Sm120MlaMultiStepDraftBackend
+
+    if triton_entry == getattr(factory, "_create_triton_decode_backend", None):
+        return lambda: Sm120MlaMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps)
+    if triton_entry == getattr(factory, "_create_triton_prefill_backend", None):
+        return lambda: Sm120MlaAttnBackend(runner)
+    return triton_entry
 
 
 def _install_spec_compat_or_warn() -> None:

@@ -10,9 +10,14 @@ attention call of two phases of an MLA model changes:
 - decode (`forward_decode`): one query per request; the new token's KV is saved to the pool
   first, exactly as the parent does, and is the last entry of the request's kv_indices;
 - target verify (`forward_extend` in TARGET_VERIFY): the draft tokens' KV (`k`) goes to the
-  kernel as `k_extend`, beside the prefix rows, with SGLang's tree mask as it is.
+  kernel as `k_extend`, beside the prefix rows, with SGLang's tree mask as it is;
+- draft extend (`forward_extend` in DRAFT_EXTEND_V2, an EAGLE/MTP draft model's backend): the
+  same call without a mask, as the parent runs it (prefix rows, then a causal chain over the
+  extended tokens).
 
-Prefill, extend, draft-extend and every non-MLA model run the parent's Triton kernels.
+`Sm120MlaMultiStepDraftBackend` runs an MLA draft model's EAGLE draft-decode steps on the kernel
+too (one query per request and branch). Prefill, extend and every non-MLA model run the parent's
+Triton kernels.
 
 The kernel's buffers (lse, workspace, the decode qo_indptr, an int32 copy of the graph's
 verify qo_indptr) are allocated once per backend and sliced per call, so decode and verify
@@ -34,7 +39,7 @@ import os
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, TritonMultiStepDraftBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -169,7 +174,7 @@ def load_kernel_ops():
 
 
 class Sm120MlaAttnBackend(TritonAttnBackend):
-    """TritonAttnBackend whose MLA decode and target verify run `mla_verify_attention`.
+    """TritonAttnBackend whose MLA decode, target verify and draft extend run `mla_verify_attention`.
 
     `kernel_ops` defaults to `sm120_workbook.kernels` (imported here, at construction); a
     test may pass another object with the same `mla_verify_attention`,
@@ -273,10 +278,23 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
             self._alloc_kernel_buffers(max(max_num_tokens, self.kernel_max_tokens),
                                        max(max_bs, self.verify_qo_indptr.numel() - 1))
 
+    def _on_kernel(self, forward_mode) -> bool:
+        """Whether `forward_extend` runs this mode on the kernel: target verify and draft extend."""
+        return self.kernel_ops is not None and (forward_mode.is_target_verify()
+                                                or forward_mode.is_draft_extend_v2())
+
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        qo_indptr = self.forward_metadata.qo_indptr
+        if self._on_kernel(forward_batch.forward_mode) and qo_indptr.dtype != torch.int32:
+            # eager draft extend: the parent's qo_indptr is its int64 buffer; the kernel takes int32
+            self.verify_qo_indptr[: qo_indptr.numel()].copy_(qo_indptr)
+
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        if self.kernel_ops is not None and forward_batch.forward_mode.is_target_verify():
-            # Once per forward, outside the graph: the parent refilled its int64 qo_indptr.
+        if self._on_kernel(forward_batch.forward_mode):
+            # Once per forward, outside the graph: the parent refilled its int64 qo_indptr (a
+            # replay reuses the capture's metadata, a view of the same buffer).
             bs = len(forward_batch.req_pool_indices)
             self.verify_qo_indptr[: bs + 1].copy_(self.qo_indptr[: bs + 1])
 
@@ -344,7 +362,7 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
                        score_mod=None, aux_tensors=None):
-        if self.kernel_ops is None or not forward_batch.forward_mode.is_target_verify():
+        if not self._on_kernel(forward_batch.forward_mode):
             return super().forward_extend(q, k, v, layer, forward_batch,
                                           save_kv_cache=save_kv_cache, sinks=sinks,
                                           score_mod=score_mod, aux_tensors=aux_tensors)
@@ -366,12 +384,29 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
                                                     k.clone().div_(layer.k_scale), v)
         meta = self.forward_metadata
         qo_indptr = meta.qo_indptr
-        if qo_indptr.dtype != torch.int32:  # graph path: the int32 copy made out of graph
+        if qo_indptr.dtype != torch.int32:  # the int32 copy made with the metadata, out of graph
             qo_indptr = self.verify_qo_indptr[: qo_indptr.numel()]
-        custom_mask = meta.custom_mask
+        custom_mask = meta.custom_mask   # None in draft extend: a causal chain, as the parent's
         return self._attend(q, layer, out, qo_indptr=qo_indptr, max_q_len=int(meta.max_extend_len),
                             k_extend=k.contiguous(), custom_mask=custom_mask,
                             mask_indptr=meta.mask_indptr if custom_mask is not None else None)
+
+
+class Sm120MlaMultiStepDraftBackend(TritonMultiStepDraftBackend):
+    """SGLang's Triton multi-step draft-decode backend (EAGLE / MTP draft steps) with an
+    `Sm120MlaAttnBackend` for each step: an MLA draft model's decode steps run on the kernel.
+
+    The parent fills the draft's per-step kv_indptr / kv_indices (its own buffers, also under CUDA
+    graphs) and hands each step's backend its slice; every step is a decode, one query per request
+    and branch. A non-MLA draft's steps run the parent's Triton kernels.
+    """
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int, *, kernel_ops=None):
+        super().__init__(model_runner, topk, speculative_num_steps)
+        # The parent built Triton backends over its kv_indptr rows: the same, on the kernel.
+        self.attn_backends = [Sm120MlaAttnBackend(model_runner, skip_prefill=True,
+                                                  kv_indptr_buf=self.kv_indptr[i], kernel_ops=kernel_ops)
+                              for i in range(self.speculative_num_steps - 1)]
 
 
 def create_backend(runner):
