@@ -28,9 +28,14 @@ service_expert_load.jsonl and service_failures.jsonl):
 
     python -m sm120_workbook.decode_bench --backends triton sm120_mla --spec none dflash
 
-DFlash servers record experts into a circular buffer of twice an upper bound on a request's
-routed passes (dflash_expert_buffer): SGLang 0.5.17's unbounded one, used for the rest, stops
-them mid-request (service.DFLASH_RECORDER_CRASH). Records carry the buffer as expert_buffer.
+`--spec eagle` is SGLang's EAGLE with the model's own MTP layer (DeepSeek-V3's; the K2-shaped
+model is given one, `mtp_layers=1`), `--eagle-steps` draft steps in a chain (topk 1). With
+sm120_mla its draft decodes and extends on the kernel too, unless `--draft-backend triton`.
+
+DFlash and EAGLE servers record experts into a circular buffer of an upper bound on a request's
+recorder rows (spec_expert_buffer): their draft passes record empty rows, and SGLang 0.5.17's
+unbounded buffer, used for the rest, stops DFlash servers mid-request
+(service.DFLASH_RECORDER_CRASH). Records carry the buffer as expert_buffer.
 """
 from __future__ import annotations
 
@@ -65,7 +70,7 @@ NVML_RESULTS = "service_nvml"
 EXPERT_RESULTS = "service_expert_load"
 FAILURE_RESULTS = "service_failures"
 PROFILE_RESULTS = "service_step_profile"
-SPEC_MODES = ("none", "dflash", "ngram")
+SPEC_MODES = ("none", "dflash", "ngram", "eagle")
 DEFAULT_CONTEXTS = (4096, 16384, 65536, 131072)
 RECORD_FIELDS = ("backend", "spec", "draft_tokens", "tp", "gpu", "model", "layers", "ctx", "tok_s",
                  "accept_len", "verify_step_ms", "cuda_graph", "commit", "date")
@@ -90,7 +95,7 @@ def context_length_for(contexts: Sequence[int], decode_tokens: int, draft_tokens
 
 def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence[str] = ("none", "dflash"),
                 draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
-                model_max_context: int | None = None) -> list[ServerPlan]:
+                model_max_context: int | None = None, eagle_steps: int = 3) -> list[ServerPlan]:
     """Servers to start, in order: per backend, each speculation mode; contexts ascending.
 
     Contexts that cannot fit the model (ctx + decode + margin > model_max_context) are dropped.
@@ -104,11 +109,12 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
         raise ValueError(f"contexts: must be positive ints, got {list(contexts)}")
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens: must be >= 2 (one token comes from prefill), got {decode_tokens}")
-    check_draft_tokens(backends, spec, draft_tokens, ngram_draft_tokens)
+    check_draft_tokens(backends, spec, draft_tokens, ngram_draft_tokens, eagle_steps)
     plans = []
     for backend in dict.fromkeys(backends):
         for s in dict.fromkeys(spec):
-            dt = {"none": None, "dflash": draft_tokens, "ngram": ngram_draft_tokens}[s]
+            dt = {"none": None, "dflash": draft_tokens, "ngram": ngram_draft_tokens,
+                  "eagle": eagle_draft_tokens(eagle_steps)}[s]
             ctxs = sorted({int(c) for c in contexts})
             if model_max_context is not None:
                 ctxs = [c for c in ctxs if context_length_for([c], decode_tokens, dt) <= model_max_context]
@@ -129,37 +135,50 @@ def dropped_contexts(plans: Sequence[ServerPlan], contexts: Sequence[int]) -> li
 SPEC_FALLBACKS = ("", "ngram", "none")   # what may run when a DFlash server fails to start
 
 
-def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_tokens, ngram_draft_tokens) -> None:
+def eagle_draft_tokens(eagle_steps: int) -> int:
+    """The tokens an EAGLE chain (topk 1) of `eagle_steps` draft steps verifies: steps + 1."""
+    return eagle_steps + 1
+
+
+def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_tokens, ngram_draft_tokens,
+                       eagle_steps: int = 3) -> None:
     """The draft counts the planned servers will use, checked before any server starts: a DFlash
-    block of at least 2, at least 2 NGRAM draft tokens, and for sm120_mla at most the kernel's
-    queries per request."""
+    block of at least 2, at least 2 NGRAM draft tokens, at least 1 EAGLE step, and for sm120_mla at
+    most the kernel's queries per request."""
     from .kernels.verify_attention import MAX_Q_LEN
 
     # NGRAM with one draft token verifies nothing beyond the bonus token, and SGLang then leaves
     # spec_verify_ct out of meta_info (tokenizer_manager: only when verify_ct x (draft - 1) > 0)
-    counts = {"dflash": ("draft_tokens", draft_tokens, 2), "ngram": ("ngram_draft_tokens", ngram_draft_tokens, 2)}
+    counts = {"dflash": ("draft_tokens", draft_tokens, 2), "ngram": ("ngram_draft_tokens", ngram_draft_tokens, 2),
+              "eagle": ("eagle_steps", eagle_steps, 1)}
     for s in dict.fromkeys(spec):
         if s not in counts:
             continue
         name, n, least = counts[s]
         if isinstance(n, bool) or not isinstance(n, int) or n < least:
             raise ValueError(f"{name}: {s} needs an int >= {least}, got {n!r}")
-        if "sm120_mla" in backends and n > MAX_Q_LEN:
-            raise ValueError(f"{name}: {n} {s} draft tokens exceed the sm120_mla kernel's {MAX_Q_LEN} "
+        tokens = eagle_draft_tokens(n) if s == "eagle" else n
+        if "sm120_mla" in backends and tokens > MAX_Q_LEN:
+            raise ValueError(f"{name}: {tokens} {s} draft tokens exceed the sm120_mla kernel's {MAX_Q_LEN} "
                              "queries per request")
 
 
-DFLASH_ROWS_PER_ROUTED_PASS = 2   # each verify pass comes with a draft pass, whose row is zero
+def recorder_rows_per_pass(spec: str, eagle_steps: int = 3) -> int:
+    """Recorder rows (forward passes) at most per pass that routes tokens, for a speculation mode.
+    DFlash: each verify pass has the draft's pass beside it, whose row is zero. EAGLE: the draft
+    extend and each draft-decode step past the first (SGLang records none of the MTP layer's
+    routing), so at most eagle_steps + 1. The others: one."""
+    return {"dflash": 2, "eagle": eagle_steps + 1}.get(spec, 1)
 
 
-def dflash_expert_buffer(contexts: Sequence[int], decode_tokens: int) -> int:
-    """The circular recorder buffer (rows, one per forward pass) of a DFlash server: twice an upper
-    bound on one recorded request's routed passes (each verify pass has the draft's zero row beside
-    it), so that none is overwritten and _expert_record can tell.
+def spec_expert_buffer(contexts: Sequence[int], decode_tokens: int, rows_per_pass: int) -> int:
+    """The circular recorder buffer (rows, one per forward pass) of a DFlash or EAGLE server: an
+    upper bound on one recorded request's routed passes, times `rows_per_pass` (the draft's zero
+    rows beside each), so that none is overwritten and _expert_record can tell.
     Its prefill takes at most ctx / 1024 chunks (SGLang's chunked prefill is 2048 tokens and up
-    unless set lower), one pass each (the draft's KV is written outside ModelRunner.forward); each
-    decode step runs two passes (the draft's and the target's verify) and emits at least one token."""
-    return DFLASH_ROWS_PER_ROUTED_PASS * (-(-max(contexts) // 1024) + decode_tokens) + 16
+    unless set lower) and each decode step emits at least one token; each chunk and each step is
+    one routed pass with at most rows_per_pass - 1 draft rows beside it."""
+    return rows_per_pass * (-(-max(contexts) // 1024) + decode_tokens) + 16
 
 
 def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
@@ -299,6 +318,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                profile_contexts: Sequence[int] | None = None, profile_with_stack: bool = False,
                ngram_tail: bool = False, prefill_backend: str | None = None,
                prefill_as_base: bool = False, warmups: Sequence[str] = (),
+               eagle_steps: int = 3, draft_backend: str | None = None,
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
@@ -321,6 +341,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     "sm120_long_prompt"); their time is in startup_s, and records carry those the server's log
     says it ran (a name SGLang does not know is only warned of, and left out) and warmup_s, the
     time they took by the log's stamps.
+    eagle_steps: the draft steps of `spec` "eagle" (SGLang's EAGLE with the model's MTP layer,
+    topk 1: eagle_steps + 1 tokens verified); those servers serve the model with one MTP layer.
+    draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE servers (None:
+    triton for DFlash, the decode backend for EAGLE, whose MLA draft then runs on sm120_mla's
+    kernel where that is the backend); records carry what SGLang resolved.
     """
     from tqdm.auto import tqdm
 
@@ -338,6 +363,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     warmups = tuple(warmups)
     if warmups:
         check_warmups(warmups)
+    if draft_backend is not None:
+        check_attention_backend(draft_backend, "draft_backend")
     if (spec_fallback or "") not in SPEC_FALLBACKS:
         raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
     if spec_fallback:
@@ -357,7 +384,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         model_cfg = json.loads((model_dir / "config.json").read_text())
         heads = heads_per_rank(model_cfg, tp)
         plans = plan_matrix(backends, contexts, spec, draft_tokens, ngram_draft_tokens, decode_tokens,
-                            max_context(model_cfg))
+                            max_context(model_cfg), eagle_steps)
+        # EAGLE drafts with the model's own MTP layer: the same model, given one.
+        mtp_dir = (materialize_model(model, layers, dest=Path(workdir) / "model-mtp", weights=weights, mtp_layers=1)
+                   if any(p.spec == "eagle" for p in plans) else None)
         dropped = dropped_contexts(plans, contexts)
         if dropped:
             log(f"contexts {dropped}: longer than {model} ({max_context(model_cfg)} positions) allows; not measured")
@@ -405,8 +435,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             plan = queue.pop(0)
             if (plan.backend, plan.spec) in started:
                 continue
-            # An unbounded buffer stops DFlash servers (service.DFLASH_RECORDER_CRASH): a circular one.
-            buffer = dflash_expert_buffer(plan.contexts, decode_tokens) if expert and plan.spec == "dflash" else -1
+            # An unbounded buffer stops DFlash servers (service.DFLASH_RECORDER_CRASH), and EAGLE's
+            # draft passes record empty rows as DFlash's do: a circular one for both.
+            rows_per_pass = recorder_rows_per_pass(plan.spec, eagle_steps)
+            buffer = (spec_expert_buffer(plan.contexts, decode_tokens, rows_per_pass)
+                      if expert and plan.spec in ("dflash", "eagle") else -1)
             fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": expert,
                     "expert_buffer": buffer}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
@@ -433,14 +466,16 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             if buffer > 0:
                 log(f"{plan.backend}/{plan.spec}: the expert recorder keeps a circular buffer of {buffer} "
                     "forward passes (an unbounded one stops DFlash servers: service.DFLASH_RECORDER_CRASH)")
+            drafted = plan.spec in ("dflash", "eagle")
             cfg = ServerConfig(
-                model_path=model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
+                model_path=mtp_dir if plan.spec == "eagle" else model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
                 prefill_as_base=prefill_as_base, warmups=warmups,
                 tp=tp,
                 mem_fraction_static=mem_fraction_static, extra_args=extra,
                 context_length=ctx_len,
                 spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
                 expert_record=expert, expert_record_buffer=buffer,
+                draft_attention_backend=draft_backend if drafted else None, eagle_steps=eagle_steps,
                 draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens,
                                                        dest=Path(workdir) / f"draft-{run_id}")
                                   if plan.spec == "dflash" else None))
@@ -476,7 +511,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                 continue
                             row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
                                                          nvml, nvml_interval_s, expert, tp, buffer,
-                                                         DFLASH_ROWS_PER_ROUTED_PASS if plan.spec == "dflash" else 1)
+                                                         rows_per_pass)
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
@@ -487,7 +522,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                     "context_length": srv.config.context_length,
                                     # what SGLang resolved: it falls back from a draft backend it refuses
                                     "draft_attention_backend": (srv.server_info or {}).get(
-                                        "speculative_draft_attention_backend") if plan.spec == "dflash" else None,
+                                        "speculative_draft_attention_backend") if drafted else None,
                                     "startup_s": round(srv.startup_s, 1)}
                             emit(DECODE_RESULTS, [{**base, **row}])
                             emit(NVML_RESULTS, [{**base, **r} for r in nv])
@@ -719,6 +754,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run this when DFlash fails to start ('' for none)")
     p.add_argument("--draft-tokens", type=int, default=16)
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
+    p.add_argument("--eagle-steps", type=int, default=3,
+                   help="EAGLE (the model's MTP layer) draft steps, a chain: steps + 1 tokens verified")
+    p.add_argument("--draft-backend", default=None,
+                   help="--speculative-draft-attention-backend of DFlash and EAGLE servers (default: triton "
+                        "for DFlash; for EAGLE the decode backend, so sm120_mla's MTP draft runs on the kernel)")
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
     p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over this many of the tp ranks")
@@ -787,7 +827,8 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           profile_steps=a.profile_steps, profile_contexts=a.profile_contexts,
                           profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail,
                           prefill_backend=a.prefill_backend, prefill_as_base=a.prefill_as_base,
-                          warmups=tuple(n for n in a.warmups.split(",") if n))
+                          warmups=tuple(n for n in a.warmups.split(",") if n),
+                          eagle_steps=a.eagle_steps, draft_backend=a.draft_backend)
     except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
         p.error(str(e))
 

@@ -52,11 +52,14 @@ def load_config(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def model_config(name: str, layers: int | None = None, weights: str = "auto") -> dict:
+def model_config(name: str, layers: int | None = None, weights: str = "auto",
+                 mtp_layers: int | None = None) -> dict:
     """The config of model `name` with `layers` hidden layers and the chosen weight format.
 
     weights: "auto" (as in the base config), "bf16" (drop any quantization_config) or "fp8"
-    (K2's block fp8 quantization_config).
+    (K2's block fp8 quantization_config). mtp_layers: num_nextn_predict_layers, the MTP
+    layers SGLang's EAGLE drafts with (DeepSeek-V3 has 1; K2's checkpoints have none, so its
+    base config says 0); None keeps the base config's.
     """
     if name not in MODEL_NAMES:
         raise ValueError(f"name: {name!r} is not one of {MODEL_NAMES}")
@@ -69,6 +72,10 @@ def model_config(name: str, layers: int | None = None, weights: str = "auto") ->
                 f"layers: {layers} leaves no MoE layer (first_k_dense_replace="
                 f"{cfg['first_k_dense_replace']}); use at least {cfg['first_k_dense_replace'] + 1}")
         cfg["num_hidden_layers"] = layers
+    if mtp_layers is not None:
+        if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
+            raise ValueError(f"mtp_layers: must be an int >= 0, got {mtp_layers!r}")
+        cfg["num_nextn_predict_layers"] = mtp_layers
     if weights == "bf16":
         cfg.pop("quantization_config", None)
     elif weights == "fp8":
@@ -91,12 +98,13 @@ def _write_config(cfg: dict, dest: str | Path | None, prefix: str) -> Path:
 
 
 def materialize_model(name: str, layers: int | None = None, dest: str | Path | None = None,
-                      weights: str = "auto") -> Path:
+                      weights: str = "auto", mtp_layers: int | None = None) -> Path:
     """Write a servable model folder (config.json only) and return its path.
 
-    dest: folder to write (created); default a fresh temporary folder.
+    dest: folder to write (created); default a fresh temporary folder. mtp_layers: as
+    `model_config`.
     """
-    cfg = model_config(name, layers, weights)
+    cfg = model_config(name, layers, weights, mtp_layers)
     return _write_config(cfg, dest, f"sm120_{name}_L{cfg['num_hidden_layers']}_")
 
 

@@ -40,7 +40,10 @@ try:
 except ImportError:  # the plugin package is absent from this copy
     _PLUGIN_BACKEND = "sm120_mla"
 PLUGIN_BACKENDS = (_PLUGIN_BACKEND,)
-SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH"}
+SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", "eagle": "EAGLE"}
+# Models whose EAGLE draft SGLang 0.5.17 builds from the model's own MTP layer (NextN), drafting
+# from --model-path itself (arg_groups/speculative_hook.py, _handle_eagle_family).
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
@@ -215,17 +218,24 @@ class ServerConfig:
     mem_fraction_static: float = 0.8
     context_length: int | None = None
     page_size: int | None = None
-    spec: str = "none"                      # "none" | "ngram" | "dflash"
+    spec: str = "none"                      # "none" | "ngram" | "dflash" | "eagle"
     num_draft_tokens: int | None = None
     draft_model_path: str | Path | None = None
-    draft_attention_backend: str | None = "triton"  # DFlash draft (MHA); avoids flashinfer JIT
+    # --speculative-draft-attention-backend. None: for DFlash "triton" (its MHA draft; avoids
+    # FlashInfer's JIT); for EAGLE SGLang's choice, the decode backend: with sm120_mla an MLA
+    # draft (the MTP layer) decodes and extends on the kernel (patches.install_spec_compat).
+    draft_attention_backend: str | None = None
+    # EAGLE with the model's MTP layer: draft steps and tree width (SGLang's own choice for
+    # DeepSeek-V3, 3 and 1); num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
+    eagle_steps: int = 3
+    eagle_topk: int = 1
     ngram_max_bfs_breadth: int | None = None
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = 4        # batch 1 is measured; small graphs start faster
     enable_metrics: bool = True
     expert_record: bool = True               # --expert-distribution-recorder-mode stat
     # Forward passes the recorder keeps between a start and a dump: -1 an unbounded buffer that
-    # grows when full (not for DFlash: DFLASH_RECORDER_CRASH); N > 0 a circular buffer of N passes,
+    # grows when full (not for DFlash or EAGLE: DFLASH_RECORDER_CRASH); N > 0 a circular buffer of N passes,
     # allocated at start-up, which overwrites the oldest pass beyond N.
     expert_record_buffer: int = -1
     # SGLang warm-ups run before the server listens (--warmups), e.g. patches.warmup's
@@ -265,7 +275,8 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     """Validate a config before launching and fill in what SGLang would require.
 
     Raises ValueError naming the argument: unknown backend, context longer than the model
-    allows, tp not dividing the heads, a DFlash draft that does not match the target.
+    allows, tp not dividing the heads, a DFlash draft that does not match the target, EAGLE
+    on a model without an MTP layer.
     """
     cfg = dataclasses.replace(cfg)
     model = cfg.model_config()
@@ -303,7 +314,13 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
         # SGLang refuses NGRAM trees (breadth > 1) on paged backends other than flashinfer.
         if cfg.ngram_max_bfs_breadth is None and (cfg.page_size or 1) > 1:
             cfg.ngram_max_bfs_breadth = 1
+    if cfg.draft_attention_backend is not None:
+        check_attention_backend(cfg.draft_attention_backend, "draft_attention_backend")
+    if cfg.spec == "eagle":
+        _resolve_eagle(cfg, model)
     if cfg.spec == "dflash":
+        if cfg.draft_attention_backend is None:
+            cfg.draft_attention_backend = "triton"
         if cfg.draft_model_path is None:
             raise ValueError("draft_model_path: DFlash needs a draft model folder")
         dpath = Path(cfg.draft_model_path) / "config.json"
@@ -319,13 +336,40 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
         if block is not None and cfg.num_draft_tokens != block:
             raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} differs from the draft's "
                              f"block_size {block} (SGLang requires them equal for DFlash)")
-        if cfg.expert_record and cfg.expert_record_buffer < 0:
-            raise ValueError(f"expert_record_buffer: {DFLASH_RECORDER_CRASH}; give DFlash a circular "
-                             "buffer (a positive expert_record_buffer above a recorded request's "
-                             "forward passes) or expert_record=False")
+    if cfg.spec in ("dflash", "eagle") and cfg.expert_record and cfg.expert_record_buffer < 0:
+        # EAGLE's MTP draft passes record empty rows too (SGLang disables the recorder in the
+        # NextN layer), so its unbounded buffer can be grown by a draft pass as DFlash's is.
+        raise ValueError(f"expert_record_buffer: {DFLASH_RECORDER_CRASH}; give {cfg.spec} a circular "
+                         "buffer (a positive expert_record_buffer above a recorded request's "
+                         "forward passes) or expert_record=False")
     if cfg.port is None:
         cfg.port = free_port(cfg.host)
     return cfg
+
+
+def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
+    """EAGLE drafting with the model's own MTP layer, as SGLang serves DeepSeek-V3: the config
+    must have one, no separate draft folder is taken, and the chain's draft count is steps + 1."""
+    arch = (model.get("architectures") or [None])[0]
+    if arch not in MTP_ARCHITECTURES or not model.get("num_nextn_predict_layers"):
+        raise ValueError(f"model_path: EAGLE here drafts with the model's own MTP layer, which needs "
+                         f"an architecture in {MTP_ARCHITECTURES} and num_nextn_predict_layers >= 1 "
+                         f"in its config (this one: {arch}, {model.get('num_nextn_predict_layers')!r}); "
+                         "dummy_models.materialize_model(..., mtp_layers=1) writes one")
+    if cfg.draft_model_path is not None:
+        raise ValueError("draft_model_path: EAGLE drafts with the model's own MTP layer (SGLang "
+                         "takes --model-path); leave it None")
+    for name in ("eagle_steps", "eagle_topk"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    if cfg.num_draft_tokens is None:
+        if cfg.eagle_topk != 1:
+            raise ValueError(f"num_draft_tokens: EAGLE trees (eagle_topk {cfg.eagle_topk}) need it given")
+        cfg.num_draft_tokens = cfg.eagle_steps + 1
+    elif cfg.eagle_topk == 1 and cfg.num_draft_tokens != cfg.eagle_steps + 1:
+        raise ValueError(f"num_draft_tokens: a chain of {cfg.eagle_steps} EAGLE steps verifies "
+                         f"{cfg.eagle_steps + 1} tokens, got {cfg.num_draft_tokens}")
 
 
 def launch_args(cfg: ServerConfig) -> list[str]:
@@ -362,8 +406,10 @@ def launch_args(cfg: ServerConfig) -> list[str]:
             a += ["--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
     if cfg.spec == "dflash":
         a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
-        if cfg.draft_attention_backend:
-            a += ["--speculative-draft-attention-backend", cfg.draft_attention_backend]
+    if cfg.spec == "eagle":
+        a += ["--speculative-num-steps", str(cfg.eagle_steps), "--speculative-eagle-topk", str(cfg.eagle_topk)]
+    if cfg.spec in ("dflash", "eagle") and cfg.draft_attention_backend:
+        a += ["--speculative-draft-attention-backend", cfg.draft_attention_backend]
     if cfg.spec == "ngram" and cfg.ngram_max_bfs_breadth is not None:
         a += ["--speculative-ngram-max-bfs-breadth", str(cfg.ngram_max_bfs_breadth)]
     if cfg.warmups:

@@ -5,14 +5,15 @@ MockMLAModelRunner with a real ReqToTokenPool and MLATokenToKVPool); both backen
 write the same pool, with request rows scattered over it.
 
 - GPU tests (@pytest.mark.gpu; `python -m pytest tests/test_backend_gpu.py` on the GPU
-  machine): the real kernel in bf16; forward_decode and forward_extend in TARGET_VERIFY
-  (with and without a tree mask) match Triton within bf16 tolerance, eagerly and under
-  CUDA-graph replay with new lengths, masks and KV locations.
+  machine): the real kernel in bf16; forward_decode, and forward_extend in TARGET_VERIFY
+  (with and without a tree mask) and in DRAFT_EXTEND_V2 (an MTP draft's), match Triton within
+  bf16 tolerance, eagerly and under CUDA-graph replay with new lengths, masks and KV locations.
 - CPU test: the same harness in a subprocess under TRITON_INTERPRET=1 (float32), with a
   float64 torch implementation of the kernel's contract in place of the CUDA kernel. It
-  checks the wiring: decode and verify reach the kernel with SGLang's metadata (also through
-  the CUDA-graph buffers), prefill stays on Triton, and without a usable kernel the
-  registered factory raises at construction, naming the cause.
+  checks the wiring: decode, verify and draft extend reach the kernel with SGLang's metadata
+  (also through the CUDA-graph buffers), EAGLE's multi-step draft decode runs each step on
+  it, prefill stays on Triton, and without a usable kernel the registered factory raises at
+  construction, naming the cause.
 """
 from __future__ import annotations
 
@@ -447,6 +448,8 @@ def _assert_bf16_close(got, want, what):
 def _batches(runner, mode, gen, lens_list, tree_mask=True):
     if mode == "decode":
         return [decode_batch(runner, lens, gen) for lens in lens_list]
+    if mode == "draft_extend":
+        return [draft_extend_batch(runner, lens, GPU_NDT, gen) for lens in lens_list]
     return [verify_batch(runner, lens, GPU_NDT, gen, tree_mask) for lens in lens_list]
 
 
@@ -462,12 +465,13 @@ def _triton_and_sm120(gpu_setup, mode, tree_mask, seed):
     return triton, sm120, layer, batches
 
 
-MODES = [("decode", True), ("verify", True), ("verify", False)]
+MODES = [("decode", True), ("verify", True), ("verify", False), ("draft_extend", False)]
+MODE_IDS = ["decode", "verify-tree", "verify-chain", "draft-extend"]
 LENS = [[37, 300, 1029], [1500, 5, 777], [64, 1200, 2]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,tree_mask", MODES, ids=["decode", "verify-tree", "verify-chain"])
+@pytest.mark.parametrize("mode,tree_mask", MODES, ids=MODE_IDS)
 def test_gpu_eager_matches_triton(gpu_setup, mode, tree_mask):
     triton, sm120, layer, batches = _triton_and_sm120(gpu_setup, mode, tree_mask, seed=11)
     for i, batch in enumerate(batches):
@@ -477,7 +481,7 @@ def test_gpu_eager_matches_triton(gpu_setup, mode, tree_mask):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,tree_mask", MODES, ids=["decode", "verify-tree", "verify-chain"])
+@pytest.mark.parametrize("mode,tree_mask", MODES, ids=MODE_IDS)
 def test_gpu_cuda_graph_replay_matches_triton(gpu_setup, mode, tree_mask):
     """Capture once, replay with new lengths, masks, KV locations and inputs."""
     triton, sm120, layer, batches = _triton_and_sm120(gpu_setup, mode, tree_mask, seed=12)

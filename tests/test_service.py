@@ -173,6 +173,8 @@ for w in (arg("--warmups") or "").split(","):   # as SGLang's execute_warmups lo
         print(f"[2026-12-01 20:53:21] Running warmup {w}", flush=True)
 if arg("--warmups"):
     print("[2026-12-01 20:55:36] Warmup ended", flush=True)
+if os.environ.get("FAKE_ECHO_ARGS"):
+    print("fake server args: " + " ".join(argv), flush=True)
 print("fake server listening", flush=True)
 ThreadingHTTPServer((arg("--host"), int(arg("--port"))), H).serve_forever()
 '''
@@ -229,6 +231,42 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
     if spec == "dflash":
         assert ns.speculative_num_draft_tokens == 16 and ns.speculative_draft_attention_backend == "triton"
     assert (ns.cuda_graph_backend_decode == "disabled") == (not cuda_graph)
+
+
+def test_eagle_launches_the_models_mtp_layer_and_parses_with_sglang(tmp_path):
+    """EAGLE drafts with the model's own MTP layer: the config must carry one; SGLang's parser
+    reads the chain's steps, topk and verified tokens; the draft backend is SGLang's choice unless
+    given; the recorder needs a circular buffer, as DFlash's does."""
+    from sglang.srt.server_args import ServerArgs
+
+    mtp = materialize_model("k2_tp8_slice", 3, dest=tmp_path / "mtp", mtp_layers=1)
+    assert json.loads((mtp / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    cfg = resolve_config(ServerConfig(mtp, "triton", tp=1, spec="eagle", expert_record_buffer=200))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(launch_args(cfg))
+    assert ns.speculative_algorithm == "EAGLE" and ns.speculative_draft_model_path is None
+    assert (ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == (3, 1, 4)
+    assert ns.speculative_draft_attention_backend is None
+    ns = parser.parse_args(launch_args(resolve_config(ServerConfig(
+        mtp, "triton", tp=1, spec="eagle", eagle_steps=5, expert_record=False, draft_attention_backend="triton"))))
+    assert (ns.speculative_num_steps, ns.speculative_num_draft_tokens) == (5, 6)
+    assert ns.speculative_draft_attention_backend == "triton"
+
+    plain = materialize_model("k2_tp8_slice", 3, dest=tmp_path / "plain")   # K2's own config: no MTP layer
+    for kw, message in [
+        (dict(model_path=plain), "^model_path: EAGLE here drafts with the model's own MTP layer"),
+        (dict(draft_model_path=tmp_path), "^draft_model_path: EAGLE drafts with the model's own MTP layer"),
+        (dict(num_draft_tokens=3), "^num_draft_tokens: a chain of 3 EAGLE steps verifies 4 tokens, got 3"),
+        (dict(eagle_topk=4), r"^num_draft_tokens: EAGLE trees \(eagle_topk 4\) need it given"),
+        (dict(eagle_steps=0), "^eagle_steps: must be a positive int, got 0"),
+        (dict(draft_attention_backend="tritn"), "^draft_attention_backend: 'tritn' is not an attention backend"),
+        (dict(expert_record_buffer=-1), "^expert_record_buffer: SGLang 0.5.17's expert recorder with an unbounded"),
+    ]:
+        args = {"model_path": mtp, "attention_backend": "triton", "tp": 1, "spec": "eagle",
+                "expert_record_buffer": 200, **kw}
+        with pytest.raises(ValueError, match=message):
+            resolve_config(ServerConfig(**args))
 
 
 def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir):
@@ -660,7 +698,14 @@ def test_plan_matrix_orders_and_filters():
         ("sm120_mla", "none", (4096,)), ("sm120_mla", "dflash", (4096,))]
     assert decode_bench.context_length_for([4096, 65536], 256, 16) == 65536 + 256 + 32 + 256
     with pytest.raises(ValueError, match="spec"):
-        decode_bench.plan_matrix(["triton"], [4096], ["eagle"])
+        decode_bench.plan_matrix(["triton"], [4096], ["medusa"])
+    # EAGLE: a chain of eagle_steps draft steps verifies eagle_steps + 1 tokens
+    (plan,) = decode_bench.plan_matrix(["sm120_mla"], [4096], ["eagle"], eagle_steps=5)
+    assert (plan.spec, plan.draft_tokens) == ("eagle", 6)
+    with pytest.raises(ValueError, match="^eagle_steps: eagle needs an int >= 1, got 0"):
+        decode_bench.plan_matrix(["triton"], [4096], ["eagle"], eagle_steps=0)
+    with pytest.raises(ValueError, match="^eagle_steps: 17 eagle draft tokens exceed the sm120_mla kernel's 16"):
+        decode_bench.plan_matrix(["sm120_mla"], [4096], ["eagle"], eagle_steps=16)
     with pytest.raises(ValueError, match="decode_tokens"):
         decode_bench.plan_matrix(["triton"], [4096], ["none"], decode_tokens=1)
 
@@ -943,6 +988,28 @@ def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkey
     assert {(r["spec"], r["draft_attention_backend"]) for r in res.decode} == {("dflash", "triton"), ("none", None)}
 
 
+def test_eagle_servers_serve_the_model_with_an_mtp_layer(fake, tmp_path, monkeypatch):
+    """An EAGLE plan launches the model given one MTP layer, with its chain's steps and the draft
+    backend asked for (none: SGLang's choice), records a circular expert buffer of steps + 1 rows a
+    routed pass, and what SGLang resolved for the draft."""
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    monkeypatch.setenv("FAKE_ECHO_ARGS", "1")
+    for draft_backend in (None, "triton"):
+        res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
+                                      spec=["eagle", "none"], eagle_steps=2, decode_tokens=12, tp=1, nvml=False,
+                                      expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
+                                      draft_backend=draft_backend, log=lambda s: None)
+        eagle = [r for r in res.decode if r["spec"] == "eagle"]
+        assert eagle and all(r["draft_tokens"] == 3 and r["draft_attention_backend"] == draft_backend
+                             and r["expert_buffer"] == decode_bench.spec_expert_buffer([64], 12, 3) for r in eagle)
+        assert {r["draft_attention_backend"] for r in res.decode if r["spec"] == "none"} == {None}
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
+    eagle_logs = [t for n, t in logs.items() if "-eagle-" in n]
+    assert len(eagle_logs) == 2 and all("--speculative-num-steps 2 --speculative-eagle-topk 1" in t
+                                        and "/model-mtp " in t for t in eagle_logs), logs
+    assert all("/model " in t for n, t in logs.items() if "-none-" in n), logs
+
+
 def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatch):
     """With the recorder asked for, DFlash servers record into a circular buffer sized above a
     request's passes (and say so); the others keep the unbounded one."""
@@ -952,7 +1019,7 @@ def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatc
                                   spec=["dflash", "none"], draft_tokens=4, decode_tokens=12, tp=1, nvml=False,
                                   expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   log=said.append)
-    buffer = decode_bench.dflash_expert_buffer([64], 12)
+    buffer = decode_bench.spec_expert_buffer([64], 12, 2)
     assert buffer == 2 * (1 + 12) + 16
     assert {(r["spec"], r["expert_record"], r["expert_buffer"]) for r in res.decode} == {
         ("dflash", True, buffer), ("none", True, -1)}
@@ -1008,10 +1075,12 @@ def test_routed_passes_of_an_empty_dump_is_zero():
     assert routed_passes({"logical_count": np.zeros((0, 3, 8))}) == 0
 
 
-def test_dflash_expert_buffer_holds_a_requests_passes():
-    # twice (128k in 1024-token chunks: 128, + one verify pass a decode token: 128) + 16
-    assert decode_bench.dflash_expert_buffer([16384, 131072], 128) == 2 * (128 + 128) + 16
-    assert decode_bench.dflash_expert_buffer([1], 1) == 2 * (1 + 1) + 16
+def test_spec_expert_buffer_holds_a_requests_passes():
+    # rows a pass x (128k in 1024-token chunks: 128, + one verify pass a decode token: 128) + 16
+    rows = decode_bench.recorder_rows_per_pass
+    assert (rows("dflash"), rows("eagle", 3), rows("eagle", 5), rows("ngram"), rows("none")) == (2, 4, 6, 1, 1)
+    assert decode_bench.spec_expert_buffer([16384, 131072], 128, 2) == 2 * (128 + 128) + 16
+    assert decode_bench.spec_expert_buffer([1], 1, 4) == 4 * (1 + 1) + 16
 
 
 def test_generate_raises_on_an_aborted_request(model_dir, fake, tmp_path, monkeypatch):
