@@ -181,6 +181,17 @@ def spec_expert_buffer(contexts: Sequence[int], decode_tokens: int, rows_per_pas
     return rows_per_pass * (-(-max(contexts) // 1024) + decode_tokens) + 16
 
 
+def resolved_draft_backend(server_info: dict | None, spec: str) -> str | None:
+    """A DFlash or EAGLE server's draft attention backend as SGLang resolved it (its /server_info):
+    --speculative-draft-attention-backend (SGLang replaces a DFlash draft backend it refuses), or for
+    EAGLE, where none is given, the decode backend its draft factory falls back to."""
+    info = server_info or {}
+    named = info.get("speculative_draft_attention_backend")
+    if named or spec != "eagle":
+        return named
+    return info.get("decode_attention_backend") or info.get("attention_backend")
+
+
 def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
     """n random token ids in [low, vocab_size): no tokenizer, dummy weights, any id will do."""
     if n < 1 or vocab_size <= low:
@@ -520,9 +531,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                     "warmup_s": warm_s, "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                     "context_length": srv.config.context_length,
-                                    # what SGLang resolved: it falls back from a draft backend it refuses
-                                    "draft_attention_backend": (srv.server_info or {}).get(
-                                        "speculative_draft_attention_backend") if drafted else None,
+                                    "draft_attention_backend": (resolved_draft_backend(srv.server_info, plan.spec)
+                                                                if drafted else None),
                                     "startup_s": round(srv.startup_s, 1)}
                             emit(DECODE_RESULTS, [{**base, **row}])
                             emit(NVML_RESULTS, [{**base, **r} for r in nv])
@@ -550,6 +560,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                         emit(PROFILE_RESULTS, [{**common, "warmups": fail["warmups"], "run_id": run_id,
                                                 "backend": plan.backend,
                                                 "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
+                                                "draft_attention_backend": (resolved_draft_backend(srv.server_info, plan.spec)
+                                                                            if drafted else None),
                                                 "cuda_graph": cuda_graph, "expert_record": expert,
                                                 "expert_buffer": buffer, "with_stack": profile_with_stack, **prof}])
                         log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "

@@ -17,15 +17,19 @@ import pandas as pd
 # fix, patches/ngram_tail.py) change the step time without changing the kernel;
 # prefill_attention_backend (a prefill on another backend, "" for none) the time to first token,
 # and prefill_as_base (that hybrid spelt with the prefill backend first) SGLang's prefill path.
+# draft_backend (derived, `draft_backend_of`): an EAGLE draft's attention backend where it is not
+# the server's decode backend ("" where it is, and for the other modes), e.g. sm120_mla's MTP
+# draft kept on Triton.
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
               "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
-              "prefill_as_base"]
+              "prefill_as_base", "draft_backend"]
 # What a record without the key ran with (older records predate ep_size and ngram_tail;
 # decode_tokens: decode_bench's default).
 KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
                 "expert_record": False, "ngram_tail": False, "prefill_attention_backend": "",
-                "prefill_as_base": False}
-SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM"}
+                "prefill_as_base": False, "draft_backend": ""}
+SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM",
+               "eagle": "EAGLE (MTP layer, dummy weights)"}
 
 
 def ctx_label(ctx: int) -> str:
@@ -54,9 +58,22 @@ def _value(r, key):
     return KEY_DEFAULTS.get(key) if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
 
+def draft_backend_of(spec, backend, draft_attention_backend) -> str:
+    """The point key `draft_backend` of a record: an EAGLE draft's attention backend where the
+    record names one other than its decode backend, else "". (decode_bench records what SGLang
+    resolved; None, as in the first EAGLE records, is SGLang's default, the decode backend. DFlash's
+    MHA draft always runs on a backend of its own and is not keyed.)"""
+    named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
+    return named if spec == "eagle" and named not in ("", backend) else ""
+
+
 def with_defaults(df):
-    """A copy of records with every point key set: absent keys at KEY_DEFAULTS, else "?"."""
+    """A copy of records with every point key set: absent keys at KEY_DEFAULTS, else "?"
+    (draft_backend derived from spec, backend and draft_attention_backend)."""
     d = df.copy()
+    if "draft_backend" not in d:
+        named = d["draft_attention_backend"] if "draft_attention_backend" in d else [None] * len(d)
+        d["draft_backend"] = [draft_backend_of(s, b, n) for s, b, n in zip(d["spec"], d["backend"], named)]
     for k in POINT_KEYS:
         if k in KEY_DEFAULTS:
             d[k] = d[k].where(d[k].notna(), KEY_DEFAULTS[k]) if k in d else KEY_DEFAULTS[k]
@@ -113,11 +130,11 @@ def select_tp(df, tp: int = 1):
 
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
                  ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "",
-                 prefill_as_base: bool = False) -> str:
+                 prefill_as_base: bool = False, draft_backend: str = "") -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
-    draft prep unpatched, the prefill on the same backend), and the layer count and decode
-    tokens when given."""
+    draft prep unpatched, the prefill on the same backend, an EAGLE draft on the decode backend),
+    and the layer count and decode tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
             + (f", {int(layers)} layers" if layers is not None else "")
@@ -125,7 +142,17 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
             + ("" if expert_record else " (recorder off)") + ("" if cuda_graph else " (no CUDA graph)")
             + (" + ngram_tail" if ngram_tail else "")
             + (f" + {prefill_backend} prefill" if prefill_backend else "")
-            + (" as base" if prefill_backend and prefill_as_base else ""))
+            + (" as base" if prefill_backend and prefill_as_base else "")
+            + (f" + {draft_backend} draft" if draft_backend else ""))
+
+
+def _draft_key(r) -> str:
+    """draft_backend of a point (which has it) or a record (derived, as with_defaults does)."""
+    v = lambda k: _value(r, k)  # noqa: E731
+    has = (r.get("draft_backend") if isinstance(r, dict) else getattr(r, "draft_backend", None))
+    if isinstance(has, str):
+        return has
+    return draft_backend_of(v("spec"), v("backend"), v("draft_attention_backend"))
 
 
 def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
@@ -136,7 +163,7 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
                         v("layers") if layers else None, ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")),
                         decode_tokens=v("decode_tokens") if decode_tokens else None,
                         prefill_backend=str(v("prefill_attention_backend") or ""),
-                        prefill_as_base=bool(v("prefill_as_base")))
+                        prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r))
 
 
 def pair_points(mine, base, keys, value: str = "tok_s"):
@@ -220,7 +247,7 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
                  "commits": "", "pairing": f"no {ours} point"}]
         # speculation against plain decode: the same point but for spec and its draft tokens
         plain = mine_all[mine_all["spec"] == "none"]
-        vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS if k not in ("spec", "draft_tokens")])
+        vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS if k not in ("spec", "draft_tokens", "draft_backend")])
         for r in vs_plain.sort_values(["layers", "config", "ctx"]).itertuples():
             rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode", r, 1.0,
                                     ours, "plain-decode"))
@@ -318,13 +345,14 @@ def first_token_points(points):
     Configurations that do not change a prefill (no speculation or NGRAM, the expert recorder,
     the NGRAM fix) are pooled: the newest point with a repeat stands. Pass every run's points
     (decode_points(..., every_run=True)): with each point's newest run alone, a newer run without
-    a repeat would hide an older one's. DFlash's draft model prefills the prompt
-    too, so its points stay apart (", DFlash draft")."""
+    a repeat would hide an older one's. DFlash's draft model and EAGLE's MTP layer prefill the
+    prompt too, so their points stay apart (", DFlash draft", ", MTP draft")."""
     _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend", "prefill_as_base"], "points")
     if "ttft_s" not in points:
         raise ValueError("points: missing column ttft_s (records without a time to first token or a repeat index)")
     d = points[points["ttft_s"].notna()].copy()
-    d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a)) + (", DFlash draft" if s == "dflash" else "")
+    drafts = {"dflash": ", DFlash draft", "eagle": ", MTP draft"}
+    d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a)) + drafts.get(s, "")
                     for b, p, a, s in zip(d["backend"], d["prefill_attention_backend"], d["prefill_as_base"], d["spec"])]
     keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]
     d = d.sort_values("date").groupby(keys, dropna=False).tail(1)

@@ -226,3 +226,36 @@ def test_prefill_label():
     assert sc.prefill_label("sm120_mla") == "sm120_mla (prefill: triton)"
     assert sc.prefill_label("sm120_mla", "flashinfer") == "sm120_mla (prefill: flashinfer)"
     assert sc.prefill_label("flashmla") == "flashmla"
+
+
+def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
+    """EAGLE's MTP draft on the decode backend (recorded as None in the first runs, or by name) is
+    the usual point; the same server with the draft kept on Triton is another, labelled so, and is
+    neither paired with triton's EAGLE point nor mistaken for the newest run of the first."""
+    e = dict(spec="eagle", draft_tokens=4, ngram_tail=False)
+    recs = pd.DataFrame([
+        _rec("sm120_mla", 65536, 162.0, "ccccccc333", "2026-12-02T02:05", draft_attention_backend=None, **e),
+        _rec("sm120_mla", 16384, 177.0, "ccccccc333", "2026-12-02T02:05", draft_attention_backend="sm120_mla", **e),
+        _rec("sm120_mla", 65536, 59.8, "ccccccc333", "2026-12-02T02:09", draft_attention_backend="triton", **e),
+        _rec("triton", 65536, 4.5, "ccccccc333", "2026-12-02T02:11", draft_attention_backend="triton", **e),
+        _rec("sm120_mla", 65536, 40.0, "ccccccc333", "2026-12-02T02:12", spec="none", draft_tokens=0,
+             ngram_tail=False),
+        _rec("sm120_mla", 65536, 30.0, "ccccccc333", "2026-12-02T02:12", spec="dflash", draft_tokens=16,
+             draft_attention_backend="triton", ngram_tail=False)])
+    assert [sc.draft_backend_of(s, b, n) for s, b, n in zip(recs["spec"], recs["backend"],
+                                                            recs["draft_attention_backend"])] == [
+        "", "", "triton", "", "", ""]
+    points = sc.decode_points(recs).set_index(["backend", "spec", "ctx", "draft_backend"])
+    assert points.loc[("sm120_mla", "eagle", 65536, ""), "tok_s"] == 162.0
+    assert points.loc[("sm120_mla", "eagle", 65536, "triton"), "config"] == "sm120_mla + triton draft"
+    assert points.loc[("sm120_mla", "eagle", 65536, ""), "config"] == "sm120_mla"
+    sp = sc.speedup_over(sc.decode_points(recs, every_run=True)).set_index(["backend", "spec", "ctx", "draft_backend"])
+    assert sp.loc[("sm120_mla", "eagle", 65536, ""), "speedup"] == pytest.approx(162.0 / 4.5)
+    assert ("sm120_mla", "eagle", 65536, "triton") not in sp.index
+    t = sc.service_targets(sc.decode_points(recs, every_run=True)).set_index(["target", "config"])
+    assert t.loc[("eagle 64k: sm120_mla >= 6.1x triton", "sm120_mla"), "met"] is True
+    assert t.loc[("eagle 64k: sm120_mla speculation >= plain decode", "sm120_mla + triton draft"), "ratio"] == \
+        pytest.approx(59.8 / 40.0, abs=0.01)
+    assert sc.label_of({"backend": "sm120_mla", "spec": "eagle", "draft_attention_backend": "triton",
+                        "expert_record": True}) == \
+        "sm120_mla + triton draft"
