@@ -80,11 +80,17 @@ lab: $(STAMP)
 kernel-resources: $(STAMP)
 	$(PY) -m sm120_workbook.kernels.resources --write
 
+EXTRA_DEVICE_WHEELS = sgl-deep-gemm==0.1.5.post1
+
 wheelhouse:
 	@test -x ../shared/device/wheelhouse.sh || { echo "error: ../shared/device/wheelhouse.sh not found"; exit 1; }
 	@# from empty folders: a stale wheel left by an earlier run would sit beside its newer version
 	rm -rf .whl[0-9]* .whl-pool
 	../shared/device/wheelhouse.sh
+	@# SGLang 0.5.17 requires sgl-deep-gemm (its METADATA), which the lock leaves out; its EAGLE worker
+	@# imports deep_gemm as it captures its CUDA graphs, so without it an EAGLE server cannot start
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux2014_x86_64 -d .whl-pool $(EXTRA_DEVICE_WHEELS)
 	@# a call ships the tracked tree (~19 MB, mostly data/results, and growing) beside its folder, within
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
