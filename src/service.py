@@ -222,8 +222,8 @@ class ServerConfig:
     num_draft_tokens: int | None = None
     draft_model_path: str | Path | None = None
     # --speculative-draft-attention-backend. None: for DFlash "triton" (its MHA draft; avoids
-    # FlashInfer's JIT); for EAGLE SGLang's choice, the decode backend: with sm120_mla an MLA
-    # draft (the MTP layer) decodes and extends on the kernel (patches.install_spec_compat).
+    # FlashInfer's JIT; launch_args); for EAGLE SGLang's choice, the decode backend: with sm120_mla
+    # an MLA draft (the MTP layer) decodes and extends on the kernel (patches.install_spec_compat).
     draft_attention_backend: str | None = None
     # EAGLE with the model's MTP layer: draft steps and tree width (SGLang's own choice for
     # DeepSeek-V3, 3 and 1); num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
@@ -319,8 +319,6 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     if cfg.spec == "eagle":
         _resolve_eagle(cfg, model)
     if cfg.spec == "dflash":
-        if cfg.draft_attention_backend is None:
-            cfg.draft_attention_backend = "triton"
         if cfg.draft_model_path is None:
             raise ValueError("draft_model_path: DFlash needs a draft model folder")
         dpath = Path(cfg.draft_model_path) / "config.json"
@@ -337,11 +335,19 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
             raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} differs from the draft's "
                              f"block_size {block} (SGLang requires them equal for DFlash)")
     if cfg.spec in ("dflash", "eagle") and cfg.expert_record and cfg.expert_record_buffer < 0:
-        # EAGLE's MTP draft passes record empty rows too (SGLang disables the recorder in the
-        # NextN layer), so its unbounded buffer can be grown by a draft pass as DFlash's is.
-        raise ValueError(f"expert_record_buffer: {DFLASH_RECORDER_CRASH}; give {cfg.spec} a circular "
-                         "buffer (a positive expert_record_buffer above a recorded request's "
-                         "forward passes) or expert_record=False")
+        # EAGLE's MTP draft passes go through the recorder too, with their routing left out
+        # (SGLang disables it in the NextN layer), as DFlash's do: the same unbounded buffer.
+        why = DFLASH_RECORDER_CRASH + ("" if cfg.spec == "dflash" else
+                                       "; EAGLE's draft passes go through the recorder as DFlash's do")
+        raise ValueError(f"expert_record_buffer: {why}; give {cfg.spec} a circular buffer (a positive "
+                         "expert_record_buffer above a recorded request's forward passes) or "
+                         "expert_record=False")
+    if cfg.num_draft_tokens is not None and cfg.attention_backend == _PLUGIN_BACKEND:
+        from .kernels.verify_attention import MAX_Q_LEN
+
+        if cfg.num_draft_tokens > MAX_Q_LEN:
+            raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} exceed the {_PLUGIN_BACKEND} "
+                             f"kernel's {MAX_Q_LEN} queries per request")
     if cfg.port is None:
         cfg.port = free_port(cfg.host)
     return cfg
@@ -367,6 +373,9 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         if cfg.eagle_topk != 1:
             raise ValueError(f"num_draft_tokens: EAGLE trees (eagle_topk {cfg.eagle_topk}) need it given")
         cfg.num_draft_tokens = cfg.eagle_steps + 1
+    elif isinstance(cfg.num_draft_tokens, bool) or not isinstance(cfg.num_draft_tokens, int) \
+            or cfg.num_draft_tokens < 2:
+        raise ValueError(f"num_draft_tokens: must be an int >= 2, got {cfg.num_draft_tokens!r}")
     elif cfg.eagle_topk == 1 and cfg.num_draft_tokens != cfg.eagle_steps + 1:
         raise ValueError(f"num_draft_tokens: a chain of {cfg.eagle_steps} EAGLE steps verifies "
                          f"{cfg.eagle_steps + 1} tokens, got {cfg.num_draft_tokens}")
@@ -408,8 +417,9 @@ def launch_args(cfg: ServerConfig) -> list[str]:
         a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
     if cfg.spec == "eagle":
         a += ["--speculative-num-steps", str(cfg.eagle_steps), "--speculative-eagle-topk", str(cfg.eagle_topk)]
-    if cfg.spec in ("dflash", "eagle") and cfg.draft_attention_backend:
-        a += ["--speculative-draft-attention-backend", cfg.draft_attention_backend]
+    draft_backend = cfg.draft_attention_backend or ("triton" if cfg.spec == "dflash" else None)
+    if cfg.spec in ("dflash", "eagle") and draft_backend:
+        a += ["--speculative-draft-attention-backend", draft_backend]
     if cfg.spec == "ngram" and cfg.ngram_max_bfs_breadth is not None:
         a += ["--speculative-ngram-max-bfs-breadth", str(cfg.ngram_max_bfs_breadth)]
     if cfg.warmups:

@@ -17,8 +17,8 @@ import pandas as pd
 # fix, patches/ngram_tail.py) change the step time without changing the kernel;
 # prefill_attention_backend (a prefill on another backend, "" for none) the time to first token,
 # and prefill_as_base (that hybrid spelt with the prefill backend first) SGLang's prefill path.
-# draft_backend (derived, `draft_backend_of`): an EAGLE draft's attention backend where it is not
-# the server's decode backend ("" where it is, and for the other modes), e.g. sm120_mla's MTP
+# draft_backend (derived, `draft_backend_of`): a draft's attention backend where it is not the
+# usual one ("" where it is, and for modes without a draft model), e.g. sm120_mla's EAGLE MTP
 # draft kept on Triton.
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
               "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
@@ -59,12 +59,13 @@ def _value(r, key):
 
 
 def draft_backend_of(spec, backend, draft_attention_backend) -> str:
-    """The point key `draft_backend` of a record: an EAGLE draft's attention backend where the
-    record names one other than its decode backend, else "". (decode_bench records what SGLang
-    resolved; None, as in the first EAGLE records, is SGLang's default, the decode backend. DFlash's
-    MHA draft always runs on a backend of its own and is not keyed.)"""
+    """The point key `draft_backend` of a record: its draft's attention backend where the record
+    names one other than the usual, else "". The usual: for EAGLE the decode backend (SGLang's
+    default; None, as in the first EAGLE records, is that), for DFlash triton (decode_bench's
+    default for its MHA draft). Other modes have no draft backend."""
     named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
-    return named if spec == "eagle" and named not in ("", backend) else ""
+    usual = {"eagle": backend, "dflash": "triton"}.get(spec)
+    return named if usual is not None and named not in ("", usual) else ""
 
 
 def with_defaults(df):
@@ -133,7 +134,7 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
                  prefill_as_base: bool = False, draft_backend: str = "") -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
-    draft prep unpatched, the prefill on the same backend, an EAGLE draft on the decode backend),
+    draft prep unpatched, the prefill on the same backend, a draft on its usual backend),
     and the layer count and decode tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")

@@ -211,21 +211,22 @@ def draft_extend_batch(runner, prefix_lens, num_draft_tokens, gen):
     return fb, q, k, v
 
 
-def draft_decode_batch(runner, prefix_lens, steps, gen):
-    """The input of an EAGLE multi-step draft decode, topk 1: each request's draft tokens after
-    its prefix (the multi-step backend builds each step's kv_indices from these)."""
+def draft_decode_batch(runner, prefix_lens, steps, gen, topk=1):
+    """The input of an EAGLE multi-step draft decode: each request's draft tokens after its
+    prefix, `steps` a branch, branch after branch (the multi-step backend builds each step's
+    kv_indices from these), and one query a request and branch."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     device, heads = runner.device, runner.model_config.num_attention_heads
-    prefix = _rows(runner, prefix_lens, steps)
+    prefix = _rows(runner, prefix_lens, steps * topk)
     bs = len(prefix_lens)
     fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
-                      input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+                      input_ids=torch.zeros(bs * topk, dtype=torch.int64, device=device),
                       req_pool_indices=torch.arange(bs, device=device), seq_lens=prefix,
                       seq_lens_cpu=prefix.cpu(), out_cache_loc=None, seq_lens_sum=int(prefix.sum()),
-                      positions=prefix.clone(),
+                      positions=prefix.repeat_interleave(topk),
                       spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None))
-    return fb, *_qkv(bs, heads, runner.dtype, device, gen)
+    return fb, *_qkv(bs * topk, heads, runner.dtype, device, gen)
 
 
 def _qkv(tokens, heads, dtype, device, gen):
@@ -292,6 +293,8 @@ def _cpu_wiring_checks() -> dict:
     compare("verify_causal", verify_batch(runner, [9, 2, 40], ndt, gen, tree_mask=False))
     compare("extend_stays_on_triton", extend_batch(runner, [0, 6], [5, 3], gen))
     compare("draft_extend", draft_extend_batch(runner, [4, 19, 31], ndt, gen))
+    # a window wider than the kernel's 16 queries (multi-layer EAGLE's can be) stays on Triton
+    compare("draft_extend_wide_on_triton", draft_extend_batch(runner, [4, 9], 17, gen))
     sm120.init_cuda_graph_state(max_requests, max_requests * ndt)
     compare("graph_decode_capture", decode_batch(runner, [7, 20, 33], gen), graph="capture")
     compare("graph_decode_replay", decode_batch(runner, [11, 3, 50], gen), graph="replay")
@@ -338,28 +341,47 @@ def _cpu_wiring_checks() -> dict:
     compare("graph_draft_extend_replay", draft_extend_batch(runner, [30, 2, 12], ndt, gen),
             graph="replay")
 
-    # EAGLE's draft decode steps (Sm120MlaMultiStepDraftBackend against SGLang's Triton one, topk
-    # 1, 3 steps): the parent builds each step's kv_indices; each step's decode reaches the kernel.
+    # EAGLE's draft decode steps (Sm120MlaMultiStepDraftBackend against SGLang's Triton one, 3
+    # steps): the parent builds each step's kv_indices; each step's decode reaches the kernel.
+    # topk 1 eagerly; topk 4 (16 rows: more than the backend's 4 requests x 3 draft tokens)
+    # eagerly and through the CUDA-graph path (capture, then a replay's refill of new lengths).
     from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
 
     from sm120_workbook.patches.backend import Sm120MlaMultiStepDraftBackend
 
     steps = 3
-    multi = {"triton": TritonMultiStepDraftBackend(runner, 1, steps),
-             "sm120": Sm120MlaMultiStepDraftBackend(runner, 1, steps, kernel_ops=ops)}
-    out["draft_step_backends"] = [type(b).__name__ for b in multi["sm120"].attn_backends]
-    fb, q, k, v = draft_decode_batch(runner, [6, 23, 40], steps, gen)
-    got, calls = {}, {}
-    for name, backend in multi.items():
-        backend.init_forward_metadata(fb)
+
+    def draft_steps(name, topk, batch, graph=None):
+        triton_steps = TritonMultiStepDraftBackend(runner, topk, steps)
+        sm120_steps = Sm120MlaMultiStepDraftBackend(runner, topk, steps, kernel_ops=ops)
+        for m in (triton_steps, sm120_steps):   # the test kit's server args leave it None; a server's is set
+            m.page_size = m.page_size or 1
+        out["draft_step_backends"] = [type(b).__name__ for b in sm120_steps.attn_backends]
+        fb, q, k, v = batch
+        triton_steps.init_forward_metadata(fb)
+        want = [b.forward_decode(q.clone(), k.clone(), v.clone(), layer, fb, save_kv_cache=False)
+                for b in triton_steps.attn_backends]
+        if graph is None:
+            sm120_steps.init_forward_metadata(fb)
+        else:   # capture on `graph`'s batch, then refill the buffers for fb, as a replay does
+            sm120_steps.init_cuda_graph_state(len(prefix_lens_of(fb)), len(prefix_lens_of(fb)) * topk)
+            sm120_steps.init_forward_metadata_out_graph(graph[0], in_capture=True)
+            sm120_steps.init_forward_metadata_out_graph(fb, in_capture=False)
         before = ops.calls
-        got[name] = [b.forward_decode(q.clone(), k.clone(), v.clone(), layer, fb, save_kv_cache=False)
-                     for b in backend.attn_backends]
-        calls[name] = ops.calls - before
-    out["draft_decode_steps"] = {
-        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got["triton"], got["sm120"])),
-        "kernel_calls": calls, "kv_lens": [int(b.forward_metadata.kv_indptr[-1])
-                                           for b in multi["sm120"].attn_backends]}
+        got = [b.forward_decode(q.clone(), k.clone(), v.clone(), layer, fb, save_kv_cache=False)
+               for b in sm120_steps.attn_backends]
+        out[name] = {"max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(want, got)),
+                     "kernel_calls": ops.calls - before,
+                     "kv_lens": [int(b.forward_metadata.kv_indptr[len(prefix_lens_of(fb)) * topk])
+                                 for b in sm120_steps.attn_backends]}
+
+    def prefix_lens_of(fb):
+        return fb.seq_lens.tolist()
+
+    draft_steps("draft_decode_steps", 1, draft_decode_batch(runner, [6, 23, 40], steps, gen))
+    draft_steps("draft_decode_topk4", 4, draft_decode_batch(runner, [6, 9, 3, 11], steps, gen, topk=4))
+    draft_steps("draft_decode_topk4_graph", 4, draft_decode_batch(runner, [2, 12, 7, 5], steps, gen, topk=4),
+                graph=draft_decode_batch(runner, [6, 9, 3, 11], steps, gen, topk=4))
 
     # A layer the parent would run without a causal mask is refused, not masked causally.
     from sglang.srt.layers.radix_attention import AttentionType
@@ -400,15 +422,18 @@ def test_cpu_wiring_against_triton_in_interpreter():
         assert out[name]["shape_ok"], name
         assert out[name]["kernel_calls"] == 1, f"{name} did not reach the kernel: {out[name]}"
         assert out[name]["max_abs_diff"] < 1e-4, f"{name}: {out[name]}"
-    assert out["extend_stays_on_triton"] == {"max_abs_diff": 0.0, "kernel_calls": 0,
-                                             "shape_ok": True}
+    for name in ("extend_stays_on_triton", "draft_extend_wide_on_triton"):
+        assert out[name] == {"max_abs_diff": 0.0, "kernel_calls": 0, "shape_ok": True}, (name, out[name])
     assert out["graph_qo_indptr_dtype"] == "torch.int64"  # so the int32 copy was exercised
-    # EAGLE's draft decode: two step backends on the kernel, each step one draft token longer
-    steps = out["draft_decode_steps"]
+    # EAGLE's draft decode: two step backends on the kernel, each step one draft token longer a
+    # branch; at topk 4 with 16 rows, eagerly and through the graph path's buffers
     assert out["draft_step_backends"] == ["Sm120MlaAttnBackend"] * 2
-    assert steps["kernel_calls"] == {"triton": 0, "sm120": 2}, steps
-    assert steps["max_abs_diff"] < 1e-4, steps
-    assert steps["kv_lens"] == [sum([6, 23, 40]) + 3, sum([6, 23, 40]) + 6], steps
+    for name, prefix, topk in (("draft_decode_steps", [6, 23, 40], 1), ("draft_decode_topk4", [6, 9, 3, 11], 4),
+                               ("draft_decode_topk4_graph", [2, 12, 7, 5], 4)):
+        steps = out[name]
+        assert steps["kernel_calls"] == 2 and steps["max_abs_diff"] < 1e-4, (name, steps)
+        rows = len(prefix) * topk
+        assert steps["kv_lens"] == [topk * sum(prefix) + rows, topk * sum(prefix) + 2 * rows], (name, steps)
     assert "ENCODER_ONLY; the kernel runs causal decoder self-attention only" in (out["encoder_layer_error"] or "")
     assert out["factory_error"] and "no CUDA GPU" in out["factory_error"], out["factory_error"]
     # the target runner's line names its routes (the test kit's runner says --attention-backend

@@ -193,28 +193,25 @@ def test_spec_compat_puts_an_mla_drafts_decode_steps_and_extend_on_the_kernel(cl
     monkeypatch.setattr(backend, "Sm120MlaMultiStepDraftBackend",
                         lambda runner, topk, steps: built.append(("multi-step", runner.name, topk, steps)) or "sm120-steps")
     monkeypatch.setattr(backend, "Sm120MlaAttnBackend", lambda runner: built.append(("extend", runner.name)) or "sm120-extend")
+    # SGLang's Triton makers as methods of the factory still (the comparison is with the bound
+    # method), but naming themselves: the real ones would build backends on this stand-in runner
+    monkeypatch.setattr(DraftBackendFactory, "_create_triton_decode_backend", lambda self: "triton-steps")
+    monkeypatch.setattr(DraftBackendFactory, "_create_triton_prefill_backend", lambda self: "triton-extend")
     plugin.install_spec_compat()
 
-    def factory(use_mla, draft_backend=None):
+    def made(use_mla, kind, draft_backend=None):
         args = SimpleNamespace(speculative_draft_attention_backend=draft_backend, attention_backend="sm120_mla",
                                decode_attention_backend=None, prefill_attention_backend=None)
         f = DraftBackendFactory(args, SimpleNamespace(name="draft", use_mla_backend=use_mla), 1, 3)
-        monkeypatch.setattr(f, "_create_triton_decode_backend", lambda: "triton-steps", raising=False)
-        monkeypatch.setattr(f, "_create_triton_prefill_backend", lambda: "triton-extend", raising=False)
-        return f
+        maker = f._create_triton_decode_backend if kind == "decode" else f._create_triton_prefill_backend
+        return f._create_backend("decode_attention_backend", {"triton": maker, "fa3": lambda: "fa3"},
+                                 "no {backend_type}")
 
-    def made(f, kind):
-        name = "_create_triton_decode_backend" if kind == "decode" else "_create_triton_prefill_backend"
-        backend_map = {"triton": getattr(f, name), "fa3": lambda: "fa3"}
-        return f._create_backend("decode_attention_backend", backend_map, "no {backend_type}")
-
-    mla = factory(use_mla=True)
-    assert made(mla, "decode") == "sm120-steps" and made(mla, "extend") == "sm120-extend"
+    assert (made(True, "decode"), made(True, "extend")) == ("sm120-steps", "sm120-extend")
     assert built == [("multi-step", "draft", 1, 3), ("extend", "draft")]
     built.clear()
-    assert made(factory(use_mla=False), "decode") == "triton-steps"
-    assert made(factory(use_mla=False), "extend") == "triton-extend"
-    assert made(factory(use_mla=True, draft_backend="triton"), "decode") == "triton-steps"
+    assert (made(False, "decode"), made(False, "extend")) == ("triton-steps", "triton-extend")
+    assert made(True, "decode", draft_backend="triton") == "triton-steps"
     assert built == []
 
 

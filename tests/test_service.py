@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import dataclasses
 import json
 import re
 import socket
@@ -230,6 +231,10 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
             assert ns.speculative_ngram_max_bfs_breadth == 1
     if spec == "dflash":
         assert ns.speculative_num_draft_tokens == 16 and ns.speculative_draft_attention_backend == "triton"
+        # also unresolved (SGLangServer(validate=False)): DFlash's draft gets triton unless named
+        assert "triton" in launch_args(dataclasses.replace(cfg, draft_attention_backend=None))
+        named = launch_args(dataclasses.replace(cfg, draft_attention_backend="flashinfer"))
+        assert named[named.index("--speculative-draft-attention-backend") + 1] == "flashinfer"
     assert (ns.cuda_graph_backend_decode == "disabled") == (not cuda_graph)
 
 
@@ -262,6 +267,9 @@ def test_eagle_launches_the_models_mtp_layer_and_parses_with_sglang(tmp_path):
         (dict(eagle_steps=0), "^eagle_steps: must be a positive int, got 0"),
         (dict(draft_attention_backend="tritn"), "^draft_attention_backend: 'tritn' is not an attention backend"),
         (dict(expert_record_buffer=-1), "^expert_record_buffer: SGLang 0.5.17's expert recorder with an unbounded"),
+        (dict(eagle_topk=2, num_draft_tokens="8"), "^num_draft_tokens: must be an int >= 2, got '8'"),
+        (dict(attention_backend="sm120_mla", eagle_steps=16),
+         "^num_draft_tokens: 17 exceed the sm120_mla kernel's 16 queries per request"),
     ]:
         args = {"model_path": mtp, "attention_backend": "triton", "tp": 1, "spec": "eagle",
                 "expert_record_buffer": 200, **kw}

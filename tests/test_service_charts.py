@@ -259,3 +259,6 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     assert sc.label_of({"backend": "sm120_mla", "spec": "eagle", "draft_attention_backend": "triton",
                         "expert_record": True}) == \
         "sm120_mla + triton draft"
+    # DFlash's usual draft backend is triton; another is keyed and named
+    assert sc.draft_backend_of("dflash", "sm120_mla", "flashinfer") == "flashinfer"
+    assert sc.draft_backend_of("dflash", "sm120_mla", "triton") == sc.draft_backend_of("ngram", "triton", "x") == ""

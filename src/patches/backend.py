@@ -19,9 +19,9 @@ attention call of two phases of an MLA model changes:
 too (one query per request and branch). Prefill, extend and every non-MLA model run the parent's
 Triton kernels.
 
-The kernel's buffers (lse, workspace, the decode qo_indptr, an int32 copy of the graph's
-verify qo_indptr) are allocated once per backend and sliced per call, so decode and verify
-can be captured in CUDA graphs. If the kernel cannot build or run here, the constructor
+The kernel's buffers (lse, workspace, the decode qo_indptr, an int32 copy of the parent's int64
+qo_indptr for verify and draft extend) are allocated once per backend and sliced per call, so
+decode, verify and draft extend can be captured in CUDA graphs. If the kernel cannot build or run here, the constructor
 raises (the server fails at start, naming the cause): this backend never serves quietly on
 another kernel.
 
@@ -204,7 +204,9 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         self._mla_verify_attention = torch.compiler.disable(kernel_ops.mla_verify_attention)
         self._check_runner(model_runner)
         self.kernel_heads = self.num_head
-        # Verify puts num_draft_tokens queries per request, decode one.
+        self.kernel_max_q_len = getattr(kernel_ops, "MAX_Q_LEN", DEFAULT_MAX_Q_LEN)
+        # Verify and draft extend put num_draft_tokens queries per request, decode one (an EAGLE
+        # draft's decode steps one per branch: Sm120MlaMultiStepDraftBackend grows the buffers).
         self.tokens_per_request = max(1, self.num_draft_tokens or 1)
         max_requests = model_runner.req_to_token_pool.size
         self._alloc_kernel_buffers(max_requests * self.tokens_per_request, max_requests)
@@ -258,7 +260,7 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
                                                                    device)
         # Decode: request i's query is token i.
         self.decode_qo_indptr = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)
-        # The graph path's qo_indptr buffer is int64; the kernel takes int32.
+        # The parent's own qo_indptr buffer (graphs; eager draft extend) is int64; the kernel takes int32.
         self.verify_qo_indptr = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
 
     @property
@@ -270,13 +272,16 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
                               cuda_graph_num_kv_splits_buf=None):
         super().init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=kv_indices_buf,
                                       cuda_graph_num_kv_splits_buf=cuda_graph_num_kv_splits_buf)
+        # Grow once, before any capture, if the graphs outsize the constructor's bound.
+        self.reserve_kernel_buffers(max_num_tokens, max_bs)
+
+    def reserve_kernel_buffers(self, max_tokens: int, max_requests: int) -> None:
+        """Grow the kernel's buffers (never shrink) to take max_tokens queries of max_requests."""
         if self.kernel_ops is None:
             return
-        # Grow once, before any capture, if the graphs outsize the constructor's bound.
-        if (max_num_tokens > self.kernel_max_tokens
-                or max_bs + 1 > self.verify_qo_indptr.numel()):
-            self._alloc_kernel_buffers(max(max_num_tokens, self.kernel_max_tokens),
-                                       max(max_bs, self.verify_qo_indptr.numel() - 1))
+        if max_tokens > self.kernel_max_tokens or max_requests + 1 > self.verify_qo_indptr.numel():
+            self._alloc_kernel_buffers(max(max_tokens, self.kernel_max_tokens),
+                                       max(max_requests, self.verify_qo_indptr.numel() - 1))
 
     def _on_kernel(self, forward_mode) -> bool:
         """Whether `forward_extend` runs this mode on the kernel: target verify and draft extend."""
@@ -292,10 +297,12 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        if self._on_kernel(forward_batch.forward_mode):
+        mode = forward_batch.forward_mode
+        if self._on_kernel(mode):
             # Once per forward, outside the graph: the parent refilled its int64 qo_indptr (a
-            # replay reuses the capture's metadata, a view of the same buffer).
-            bs = len(forward_batch.req_pool_indices)
+            # replay reuses the capture's metadata, a view of the same buffer), over the batch it
+            # took (`_apply_cuda_graph_metadata`).
+            bs = len(forward_batch.req_pool_indices) if mode.is_target_verify() else forward_batch.batch_size
             self.verify_qo_indptr[: bs + 1].copy_(self.qo_indptr[: bs + 1])
 
     # ------------------------------------------------------------------ forward
@@ -362,7 +369,11 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
                        score_mod=None, aux_tensors=None):
-        if not self._on_kernel(forward_batch.forward_mode):
+        draft_window = forward_batch.forward_mode.is_draft_extend_v2() and self.kernel_ops is not None and \
+            int(self.forward_metadata.max_extend_len) > self.kernel_max_q_len
+        if not self._on_kernel(forward_batch.forward_mode) or draft_window:
+            # (a draft-extend window wider than the kernel's queries, as multi-layer EAGLE's can be,
+            # runs on the parent's Triton kernel)
             return super().forward_extend(q, k, v, layer, forward_batch,
                                           save_kv_cache=save_kv_cache, sinks=sinks,
                                           score_mod=score_mod, aux_tensors=aux_tensors)
@@ -407,6 +418,10 @@ class Sm120MlaMultiStepDraftBackend(TritonMultiStepDraftBackend):
         self.attn_backends = [Sm120MlaAttnBackend(model_runner, skip_prefill=True,
                                                   kv_indptr_buf=self.kv_indptr[i], kernel_ops=kernel_ops)
                               for i in range(self.speculative_num_steps - 1)]
+        # A step decodes topk branches a request (the parent's kv_indptr rows are sized so).
+        requests = model_runner.req_to_token_pool.size
+        for step in self.attn_backends:
+            step.reserve_kernel_buffers(requests * topk, requests * topk)
 
 
 def create_backend(runner):
