@@ -1,11 +1,11 @@
-"""`Sm120MlaAttnBackend`: SGLang's Triton backend with the sm_120 MLA kernel on decode and verify.
+"""`Sm120MlaAttnBackend`: SGLang's Triton backend, the sm_120 MLA kernel on decode, verify, draft extend.
 
 The class subclasses `TritonAttnBackend` (sglang/srt/layers/attention/triton_backend.py)
 and keeps all of its metadata: kv_indptr (int32), kv_indices (int64, one entry per token),
 qo_indptr, custom_mask and mask_indptr (int64), built per batch in `init_forward_metadata`
 or, under CUDA graphs, written into the buffers of `init_cuda_graph_state` by
 `init_forward_metadata_out_graph` before capture and before every replay. Only the
-attention call of two phases of an MLA model changes:
+attention call of three phases of an MLA model changes:
 
 - decode (`forward_decode`): one query per request; the new token's KV is saved to the pool
   first, exactly as the parent does, and is the last entry of the request's kv_indices;
@@ -21,9 +21,9 @@ Triton kernels.
 
 The kernel's buffers (lse, workspace, the decode qo_indptr, an int32 copy of the parent's int64
 qo_indptr for verify and draft extend) are allocated once per backend and sliced per call, so
-decode, verify and draft extend can be captured in CUDA graphs. If the kernel cannot build or run here, the constructor
-raises (the server fails at start, naming the cause): this backend never serves quietly on
-another kernel.
+decode, verify and draft extend can be captured in CUDA graphs. If the kernel cannot build or
+run here, the constructor raises (the server fails at start, naming the cause): this backend
+never serves quietly on another kernel.
 
 Use it with the default page size 1 and a bf16 KV cache (`--kv-cache-dtype auto` on a
 bf16/fp8-weight model). `--attention-backend sm120_mla` alone prefills on Triton, slow at long
@@ -369,11 +369,12 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
                        score_mod=None, aux_tensors=None):
-        draft_window = forward_batch.forward_mode.is_draft_extend_v2() and self.kernel_ops is not None and \
-            int(self.forward_metadata.max_extend_len) > self.kernel_max_q_len
-        if not self._on_kernel(forward_batch.forward_mode) or draft_window:
-            # (a draft-extend window wider than the kernel's queries, as multi-layer EAGLE's can be,
-            # runs on the parent's Triton kernel)
+        mode = forward_batch.forward_mode
+        # A draft-extend window wider than the kernel's queries (multi-layer EAGLE's can be) stays
+        # on the parent's Triton kernel.
+        wide = (self._on_kernel(mode) and mode.is_draft_extend_v2()
+                and int(self.forward_metadata.max_extend_len) > self.kernel_max_q_len)
+        if not self._on_kernel(mode) or wide:
             return super().forward_extend(q, k, v, layer, forward_batch,
                                           save_kv_cache=save_kv_cache, sinks=sinks,
                                           score_mod=score_mod, aux_tensors=aux_tensors)
