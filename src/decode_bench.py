@@ -165,9 +165,9 @@ def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_token
 
 def recorder_rows_per_pass(spec: str, eagle_steps: int = 3) -> int:
     """Recorder rows (forward passes) at most per pass that routes tokens, for a speculation mode.
-    DFlash: each verify pass has the draft's pass beside it, whose row is zero. EAGLE: the draft
-    extend and each draft-decode step past the first (SGLang records none of the MTP layer's
-    routing), so at most eagle_steps + 1. The others: one."""
+    DFlash: each verify pass has the draft's pass beside it, whose row is zero. EAGLE: beside the
+    target's pass at most the draft extend's and one a draft-decode step past the first, zero rows
+    too (SGLang records none of the MTP layer's routing): eagle_steps + 1. The others: one."""
     return {"dflash": 2, "eagle": eagle_steps + 1}.get(spec, 1)
 
 
@@ -479,7 +479,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     "forward passes (an unbounded one stops DFlash servers: service.DFLASH_RECORDER_CRASH)")
             drafted = plan.spec in ("dflash", "eagle")
             cfg = ServerConfig(
-                model_path=mtp_dir if plan.spec == "eagle" else model_dir, attention_backend=plan.backend, prefill_attention_backend=prefill_backend,
+                model_path=mtp_dir if plan.spec == "eagle" else model_dir, attention_backend=plan.backend,
+                prefill_attention_backend=prefill_backend,
                 prefill_as_base=prefill_as_base, warmups=warmups,
                 tp=tp,
                 mem_fraction_static=mem_fraction_static, extra_args=extra,

@@ -108,3 +108,18 @@ def test_layer_memory_and_fit():
         dm.fit_layers("kimi_k2", 1, 24 * 2**30, 0.8)
     with pytest.raises(ValueError, match="tp: 3 does not divide"):
         dm.heads_per_rank(slice_cfg, 3)
+
+
+def test_an_mtp_layer_makes_sglangs_eagle_draft_the_nextn_model(tmp_path):
+    """mtp_layers=1: SGLang reads the folder as its own EAGLE draft, DeepSeek-V3's NextN layer
+    (ModelConfig with is_draft_model), with one MTP layer; the base config keeps K2's none."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    assert dm.model_config("k2_tp8_slice", 3)["num_nextn_predict_layers"] == 0
+    path = dm.materialize_model("k2_tp8_slice", 3, dest=tmp_path / "mtp", mtp_layers=1)
+    draft = ModelConfig(str(path), is_draft_model=True)
+    assert draft.hf_config.architectures == ["DeepseekV3ForCausalLMNextN"]
+    assert draft.num_nextn_predict_layers == 1
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="^mtp_layers: must be an int >= 0"):
+            dm.model_config("k2_tp8_slice", 3, mtp_layers=bad)
