@@ -61,9 +61,9 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_model,
                            weight_format)
 from .patches import kv_sort
 from .results import cli_command
-from .service import (STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
+from .service import (DRAFT_MODEL_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
-                      check_warmups, log_tail, resolve_tp, spec_metrics)
+                      check_warmups, eagle_draft_tokens, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -133,11 +133,6 @@ def dropped_contexts(plans: Sequence[ServerPlan], contexts: Sequence[int]) -> li
 
 
 SPEC_FALLBACKS = ("", "ngram", "none")   # what may run when a DFlash server fails to start
-
-
-def eagle_draft_tokens(eagle_steps: int) -> int:
-    """The tokens an EAGLE chain (topk 1) of `eagle_steps` draft steps verifies: steps + 1."""
-    return eagle_steps + 1
 
 
 def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_tokens, ngram_draft_tokens,
@@ -450,7 +445,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             # draft passes record empty rows as DFlash's do: a circular one for both.
             rows_per_pass = recorder_rows_per_pass(plan.spec, eagle_steps)
             buffer = (spec_expert_buffer(plan.contexts, decode_tokens, rows_per_pass)
-                      if expert and plan.spec in ("dflash", "eagle") else -1)
+                      if expert and plan.spec in DRAFT_MODEL_SPECS else -1)
             fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": expert,
                     "expert_buffer": buffer}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
@@ -477,7 +472,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             if buffer > 0:
                 log(f"{plan.backend}/{plan.spec}: the expert recorder keeps a circular buffer of {buffer} "
                     "forward passes (an unbounded one stops DFlash servers: service.DFLASH_RECORDER_CRASH)")
-            drafted = plan.spec in ("dflash", "eagle")
+            drafted = plan.spec in DRAFT_MODEL_SPECS
             cfg = ServerConfig(
                 model_path=mtp_dir if plan.spec == "eagle" else model_dir, attention_backend=plan.backend,
                 prefill_attention_backend=prefill_backend,

@@ -44,6 +44,9 @@ SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", "eagle": 
 # Models whose EAGLE draft SGLang 0.5.17 builds from the model's own MTP layer (NextN), drafting
 # from --model-path itself (arg_groups/speculative_hook.py, _handle_eagle_family).
 MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+# Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
+# (empty rows), and --speculative-draft-attention-backend names its attention backend.
+DRAFT_MODEL_SPECS = ("dflash", "eagle")
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
@@ -265,6 +268,18 @@ def check_mem_fraction_static(value) -> None:
         raise ValueError(f"mem_fraction_static: must be in (0, 1), got {value!r}")
 
 
+def check_int(name: str, value, least: int = 1) -> None:
+    """An int (not a bool) of at least `least`, else an error naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        need = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ValueError(f"{name}: must be {need}, got {value!r}")
+
+
+def eagle_draft_tokens(eagle_steps: int) -> int:
+    """The tokens an EAGLE chain (topk 1) of `eagle_steps` draft steps verifies: steps + 1."""
+    return eagle_steps + 1
+
+
 def check_positive(name: str, value) -> None:
     """A finite number above 0 (a timeout, an interval), else an error naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -334,7 +349,7 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
         if block is not None and cfg.num_draft_tokens != block:
             raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} differs from the draft's "
                              f"block_size {block} (SGLang requires them equal for DFlash)")
-    if cfg.spec in ("dflash", "eagle") and cfg.expert_record and cfg.expert_record_buffer < 0:
+    if cfg.spec in DRAFT_MODEL_SPECS and cfg.expert_record and cfg.expert_record_buffer < 0:
         # EAGLE's MTP draft passes go through the recorder too, with their routing left out
         # (SGLang disables it in the NextN layer), as DFlash's do: the same unbounded buffer.
         why = DFLASH_RECORDER_CRASH + ("" if cfg.spec == "dflash" else
@@ -365,20 +380,18 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
     if cfg.draft_model_path is not None:
         raise ValueError("draft_model_path: EAGLE drafts with the model's own MTP layer (SGLang "
                          "takes --model-path); leave it None")
-    for name in ("eagle_steps", "eagle_topk"):
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    check_int("eagle_steps", cfg.eagle_steps)
+    check_int("eagle_topk", cfg.eagle_topk)
+    chain = eagle_draft_tokens(cfg.eagle_steps)
     if cfg.num_draft_tokens is None:
         if cfg.eagle_topk != 1:
             raise ValueError(f"num_draft_tokens: EAGLE trees (eagle_topk {cfg.eagle_topk}) need it given")
-        cfg.num_draft_tokens = cfg.eagle_steps + 1
-    elif isinstance(cfg.num_draft_tokens, bool) or not isinstance(cfg.num_draft_tokens, int) \
-            or cfg.num_draft_tokens < 2:
-        raise ValueError(f"num_draft_tokens: must be an int >= 2, got {cfg.num_draft_tokens!r}")
-    elif cfg.eagle_topk == 1 and cfg.num_draft_tokens != cfg.eagle_steps + 1:
-        raise ValueError(f"num_draft_tokens: a chain of {cfg.eagle_steps} EAGLE steps verifies "
-                         f"{cfg.eagle_steps + 1} tokens, got {cfg.num_draft_tokens}")
+        cfg.num_draft_tokens = chain
+    else:
+        check_int("num_draft_tokens", cfg.num_draft_tokens, least=2)
+        if cfg.eagle_topk == 1 and cfg.num_draft_tokens != chain:
+            raise ValueError(f"num_draft_tokens: a chain of {cfg.eagle_steps} EAGLE steps verifies "
+                             f"{chain} tokens, got {cfg.num_draft_tokens}")
 
 
 def launch_args(cfg: ServerConfig) -> list[str]:
@@ -418,7 +431,7 @@ def launch_args(cfg: ServerConfig) -> list[str]:
     if cfg.spec == "eagle":
         a += ["--speculative-num-steps", str(cfg.eagle_steps), "--speculative-eagle-topk", str(cfg.eagle_topk)]
     draft_backend = cfg.draft_attention_backend or ("triton" if cfg.spec == "dflash" else None)
-    if cfg.spec in ("dflash", "eagle") and draft_backend:
+    if cfg.spec in DRAFT_MODEL_SPECS and draft_backend:
         a += ["--speculative-draft-attention-backend", draft_backend]
     if cfg.spec == "ngram" and cfg.ngram_max_bfs_breadth is not None:
         a += ["--speculative-ngram-max-bfs-breadth", str(cfg.ngram_max_bfs_breadth)]

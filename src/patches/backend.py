@@ -372,9 +372,9 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         mode = forward_batch.forward_mode
         # A draft-extend window wider than the kernel's queries (multi-layer EAGLE's can be) stays
         # on the parent's Triton kernel.
-        wide = (self._on_kernel(mode) and mode.is_draft_extend_v2()
-                and int(self.forward_metadata.max_extend_len) > self.kernel_max_q_len)
-        if not self._on_kernel(mode) or wide:
+        on_kernel = self._on_kernel(mode) and not (
+            mode.is_draft_extend_v2() and int(self.forward_metadata.max_extend_len) > self.kernel_max_q_len)
+        if not on_kernel:
             return super().forward_extend(q, k, v, layer, forward_batch,
                                           save_kv_cache=save_kv_cache, sinks=sinks,
                                           score_mod=score_mod, aux_tensors=aux_tensors)
