@@ -31,8 +31,11 @@ service_expert_load.jsonl and service_failures.jsonl):
 `--spec eagle` is SGLang's EAGLE with the model's own MTP layer (DeepSeek-V3's; the K2-shaped
 model is given one, `mtp_layers=1`), `--eagle-steps` draft steps in a chain (topk 1). With
 sm120_mla its draft decodes and extends on the kernel too, unless `--draft-backend triton`.
+`--spec eagle3` is SGLang's EAGLE3 with an EAGLE3-MLA draft head (the layout of the Kimi K2.5/K2.6
+EAGLE3 drafts, `dummy_models.materialize_eagle3_draft`) on the model without an MTP layer: the
+same chain, and the same draft backends.
 
-DFlash and EAGLE servers record experts into a circular buffer of an upper bound on a request's
+DFlash, EAGLE and EAGLE3 servers record experts into a circular buffer of an upper bound on a request's
 recorder rows (spec_expert_buffer): their draft passes record empty rows, and SGLang 0.5.17's
 unbounded buffer, used for the rest, stops DFlash servers mid-request
 (service.DFLASH_RECORDER_CRASH). Records carry the buffer as expert_buffer.
@@ -57,11 +60,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .dummy_models import (heads_per_rank, materialize_draft, materialize_model, max_context,
-                           weight_format)
+from .dummy_models import (heads_per_rank, materialize_draft, materialize_eagle3_draft, materialize_model,
+                           max_context, weight_format)
 from .patches import kv_sort
 from .results import cli_command
-from .service import (DRAFT_MODEL_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
+from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
                       check_warmups, eagle_draft_tokens, log_tail, resolve_tp, spec_metrics)
 
@@ -70,7 +73,7 @@ NVML_RESULTS = "service_nvml"
 EXPERT_RESULTS = "service_expert_load"
 FAILURE_RESULTS = "service_failures"
 PROFILE_RESULTS = "service_step_profile"
-SPEC_MODES = ("none", "dflash", "ngram", "eagle")
+SPEC_MODES = ("none", "dflash", "ngram", "eagle", "eagle3")
 DEFAULT_CONTEXTS = (4096, 16384, 65536, 131072)
 RECORD_FIELDS = ("backend", "spec", "draft_tokens", "tp", "gpu", "model", "layers", "ctx", "tok_s",
                  "accept_len", "verify_step_ms", "cuda_graph", "commit", "date")
@@ -114,7 +117,7 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
     for backend in dict.fromkeys(backends):
         for s in dict.fromkeys(spec):
             dt = {"none": None, "dflash": draft_tokens, "ngram": ngram_draft_tokens,
-                  "eagle": eagle_draft_tokens(eagle_steps)}[s]
+                  "eagle": eagle_draft_tokens(eagle_steps), "eagle3": eagle_draft_tokens(eagle_steps)}[s]
             ctxs = sorted({int(c) for c in contexts})
             if model_max_context is not None:
                 ctxs = [c for c in ctxs if context_length_for([c], decode_tokens, dt) <= model_max_context]
@@ -145,14 +148,14 @@ def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_token
     # NGRAM with one draft token verifies nothing beyond the bonus token, and SGLang then leaves
     # spec_verify_ct out of meta_info (tokenizer_manager: only when verify_ct x (draft - 1) > 0)
     counts = {"dflash": ("draft_tokens", draft_tokens, 2), "ngram": ("ngram_draft_tokens", ngram_draft_tokens, 2),
-              "eagle": ("eagle_steps", eagle_steps, 1)}
+              "eagle": ("eagle_steps", eagle_steps, 1), "eagle3": ("eagle_steps", eagle_steps, 1)}
     for s in dict.fromkeys(spec):
         if s not in counts:
             continue
         name, n, least = counts[s]
         if isinstance(n, bool) or not isinstance(n, int) or n < least:
             raise ValueError(f"{name}: {s} needs an int >= {least}, got {n!r}")
-        tokens = eagle_draft_tokens(n) if s == "eagle" else n
+        tokens = eagle_draft_tokens(n) if s in EAGLE_SPECS else n
         if "sm120_mla" in backends and tokens > MAX_Q_LEN:
             raise ValueError(f"{name}: {tokens} {s} draft tokens exceed the sm120_mla kernel's {MAX_Q_LEN} "
                              "queries per request")
@@ -162,8 +165,9 @@ def recorder_rows_per_pass(spec: str, eagle_steps: int = 3) -> int:
     """Recorder rows (forward passes) at most per pass that routes tokens, for a speculation mode.
     DFlash: each verify pass has the draft's pass beside it, whose row is zero. EAGLE: beside the
     target's pass at most the draft extend's and one a draft-decode step past the first, zero rows
-    too (SGLang records none of the MTP layer's routing): eagle_steps + 1. The others: one."""
-    return {"dflash": 2, "eagle": eagle_steps + 1}.get(spec, 1)
+    too (SGLang records none of the MTP layer's routing; an EAGLE3 head has no experts):
+    eagle_steps + 1. The others: one."""
+    return eagle_steps + 1 if spec in EAGLE_SPECS else {"dflash": 2}.get(spec, 1)
 
 
 def spec_expert_buffer(contexts: Sequence[int], decode_tokens: int, rows_per_pass: int) -> int:
@@ -177,14 +181,25 @@ def spec_expert_buffer(contexts: Sequence[int], decode_tokens: int, rows_per_pas
 
 
 def resolved_draft_backend(server_info: dict | None, spec: str) -> str | None:
-    """A DFlash or EAGLE server's draft attention backend as SGLang resolved it (its /server_info):
+    """A DFlash or EAGLE(3) server's draft attention backend as SGLang resolved it (its /server_info):
     --speculative-draft-attention-backend (SGLang replaces a DFlash draft backend it refuses), or for
-    EAGLE, where none is given, the decode backend its draft factory falls back to."""
+    EAGLE and EAGLE3, where none is given, the decode backend its draft factory falls back to."""
     info = server_info or {}
     named = info.get("speculative_draft_attention_backend")
-    if named or spec != "eagle":
+    if named or spec not in EAGLE_SPECS:
         return named
     return info.get("decode_attention_backend") or info.get("attention_backend")
+
+
+def draft_folder(plan: ServerPlan, model_dir: Path, dest: Path) -> Path | None:
+    """The draft model folder a planned server takes (--speculative-draft-model-path): DFlash's,
+    its block the plan's draft tokens; an EAGLE3-MLA head; None for the rest (EAGLE drafts with the
+    model's MTP layer)."""
+    if plan.spec == "dflash":
+        return materialize_draft(model_dir, block_size=plan.draft_tokens, dest=dest)
+    if plan.spec == "eagle3":
+        return materialize_eagle3_draft(model_dir, dest=dest)
+    return None
 
 
 def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
@@ -348,9 +363,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     says it ran (a name SGLang does not know is only warned of, and left out) and warmup_s, the
     time they took by the log's stamps.
     eagle_steps: the draft steps of `spec` "eagle" (SGLang's EAGLE with the model's MTP layer,
-    topk 1: eagle_steps + 1 tokens verified); those servers serve the model with one MTP layer.
-    draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE servers (None:
-    triton for DFlash, the decode backend for EAGLE, whose MLA draft then runs on sm120_mla's
+    topk 1: eagle_steps + 1 tokens verified; those servers serve the model with one MTP layer)
+    and "eagle3" (an EAGLE3-MLA draft head, materialize_eagle3_draft, on the model as it is).
+    draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
+    triton for DFlash, the decode backend for EAGLE(3), whose MLA draft then runs on sm120_mla's
     kernel where that is the backend); records carry what SGLang resolved.
     """
     from tqdm.auto import tqdm
@@ -442,7 +458,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             if (plan.backend, plan.spec) in started:
                 continue
             # An unbounded buffer stops DFlash servers (service.DFLASH_RECORDER_CRASH), and EAGLE's
-            # draft passes record empty rows as DFlash's do: a circular one for both.
+            # draft passes record empty rows as DFlash's do: a circular one for all.
             rows_per_pass = recorder_rows_per_pass(plan.spec, eagle_steps)
             buffer = (spec_expert_buffer(plan.contexts, decode_tokens, rows_per_pass)
                       if expert and plan.spec in DRAFT_MODEL_SPECS else -1)
@@ -483,9 +499,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
                 expert_record=expert, expert_record_buffer=buffer,
                 draft_attention_backend=draft_backend if drafted else None, eagle_steps=eagle_steps,
-                draft_model_path=(materialize_draft(model_dir, block_size=plan.draft_tokens,
-                                                       dest=Path(workdir) / f"draft-{run_id}")
-                                  if plan.spec == "dflash" else None))
+                draft_model_path=draft_folder(plan, model_dir, Path(workdir) / f"draft-{run_id}"))
             log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
             server_log = None
             try:
@@ -763,10 +777,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=int, default=16)
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
     p.add_argument("--eagle-steps", type=int, default=3,
-                   help="EAGLE (the model's MTP layer) draft steps, a chain: steps + 1 tokens verified")
+                   help="EAGLE (the model's MTP layer) and EAGLE3 (an MLA draft head) draft steps, a chain: "
+                        "steps + 1 tokens verified")
     p.add_argument("--draft-backend", default=None,
-                   help="--speculative-draft-attention-backend of DFlash and EAGLE servers (default: triton "
-                        "for DFlash; for EAGLE the decode backend, so sm120_mla's MTP draft runs on the kernel)")
+                   help="--speculative-draft-attention-backend of DFlash and EAGLE(3) servers (default: triton "
+                        "for DFlash; for EAGLE(3) the decode backend, so sm120_mla's MLA draft runs on the kernel)")
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
     p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over this many of the tp ranks")

@@ -12,6 +12,10 @@ in data/models/ (see data/models/README.md):
 - `dflash_draft`: a DFlash draft (qwen3 layers, `DFlashDraftModel`); its `dflash_config`
   must name the target's layer count, so `materialize_draft` writes one per target.
 
+An EAGLE3 draft with MLA attention (SGLang's `Eagle3DeepseekV2ForCausalLM`, the layout of the
+Kimi K2.5/K2.6 EAGLE3-MLA drafts) is derived from the target's own config by
+`materialize_eagle3_draft`: no base file, since every shape it has is the target's.
+
 A folder is materialised with the layer count chosen (records carry `layers` so that per-layer
 figures scale to K2's 61).
 """
@@ -26,6 +30,8 @@ from . import project_root
 
 MODEL_NAMES = ("k2_tp8_slice", "kimi_k2")
 DRAFT_NAME = "dflash_draft"
+# SGLang 0.5.17's EAGLE3 draft with DeepSeek-V2 MLA attention (models/kimi_k25_eagle3.py).
+EAGLE3_MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
 K2_LAYERS = 61
 # K2's own checkpoint quantization (fp8 e4m3, 128x128 weight blocks): with it SGLang creates
 # fp8 parameters directly and the dummy loader fills them through an fp16 temporary.
@@ -170,6 +176,36 @@ def materialize_draft(target_dir: str | Path, block_size: int = 16, dest: str | 
     target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
     cfg = draft_config(target_cfg, block_size, draft_layers)
     return _write_config(cfg, dest, f"sm120_dflash_draft_B{block_size}_")
+
+
+def eagle3_draft_config(target_cfg: dict) -> dict:
+    """The EAGLE3-MLA draft config matched to a target config.
+
+    SGLang's `Eagle3DeepseekV2ForCausalLM`: one decoder layer with the target's MLA shape (heads,
+    q_lora_rank, kv_lora_rank, rope, yarn), whose fused QKV-down projection reads the token's
+    embedding beside the draft's hidden state; a dense FFN of the target's dense width; an `fc`
+    over three of the target's hidden states (no layer ids given: SGLang captures layers 2, L/2
+    and L - 3 and the draft expects three). bf16 (the target's quantization_config is dropped);
+    no `draft_vocab_size`, so the LM head is the target's. Its draft attention is MLA, so
+    SGLang serves it with an MLA backend: sm120_mla's kernel, as for the MTP layer.
+    """
+    if not target_cfg.get("kv_lora_rank"):
+        raise ValueError("target_cfg: an EAGLE3-MLA draft copies the target's MLA shape; this config "
+                         "has no kv_lora_rank")
+    cfg = copy.deepcopy(target_cfg)
+    for key in ("quantization_config", "num_nextn_predict_layers", "eagle_config",
+                "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):
+        cfg.pop(key, None)
+    cfg["architectures"] = [EAGLE3_MLA_ARCH]
+    cfg["num_hidden_layers"] = 1
+    cfg["tie_word_embeddings"] = False
+    return cfg
+
+
+def materialize_eagle3_draft(target_dir: str | Path, dest: str | Path | None = None) -> Path:
+    """Write an EAGLE3-MLA draft folder (config.json only) matched to the target folder `target_dir`."""
+    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return _write_config(eagle3_draft_config(target_cfg), dest, "sm120_eagle3_mla_draft_")
 
 
 def max_context(cfg: dict) -> int:

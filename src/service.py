@@ -40,13 +40,18 @@ try:
 except ImportError:  # the plugin package is absent from this copy
     _PLUGIN_BACKEND = "sm120_mla"
 PLUGIN_BACKENDS = (_PLUGIN_BACKEND,)
-SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", "eagle": "EAGLE"}
+SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", "eagle": "EAGLE", "eagle3": "EAGLE3"}
 # Models whose EAGLE draft SGLang 0.5.17 builds from the model's own MTP layer (NextN), drafting
 # from --model-path itself (arg_groups/speculative_hook.py, _handle_eagle_family).
 MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+# The EAGLE family: draft steps and tree width (--speculative-num-steps, --speculative-eagle-topk).
+# "eagle" drafts with the model's MTP layer; "eagle3" with an EAGLE3 draft folder (for Kimi K2.x
+# an MLA one, SGLang's Eagle3DeepseekV2ForCausalLM; dummy_models.materialize_eagle3_draft).
+EAGLE_SPECS = ("eagle", "eagle3")
+EAGLE3_DRAFT_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "LlamaForCausalLMEagle3")
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.
-DRAFT_MODEL_SPECS = ("dflash", "eagle")
+DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
@@ -221,15 +226,16 @@ class ServerConfig:
     mem_fraction_static: float = 0.8
     context_length: int | None = None
     page_size: int | None = None
-    spec: str = "none"                      # "none" | "ngram" | "dflash" | "eagle"
+    spec: str = "none"                      # "none" | "ngram" | "dflash" | "eagle" | "eagle3"
     num_draft_tokens: int | None = None
     draft_model_path: str | Path | None = None
     # --speculative-draft-attention-backend. None: for DFlash "triton" (its MHA draft; avoids
-    # FlashInfer's JIT; launch_args); for EAGLE SGLang's choice, the decode backend: with sm120_mla
-    # an MLA draft (the MTP layer) decodes and extends on the kernel (patches.install_spec_compat).
+    # FlashInfer's JIT; launch_args); for EAGLE and EAGLE3 SGLang's choice, the decode backend: with
+    # sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head) decodes and extends on the kernel
+    # (patches.install_spec_compat).
     draft_attention_backend: str | None = None
-    # EAGLE with the model's MTP layer: draft steps and tree width (SGLang's own choice for
-    # DeepSeek-V3, 3 and 1); num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
+    # EAGLE and EAGLE3: draft steps and tree width (SGLang's own choice for DeepSeek-V3, 3 and 1);
+    # num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
     eagle_steps: int = 3
     eagle_topk: int = 1
     ngram_max_bfs_breadth: int | None = None
@@ -238,7 +244,7 @@ class ServerConfig:
     enable_metrics: bool = True
     expert_record: bool = True               # --expert-distribution-recorder-mode stat
     # Forward passes the recorder keeps between a start and a dump: -1 an unbounded buffer that
-    # grows when full (not for DFlash or EAGLE: DFLASH_RECORDER_CRASH); N > 0 a circular buffer of N passes,
+    # grows when full (not with a draft model: DFLASH_RECORDER_CRASH); N > 0 a circular buffer of N passes,
     # allocated at start-up, which overwrites the oldest pass beyond N.
     expert_record_buffer: int = -1
     # SGLang warm-ups run before the server listens (--warmups), e.g. patches.warmup's
@@ -291,7 +297,7 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
 
     Raises ValueError naming the argument: unknown backend, context longer than the model
     allows, tp not dividing the heads, a DFlash draft that does not match the target, EAGLE
-    on a model without an MTP layer.
+    on a model without an MTP layer, EAGLE3 without an EAGLE3 draft folder.
     """
     cfg = dataclasses.replace(cfg)
     model = cfg.model_config()
@@ -331,7 +337,7 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
             cfg.ngram_max_bfs_breadth = 1
     if cfg.draft_attention_backend is not None:
         check_attention_backend(cfg.draft_attention_backend, "draft_attention_backend")
-    if cfg.spec == "eagle":
+    if cfg.spec in EAGLE_SPECS:
         _resolve_eagle(cfg, model)
     if cfg.spec == "dflash":
         if cfg.draft_model_path is None:
@@ -350,10 +356,10 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
             raise ValueError(f"num_draft_tokens: {cfg.num_draft_tokens} differs from the draft's "
                              f"block_size {block} (SGLang requires them equal for DFlash)")
     if cfg.spec in DRAFT_MODEL_SPECS and cfg.expert_record and cfg.expert_record_buffer < 0:
-        # EAGLE's MTP draft passes go through the recorder too, with their routing left out
-        # (SGLang disables it in the NextN layer), as DFlash's do: the same unbounded buffer.
+        # EAGLE's draft passes (the MTP layer, whose routing SGLang leaves out, or an EAGLE3 head,
+        # dense) go through the recorder too, as DFlash's do: the same unbounded buffer.
         why = DFLASH_RECORDER_CRASH + ("" if cfg.spec == "dflash" else
-                                       "; EAGLE's draft passes go through the recorder as DFlash's do")
+                                       f"; {cfg.spec.upper()}'s draft passes go through the recorder as DFlash's do")
         raise ValueError(f"expert_record_buffer: {why}; give {cfg.spec} a circular buffer (a positive "
                          "expert_record_buffer above a recorded request's forward passes) or "
                          "expert_record=False")
@@ -369,17 +375,30 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
 
 
 def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
-    """EAGLE drafting with the model's own MTP layer, as SGLang serves DeepSeek-V3: the config
-    must have one, no separate draft folder is taken, and the chain's draft count is steps + 1."""
-    arch = (model.get("architectures") or [None])[0]
-    if arch not in MTP_ARCHITECTURES or not model.get("num_nextn_predict_layers"):
-        raise ValueError(f"model_path: EAGLE here drafts with the model's own MTP layer, which needs "
-                         f"an architecture in {MTP_ARCHITECTURES} and num_nextn_predict_layers >= 1 "
-                         f"in its config (this one: {arch}, {model.get('num_nextn_predict_layers')!r}); "
-                         "dummy_models.materialize_model(..., mtp_layers=1) writes one")
-    if cfg.draft_model_path is not None:
-        raise ValueError("draft_model_path: EAGLE drafts with the model's own MTP layer (SGLang "
-                         "takes --model-path); leave it None")
+    """EAGLE with the model's own MTP layer, as SGLang serves DeepSeek-V3 (the config must have one;
+    no separate draft folder), or EAGLE3 with a draft folder of an EAGLE3 architecture; for both
+    the chain's draft count is steps + 1."""
+    if cfg.spec == "eagle":
+        arch = (model.get("architectures") or [None])[0]
+        if arch not in MTP_ARCHITECTURES or not model.get("num_nextn_predict_layers"):
+            raise ValueError(f"model_path: EAGLE here drafts with the model's own MTP layer, which needs "
+                             f"an architecture in {MTP_ARCHITECTURES} and num_nextn_predict_layers >= 1 "
+                             f"in its config (this one: {arch}, {model.get('num_nextn_predict_layers')!r}); "
+                             "dummy_models.materialize_model(..., mtp_layers=1) writes one")
+        if cfg.draft_model_path is not None:
+            raise ValueError("draft_model_path: EAGLE drafts with the model's own MTP layer (SGLang "
+                             "takes --model-path); leave it None (EAGLE3 takes a draft folder)")
+    else:
+        if cfg.draft_model_path is None:
+            raise ValueError("draft_model_path: EAGLE3 needs a draft model folder "
+                             "(dummy_models.materialize_eagle3_draft writes an MLA one)")
+        dpath = Path(cfg.draft_model_path) / "config.json"
+        if not dpath.is_file():
+            raise ValueError(f"draft_model_path: {dpath} does not exist")
+        arch = (json.loads(dpath.read_text()).get("architectures") or [None])[0]
+        if arch not in EAGLE3_DRAFT_ARCHITECTURES:
+            raise ValueError(f"draft_model_path: an EAGLE3 draft has an architecture in "
+                             f"{EAGLE3_DRAFT_ARCHITECTURES}, this one {arch!r}")
     check_int("eagle_steps", cfg.eagle_steps)
     check_int("eagle_topk", cfg.eagle_topk)
     chain = eagle_draft_tokens(cfg.eagle_steps)
@@ -428,7 +447,9 @@ def launch_args(cfg: ServerConfig) -> list[str]:
             a += ["--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
     if cfg.spec == "dflash":
         a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
-    if cfg.spec == "eagle":
+    if cfg.spec == "eagle3":
+        a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
+    if cfg.spec in EAGLE_SPECS:
         a += ["--speculative-num-steps", str(cfg.eagle_steps), "--speculative-eagle-topk", str(cfg.eagle_topk)]
     draft_backend = cfg.draft_attention_backend or ("triton" if cfg.spec == "dflash" else None)
     if cfg.spec in DRAFT_MODEL_SPECS and draft_backend:

@@ -29,7 +29,7 @@ KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_t
                 "expert_record": False, "ngram_tail": False, "prefill_attention_backend": "",
                 "prefill_as_base": False, "draft_backend": ""}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM",
-               "eagle": "EAGLE (MTP layer, dummy weights)"}
+               "eagle": "EAGLE (MTP layer, dummy weights)", "eagle3": "EAGLE3 (MLA draft head, dummy weights)"}
 
 
 def ctx_label(ctx: int) -> str:
@@ -60,11 +60,11 @@ def _value(r, key):
 
 def draft_backend_of(spec, backend, draft_attention_backend) -> str:
     """The point key `draft_backend` of a record: its draft's attention backend where the record
-    names one other than the usual, else "". The usual: for EAGLE the decode backend (SGLang's
-    default; None, as in the first EAGLE records, is that), for DFlash triton (decode_bench's
-    default for its MHA draft). Other modes have no draft backend."""
+    names one other than the usual, else "". The usual: for EAGLE and EAGLE3 the decode backend
+    (SGLang's default; None, as in the first EAGLE records, is that), for DFlash triton
+    (decode_bench's default for its MHA draft). Other modes have no draft backend."""
     named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
-    usual = {"eagle": backend, "dflash": "triton"}.get(spec)
+    usual = {"eagle": backend, "eagle3": backend, "dflash": "triton"}.get(spec)
     return named if usual is not None and named not in ("", usual) else ""
 
 
@@ -346,13 +346,14 @@ def first_token_points(points):
     Configurations that do not change a prefill (no speculation or NGRAM, the expert recorder,
     the NGRAM fix) are pooled: the newest point with a repeat stands. Pass every run's points
     (decode_points(..., every_run=True)): with each point's newest run alone, a newer run without
-    a repeat would hide an older one's. DFlash's draft model and EAGLE's MTP layer prefill the
-    prompt too, so their points stay apart (", DFlash draft", ", MTP draft")."""
+    a repeat would hide an older one's. DFlash's draft model, EAGLE's MTP layer and an EAGLE3 head
+    prefill the prompt too, so their points stay apart (", DFlash draft", ", MTP draft",
+    ", EAGLE3 draft")."""
     _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend", "prefill_as_base"], "points")
     if "ttft_s" not in points:
         raise ValueError("points: missing column ttft_s (records without a time to first token or a repeat index)")
     d = points[points["ttft_s"].notna()].copy()
-    drafts = {"dflash": ", DFlash draft", "eagle": ", MTP draft"}
+    drafts = {"dflash": ", DFlash draft", "eagle": ", MTP draft", "eagle3": ", EAGLE3 draft"}
     d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a)) + drafts.get(s, "")
                     for b, p, a, s in zip(d["backend"], d["prefill_attention_backend"], d["prefill_as_base"], d["spec"])]
     keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]

@@ -123,3 +123,28 @@ def test_an_mtp_layer_makes_sglangs_eagle_draft_the_nextn_model(tmp_path):
     for bad in (-1, True, 1.0):
         with pytest.raises(ValueError, match="^mtp_layers: must be an int >= 0"):
             dm.model_config("k2_tp8_slice", 3, mtp_layers=bad)
+
+
+@pytest.mark.parametrize("name,heads,weights", [("k2_tp8_slice", 8, "bf16"), ("kimi_k2", 64, "fp8")])
+def test_eagle3_mla_draft_is_an_mla_draft_for_sglang(name, heads, weights, tmp_path, sglang_config):
+    """The EAGLE3-MLA draft: SGLang reads it as an MLA model (so an MLA backend, the kernel, serves
+    its attention), with the target's attention shape, one bf16 layer, three aux hidden states into
+    fc and the target's LM head."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+    from sglang.srt.models.kimi_k25_eagle3 import _get_eagle_aux_layer_count
+
+    target = dm.materialize_model(name, 16, dest=tmp_path / "target", weights=weights)
+    draft = dm.materialize_eagle3_draft(target, dest=tmp_path / "draft")
+    cfg = sglang_config(draft)
+    assert cfg.architectures == [dm.EAGLE3_MLA_ARCH] and cfg.num_hidden_layers == 1
+    assert cfg.num_attention_heads == heads and not getattr(cfg, "tie_word_embeddings", False)
+    for k, v in K2_ATTENTION.items():
+        assert getattr(cfg, k) == v, k
+    assert getattr(cfg, "draft_vocab_size", None) is None   # the head is the target's
+    assert _get_eagle_aux_layer_count(cfg) == 3
+    mc = ModelConfig(str(draft), is_draft_model=True)
+    assert mc.attention_arch == AttentionArch.MLA and mc.quantization is None
+    assert mc.hf_config.architectures == [dm.EAGLE3_MLA_ARCH]
+    assert json.loads((target / "config.json").read_text())["num_hidden_layers"] == 16
+    with pytest.raises(ValueError, match="^target_cfg: an EAGLE3-MLA draft"):
+        dm.eagle3_draft_config({"hidden_size": 4096})

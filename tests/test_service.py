@@ -277,6 +277,40 @@ def test_eagle_launches_the_models_mtp_layer_and_parses_with_sglang(tmp_path):
             resolve_config(ServerConfig(**args))
 
 
+def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
+    """EAGLE3 drafts with a head of its own (an MLA one for Kimi K2.x) on the model as it is: the
+    draft folder must exist and hold an EAGLE3 architecture; the chain's steps, topk and verified
+    tokens reach SGLang's parser as EAGLE's do."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sm120_workbook.dummy_models import materialize_eagle3_draft
+
+    plain = materialize_model("k2_tp8_slice", 3, dest=tmp_path / "plain")
+    head = materialize_eagle3_draft(plain, dest=tmp_path / "head")
+    cfg = resolve_config(ServerConfig(plain, "triton", tp=1, spec="eagle3", draft_model_path=head,
+                                      expert_record_buffer=200))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(launch_args(cfg))
+    assert ns.speculative_algorithm == "EAGLE3" and ns.speculative_draft_model_path == str(head)
+    assert (ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == (3, 1, 4)
+    assert ns.speculative_draft_attention_backend is None   # SGLang's choice (sm120_mla: the kernel)
+    dflash = materialize_draft(plain, block_size=4, dest=tmp_path / "dflash")
+    for kw, message in [
+        (dict(draft_model_path=None), "^draft_model_path: EAGLE3 needs a draft model folder"),
+        (dict(draft_model_path=tmp_path / "none"), "^draft_model_path: .*config.json does not exist"),
+        (dict(draft_model_path=dflash), "^draft_model_path: an EAGLE3 draft has an architecture in"),
+        (dict(num_draft_tokens=3), "^num_draft_tokens: a chain of 3 EAGLE steps verifies 4 tokens, got 3"),
+        (dict(expert_record_buffer=-1), "^expert_record_buffer: .*; EAGLE3's draft passes go through the recorder"),
+        (dict(attention_backend="sm120_mla", eagle_steps=16),
+         "^num_draft_tokens: 17 exceed the sm120_mla kernel's 16 queries per request"),
+    ]:
+        args = {"model_path": plain, "attention_backend": "triton", "tp": 1, "spec": "eagle3",
+                "draft_model_path": head, "expert_record_buffer": 200, **kw}
+        with pytest.raises(ValueError, match=message):
+            resolve_config(ServerConfig(**args))
+
+
 def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir):
     """A prefill on another backend: SGLang's hybrid backend, with target-verify kept on the
     decode side (--speculative-attention-mode decode), as the H200 ran sm120_mla with flashinfer."""
@@ -1018,6 +1052,25 @@ def test_eagle_servers_serve_the_model_with_an_mtp_layer(fake, tmp_path, monkeyp
     assert all("/model " in t for n, t in logs.items() if "-none-" in n), logs
 
 
+def test_eagle3_servers_take_an_mla_draft_head(fake, tmp_path, monkeypatch):
+    """An EAGLE3 plan launches the model as it is with an EAGLE3-MLA draft folder of its own, the
+    chain's steps, a circular expert buffer of steps + 1 rows a routed pass, and the draft backend
+    SGLang resolved (the decode backend)."""
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    monkeypatch.setenv("FAKE_ECHO_ARGS", "1")
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
+                                  spec=["eagle3"], eagle_steps=2, decode_tokens=12, tp=1, nvml=False,
+                                  expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
+                                  log=lambda s: None)
+    assert res.decode and all(r["spec"] == "eagle3" and r["draft_tokens"] == 3
+                              and r["draft_attention_backend"] == "sm120_mla"
+                              and r["expert_buffer"] == decode_bench.spec_expert_buffer([64], 12, 3)
+                              for r in res.decode)
+    (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
+    assert "--speculative-algorithm EAGLE3" in log and "--speculative-num-steps 2 --speculative-eagle-topk 1" in log
+    assert re.search(r"--model-path \S+/model --", log) and re.search(r"--speculative-draft-model-path \S+/draft-", log)
+
+
 def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatch):
     """With the recorder asked for, DFlash servers record into a circular buffer sized above a
     request's passes (and say so); the others keep the unbounded one."""
@@ -1086,7 +1139,8 @@ def test_routed_passes_of_an_empty_dump_is_zero():
 def test_spec_expert_buffer_holds_a_requests_passes():
     # rows a pass x (128k in 1024-token chunks: 128, + one verify pass a decode token: 128) + 16
     rows = decode_bench.recorder_rows_per_pass
-    assert (rows("dflash"), rows("eagle", 3), rows("eagle", 5), rows("ngram"), rows("none")) == (2, 4, 6, 1, 1)
+    assert (rows("dflash"), rows("eagle", 3), rows("eagle", 5), rows("eagle3", 3), rows("ngram"), rows("none")) == \
+        (2, 4, 6, 4, 1, 1)
     assert decode_bench.spec_expert_buffer([16384, 131072], 128, 2) == 2 * (128 + 128) + 16
     assert decode_bench.spec_expert_buffer([1], 1, 4) == 4 * (1 + 1) + 16
 

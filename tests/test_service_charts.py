@@ -262,3 +262,6 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     # DFlash's usual draft backend is triton; another is keyed and named
     assert sc.draft_backend_of("dflash", "sm120_mla", "flashinfer") == "flashinfer"
     assert sc.draft_backend_of("dflash", "sm120_mla", "triton") == sc.draft_backend_of("ngram", "triton", "x") == ""
+    # EAGLE3's usual draft backend is the decode backend, as EAGLE's
+    assert sc.draft_backend_of("eagle3", "sm120_mla", "triton") == "triton"
+    assert sc.draft_backend_of("eagle3", "sm120_mla", "sm120_mla") == sc.draft_backend_of("eagle3", "sm120_mla", None) == ""
