@@ -64,9 +64,10 @@ from .dummy_models import (heads_per_rank, materialize_draft, materialize_eagle3
                            max_context, weight_format)
 from .patches import kv_sort
 from .results import cli_command
+from .service import eagle_draft_tokens as chain_draft_tokens
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
-                      check_warmups, eagle_draft_tokens, log_tail, resolve_tp, spec_metrics)
+                      check_int, check_warmups, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -98,7 +99,8 @@ def context_length_for(contexts: Sequence[int], decode_tokens: int, draft_tokens
 
 def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence[str] = ("none", "dflash"),
                 draft_tokens: int = 16, ngram_draft_tokens: int = 8, decode_tokens: int = 256,
-                model_max_context: int | None = None, eagle_steps: int = 3) -> list[ServerPlan]:
+                model_max_context: int | None = None, eagle_steps: int = 3, eagle_topk: int = 1,
+                eagle_draft_tokens: int | None = None) -> list[ServerPlan]:
     """Servers to start, in order: per backend, each speculation mode; contexts ascending.
 
     Contexts that cannot fit the model (ctx + decode + margin > model_max_context) are dropped.
@@ -112,12 +114,12 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
         raise ValueError(f"contexts: must be positive ints, got {list(contexts)}")
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens: must be >= 2 (one token comes from prefill), got {decode_tokens}")
-    check_draft_tokens(backends, spec, draft_tokens, ngram_draft_tokens, eagle_steps)
+    check_draft_tokens(backends, spec, draft_tokens, ngram_draft_tokens, eagle_steps, eagle_topk, eagle_draft_tokens)
     plans = []
     for backend in dict.fromkeys(backends):
         for s in dict.fromkeys(spec):
-            dt = {"none": None, "dflash": draft_tokens, "ngram": ngram_draft_tokens,
-                  "eagle": eagle_draft_tokens(eagle_steps), "eagle3": eagle_draft_tokens(eagle_steps)}[s]
+            dt = (eagle_verify_tokens(eagle_steps, eagle_topk, eagle_draft_tokens) if s in EAGLE_SPECS else
+                  {"none": None, "dflash": draft_tokens, "ngram": ngram_draft_tokens}[s])
             ctxs = sorted({int(c) for c in contexts})
             if model_max_context is not None:
                 ctxs = [c for c in ctxs if context_length_for([c], decode_tokens, dt) <= model_max_context]
@@ -138,11 +140,28 @@ def dropped_contexts(plans: Sequence[ServerPlan], contexts: Sequence[int]) -> li
 SPEC_FALLBACKS = ("", "ngram", "none")   # what may run when a DFlash server fails to start
 
 
+def eagle_verify_tokens(eagle_steps: int, eagle_topk: int = 1, eagle_draft_tokens: int | None = None) -> int:
+    """The tokens an EAGLE or EAGLE3 server verifies a request: a chain's (topk 1) steps + 1, where
+    eagle_draft_tokens is None or that; a tree's (topk > 1) eagle_draft_tokens, which it needs."""
+    check_int("eagle_steps", eagle_steps)
+    check_int("eagle_topk", eagle_topk)
+    chain = chain_draft_tokens(eagle_steps)
+    if eagle_draft_tokens is None:
+        if eagle_topk != 1:
+            raise ValueError(f"eagle_draft_tokens: an EAGLE tree (eagle_topk {eagle_topk}) needs it given")
+        return chain
+    check_int("eagle_draft_tokens", eagle_draft_tokens, least=2)
+    if eagle_topk == 1 and eagle_draft_tokens != chain:
+        raise ValueError(f"eagle_draft_tokens: a chain of {eagle_steps} EAGLE steps verifies {chain} tokens, "
+                         f"got {eagle_draft_tokens}")
+    return eagle_draft_tokens
+
+
 def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_tokens, ngram_draft_tokens,
-                       eagle_steps: int = 3) -> None:
+                       eagle_steps: int = 3, eagle_topk: int = 1, eagle_draft_tokens: int | None = None) -> None:
     """The draft counts the planned servers will use, checked before any server starts: a DFlash
-    block of at least 2, at least 2 NGRAM draft tokens, at least 1 EAGLE step, and for sm120_mla at
-    most the kernel's queries per request."""
+    block of at least 2, at least 2 NGRAM draft tokens, EAGLE's steps, tree width and tokens
+    (eagle_verify_tokens), and for sm120_mla at most the kernel's queries per request."""
     from .kernels.verify_attention import MAX_Q_LEN
 
     # NGRAM with one draft token verifies nothing beyond the bonus token, and SGLang then leaves
@@ -155,7 +174,9 @@ def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_token
         name, n, least = counts[s]
         if isinstance(n, bool) or not isinstance(n, int) or n < least:
             raise ValueError(f"{name}: {s} needs an int >= {least}, got {n!r}")
-        tokens = eagle_draft_tokens(n) if s in EAGLE_SPECS else n
+        tokens = eagle_verify_tokens(n, eagle_topk, eagle_draft_tokens) if s in EAGLE_SPECS else n
+        if s in EAGLE_SPECS and eagle_draft_tokens is not None:
+            name = "eagle_draft_tokens"
         if "sm120_mla" in backends and tokens > MAX_Q_LEN:
             raise ValueError(f"{name}: {tokens} {s} draft tokens exceed the sm120_mla kernel's {MAX_Q_LEN} "
                              "queries per request")
@@ -339,8 +360,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                profile_contexts: Sequence[int] | None = None, profile_with_stack: bool = False,
                ngram_tail: bool = False, prefill_backend: str | None = None,
                prefill_as_base: bool = False, warmups: Sequence[str] = (),
-               eagle_steps: int = 3, draft_backend: str | None = None,
-               log: Callable[[str], None] = print) -> MatrixResult:
+               eagle_steps: int = 3, eagle_topk: int = 1, eagle_draft_tokens: int | None = None,
+               draft_backend: str | None = None, log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
     spec_fallback: when a DFlash server fails to start, run `spec_fallback` ("ngram") in its
@@ -365,6 +386,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     eagle_steps: the draft steps of `spec` "eagle" (SGLang's EAGLE with the model's MTP layer,
     topk 1: eagle_steps + 1 tokens verified; those servers serve the model with one MTP layer)
     and "eagle3" (an EAGLE3-MLA draft head, materialize_eagle3_draft, on the model as it is).
+    eagle_topk, eagle_draft_tokens: their tree (--speculative-eagle-topk) and the tokens it verifies
+    (needed for topk > 1; eagle_verify_tokens); records carry eagle_topk.
     draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
     triton for DFlash, the decode backend for EAGLE(3), whose MLA draft then runs on sm120_mla's
     kernel where that is the backend); records carry what SGLang resolved.
@@ -406,7 +429,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         model_cfg = json.loads((model_dir / "config.json").read_text())
         heads = heads_per_rank(model_cfg, tp)
         plans = plan_matrix(backends, contexts, spec, draft_tokens, ngram_draft_tokens, decode_tokens,
-                            max_context(model_cfg), eagle_steps)
+                            max_context(model_cfg), eagle_steps, eagle_topk, eagle_draft_tokens)
         # EAGLE drafts with the model's own MTP layer: the same model, given one.
         mtp_dir = (materialize_model(model, layers, dest=Path(workdir) / "model-mtp", weights=weights, mtp_layers=1)
                    if any(p.spec == "eagle" for p in plans) else None)
@@ -499,6 +522,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 spec=plan.spec, num_draft_tokens=plan.draft_tokens, cuda_graph=cuda_graph,
                 expert_record=expert, expert_record_buffer=buffer,
                 draft_attention_backend=draft_backend if drafted else None, eagle_steps=eagle_steps,
+                eagle_topk=eagle_topk,
                 draft_model_path=draft_folder(plan, model_dir, Path(workdir) / f"draft-{run_id}"))
             log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
             server_log = None
@@ -535,6 +559,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                                          rows_per_pass)
                             base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
                                     "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
+                                    "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
                                     "expert_record": expert, "expert_buffer": buffer,
                                     "warmups": ",".join(ran),
@@ -570,6 +595,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                         emit(PROFILE_RESULTS, [{**common, "warmups": fail["warmups"], "run_id": run_id,
                                                 "backend": plan.backend,
                                                 "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
+                                                "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None,
                                                 "draft_attention_backend": (resolved_draft_backend(srv.server_info, plan.spec)
                                                                             if drafted else None),
                                                 "cuda_graph": cuda_graph, "expert_record": expert,
@@ -777,8 +803,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=int, default=16)
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
     p.add_argument("--eagle-steps", type=int, default=3,
-                   help="EAGLE (the model's MTP layer) and EAGLE3 (an MLA draft head) draft steps, a chain: "
-                        "steps + 1 tokens verified")
+                   help="EAGLE (the model's MTP layer) and EAGLE3 (an MLA draft head) draft steps; a chain "
+                        "(topk 1) verifies steps + 1 tokens")
+    p.add_argument("--eagle-topk", type=int, default=1, help="EAGLE(3) tree width (--speculative-eagle-topk)")
+    p.add_argument("--eagle-draft-tokens", type=int, default=None,
+                   help="tokens an EAGLE(3) tree verifies (needed for --eagle-topk > 1)")
     p.add_argument("--draft-backend", default=None,
                    help="--speculative-draft-attention-backend of DFlash and EAGLE(3) servers (default: triton "
                         "for DFlash; for EAGLE(3) the decode backend, so sm120_mla's MLA draft runs on the kernel)")
@@ -851,7 +880,8 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           profile_with_stack=a.profile_with_stack, ngram_tail=a.ngram_tail,
                           prefill_backend=a.prefill_backend, prefill_as_base=a.prefill_as_base,
                           warmups=tuple(n for n in a.warmups.split(",") if n),
-                          eagle_steps=a.eagle_steps, draft_backend=a.draft_backend)
+                          eagle_steps=a.eagle_steps, eagle_topk=a.eagle_topk,
+                          eagle_draft_tokens=a.eagle_draft_tokens, draft_backend=a.draft_backend)
     except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
         p.error(str(e))
 

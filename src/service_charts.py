@@ -19,15 +19,15 @@ import pandas as pd
 # and prefill_as_base (that hybrid spelt with the prefill backend first) SGLang's prefill path.
 # draft_backend (derived, `draft_backend_of`): a draft's attention backend where it is not the
 # usual one ("" where it is, and for modes without a draft model), e.g. sm120_mla's EAGLE MTP
-# draft kept on Triton.
+# draft kept on Triton. eagle_topk: an EAGLE(3) tree's width (1, a chain, for every other record).
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
               "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
-              "prefill_as_base", "draft_backend"]
+              "prefill_as_base", "draft_backend", "eagle_topk"]
 # What a record without the key ran with (older records predate ep_size and ngram_tail;
 # decode_tokens: decode_bench's default).
 KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
                 "expert_record": False, "ngram_tail": False, "prefill_attention_backend": "",
-                "prefill_as_base": False, "draft_backend": ""}
+                "prefill_as_base": False, "draft_backend": "", "eagle_topk": 1}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM",
                "eagle": "EAGLE (MTP layer, dummy weights)", "eagle3": "EAGLE3 (MLA draft head, dummy weights)"}
 
@@ -80,7 +80,7 @@ def with_defaults(df):
             d[k] = d[k].where(d[k].notna(), KEY_DEFAULTS[k]) if k in d else KEY_DEFAULTS[k]
         elif k not in d.columns:
             d[k] = "?"
-    for k in ("ep_size", "decode_tokens", "draft_tokens"):
+    for k in ("ep_size", "decode_tokens", "draft_tokens", "eagle_topk"):
         d[k] = d[k].astype(int)
     for k in ("cuda_graph", "expert_record", "ngram_tail", "prefill_as_base"):
         d[k] = d[k].astype(bool)
@@ -131,10 +131,11 @@ def select_tp(df, tp: int = 1):
 
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
                  ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "",
-                 prefill_as_base: bool = False, draft_backend: str = "") -> str:
+                 prefill_as_base: bool = False, draft_backend: str = "", eagle_topk=1) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
-    draft prep unpatched, the prefill on the same backend, a draft on its usual backend),
+    draft prep unpatched, the prefill on the same backend, a draft on its usual backend, an EAGLE
+    chain),
     and the layer count and decode tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
@@ -144,7 +145,8 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
             + (" + ngram_tail" if ngram_tail else "")
             + (f" + {prefill_backend} prefill" if prefill_backend else "")
             + (" as base" if prefill_backend and prefill_as_base else "")
-            + (f" + {draft_backend} draft" if draft_backend else ""))
+            + (f" + {draft_backend} draft" if draft_backend else "")
+            + (f", EAGLE topk {int(eagle_topk)}" if eagle_topk not in (None, 1) else ""))
 
 
 def _draft_key(r) -> str:
@@ -164,7 +166,8 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
                         v("layers") if layers else None, ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")),
                         decode_tokens=v("decode_tokens") if decode_tokens else None,
                         prefill_backend=str(v("prefill_attention_backend") or ""),
-                        prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r))
+                        prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r),
+                        eagle_topk=v("eagle_topk"))
 
 
 def pair_points(mine, base, keys, value: str = "tok_s"):

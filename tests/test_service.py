@@ -748,6 +748,18 @@ def test_plan_matrix_orders_and_filters():
         decode_bench.plan_matrix(["triton"], [4096], ["eagle"], eagle_steps=0)
     with pytest.raises(ValueError, match="^eagle_steps: 17 eagle draft tokens exceed the sm120_mla kernel's 16"):
         decode_bench.plan_matrix(["sm120_mla"], [4096], ["eagle"], eagle_steps=16)
+    # a tree (topk > 1) verifies the tokens given, within the kernel's 16
+    (plan,) = decode_bench.plan_matrix(["sm120_mla"], [4096], ["eagle3"], eagle_steps=3, eagle_topk=4,
+                                       eagle_draft_tokens=8)
+    assert (plan.spec, plan.draft_tokens) == ("eagle3", 8)
+    for kw, message in [(dict(eagle_topk=4), r"^eagle_draft_tokens: an EAGLE tree \(eagle_topk 4\) needs it given"),
+                        (dict(eagle_draft_tokens=5), "^eagle_draft_tokens: a chain of 3 EAGLE steps verifies 4 tokens, got 5"),
+                        (dict(eagle_topk=0), "^eagle_topk: must be a positive int, got 0"),
+                        (dict(eagle_topk=4, eagle_draft_tokens=1), "^eagle_draft_tokens: must be an int >= 2, got 1"),
+                        (dict(eagle_topk=4, eagle_draft_tokens=17),
+                         "^eagle_draft_tokens: 17 eagle3 draft tokens exceed the sm120_mla kernel's 16")]:
+        with pytest.raises(ValueError, match=message):
+            decode_bench.plan_matrix(["sm120_mla"], [4096], ["eagle3"], **kw)
     with pytest.raises(ValueError, match="decode_tokens"):
         decode_bench.plan_matrix(["triton"], [4096], ["none"], decode_tokens=1)
 
@@ -1069,6 +1081,15 @@ def test_eagle3_servers_take_an_mla_draft_head(fake, tmp_path, monkeypatch):
     (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
     assert "--speculative-algorithm EAGLE3" in log and "--speculative-num-steps 2 --speculative-eagle-topk 1" in log
     assert re.search(r"--model-path \S+/model --", log) and re.search(r"--speculative-draft-model-path \S+/draft-", log)
+    assert {r["eagle_topk"] for r in res.decode} == {1}
+    # a tree: its width and tokens reach the server and the records
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
+                                  spec=["eagle3", "none"], eagle_steps=2, eagle_topk=4, eagle_draft_tokens=6,
+                                  decode_tokens=12, tp=1, nvml=False, expert=False, progress=False, launcher=fake,
+                                  log_dir=tmp_path / "tree", log=lambda s: None)
+    assert {(r["spec"], r["draft_tokens"], r["eagle_topk"]) for r in res.decode} == {("eagle3", 6, 4), ("none", None, None)}
+    (log,) = [p.read_text() for p in (tmp_path / "tree").glob("*-eagle3-*.log")]
+    assert "--speculative-num-draft-tokens 6" in log and "--speculative-eagle-topk 4" in log
 
 
 def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatch):

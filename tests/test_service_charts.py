@@ -265,3 +265,10 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     # EAGLE3's usual draft backend is the decode backend, as EAGLE's
     assert sc.draft_backend_of("eagle3", "sm120_mla", "triton") == "triton"
     assert sc.draft_backend_of("eagle3", "sm120_mla", "sm120_mla") == sc.draft_backend_of("eagle3", "sm120_mla", None) == ""
+    # an EAGLE tree is a point of its own, named by its width
+    tree = pd.DataFrame([_rec("sm120_mla", 65536, 150.0, "ccccccc333", "2026-12-02T05:00", spec="eagle3",
+                              draft_tokens=8, ngram_tail=False, eagle_topk=4),
+                         _rec("sm120_mla", 65536, 160.0, "ccccccc333", "2026-12-02T05:00", spec="eagle3",
+                              draft_tokens=4, ngram_tail=False)])
+    pts = sc.decode_points(tree).set_index(["eagle_topk"])
+    assert pts.loc[4, "config"] == "sm120_mla, EAGLE topk 4" and pts.loc[1, "config"] == "sm120_mla"
