@@ -485,7 +485,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             rows_per_pass = recorder_rows_per_pass(plan.spec, eagle_steps)
             buffer = (spec_expert_buffer(plan.contexts, decode_tokens, rows_per_pass)
                       if expert and plan.spec in DRAFT_MODEL_SPECS else -1)
-            fail = {**common, "backend": plan.backend, "spec": plan.spec, "expert_record": expert,
+            fail = {**common, "backend": plan.backend, "spec": plan.spec, "draft_tokens": plan.draft_tokens,
+                    "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None, "expert_record": expert,
                     "expert_buffer": buffer}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
             if unsupported:   # FlashMLA on sm_120: a server start (and DFlash's fallback) would only fail
