@@ -29,11 +29,11 @@ service_expert_load.jsonl and service_failures.jsonl):
     python -m sm120_workbook.decode_bench --backends triton sm120_mla --spec none dflash
 
 `--spec eagle` is SGLang's EAGLE with the model's own MTP layer (DeepSeek-V3's; the K2-shaped
-model is given one, `mtp_layers=1`), `--eagle-steps` draft steps in a chain (topk 1). With
-sm120_mla its draft decodes and extends on the kernel too, unless `--draft-backend triton`.
-`--spec eagle3` is SGLang's EAGLE3 with an EAGLE3-MLA draft head (the layout of the Kimi K2.5/K2.6
-EAGLE3 drafts, `dummy_models.materialize_eagle3_draft`) on the model without an MTP layer: the
-same chain, and the same draft backends.
+model is given one, `mtp_layers=1`), `--eagle-steps` draft steps in a chain (topk 1), or a tree
+(`--eagle-topk K --eagle-draft-tokens N`). With sm120_mla its draft decodes and extends on the
+kernel too, unless `--draft-backend triton`. `--spec eagle3` is SGLang's EAGLE3 with an EAGLE3-MLA
+draft head (the layout of the Kimi K2.5/K2.6 EAGLE3 drafts, `dummy_models.materialize_eagle3_draft`)
+on the model without an MTP layer: the same steps and trees, and the same draft backends.
 
 DFlash, EAGLE and EAGLE3 servers record experts into a circular buffer of an upper bound on a request's
 recorder rows (spec_expert_buffer): their draft passes record empty rows, and SGLang 0.5.17's
@@ -60,14 +60,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .dummy_models import (heads_per_rank, materialize_draft, materialize_eagle3_draft, materialize_model,
-                           max_context, weight_format)
+from .dummy_models import (eagle3_aux_layers, heads_per_rank, materialize_draft, materialize_eagle3_draft,
+                           materialize_model, max_context, weight_format)
 from .patches import kv_sort
 from .results import cli_command
 from .service import eagle_draft_tokens as chain_draft_tokens
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
-                      check_int, check_warmups, log_tail, resolve_tp, spec_metrics)
+                      check_eagle_tree, check_int, check_warmups, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -115,6 +115,8 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens: must be >= 2 (one token comes from prefill), got {decode_tokens}")
     check_draft_tokens(backends, spec, draft_tokens, ngram_draft_tokens, eagle_steps, eagle_topk, eagle_draft_tokens)
+    if not set(spec) & set(EAGLE_SPECS) and (eagle_topk != 1 or eagle_draft_tokens is not None):
+        raise ValueError(f"eagle_topk, eagle_draft_tokens: only {EAGLE_SPECS} take them, and spec is {list(spec)}")
     plans = []
     for backend in dict.fromkeys(backends):
         for s in dict.fromkeys(spec):
@@ -154,6 +156,7 @@ def eagle_verify_tokens(eagle_steps: int, eagle_topk: int = 1, eagle_draft_token
     if eagle_topk == 1 and eagle_draft_tokens != chain:
         raise ValueError(f"eagle_draft_tokens: a chain of {eagle_steps} EAGLE steps verifies {chain} tokens, "
                          f"got {eagle_draft_tokens}")
+    check_eagle_tree(eagle_steps, eagle_topk, eagle_draft_tokens, "eagle_draft_tokens")
     return eagle_draft_tokens
 
 
@@ -192,7 +195,7 @@ def recorder_rows_per_pass(spec: str, eagle_steps: int = 3) -> int:
 
 
 def spec_expert_buffer(contexts: Sequence[int], decode_tokens: int, rows_per_pass: int) -> int:
-    """The circular recorder buffer (rows, one per forward pass) of a DFlash or EAGLE server: an
+    """The circular recorder buffer (rows, one per forward pass) of a DFlash or EAGLE(3) server: an
     upper bound on one recorded request's routed passes, times `rows_per_pass` (the draft's zero
     rows beside each), so that none is overwritten and _expert_record can tell.
     Its prefill takes at most ctx / 1024 chunks (SGLang's chunked prefill is 2048 tokens and up
@@ -383,9 +386,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     "sm120_long_prompt"); their time is in startup_s, and records carry those the server's log
     says it ran (a name SGLang does not know is only warned of, and left out) and warmup_s, the
     time they took by the log's stamps.
-    eagle_steps: the draft steps of `spec` "eagle" (SGLang's EAGLE with the model's MTP layer,
-    topk 1: eagle_steps + 1 tokens verified; those servers serve the model with one MTP layer)
-    and "eagle3" (an EAGLE3-MLA draft head, materialize_eagle3_draft, on the model as it is).
+    eagle_steps: the draft steps of `spec` "eagle" (SGLang's EAGLE with the model's MTP layer;
+    those servers serve the model with one MTP layer) and "eagle3" (an EAGLE3-MLA draft head,
+    materialize_eagle3_draft, on the model as it is; it needs layers 3 or >= 7). A chain (topk 1)
+    verifies eagle_steps + 1 tokens.
     eagle_topk, eagle_draft_tokens: their tree (--speculative-eagle-topk) and the tokens it verifies
     (needed for topk > 1; eagle_verify_tokens); records carry eagle_topk.
     draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
@@ -430,6 +434,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         heads = heads_per_rank(model_cfg, tp)
         plans = plan_matrix(backends, contexts, spec, draft_tokens, ngram_draft_tokens, decode_tokens,
                             max_context(model_cfg), eagle_steps, eagle_topk, eagle_draft_tokens)
+        if any(p.spec == "eagle3" for p in plans):   # before any server starts
+            eagle3_aux_layers(layers)
         # EAGLE drafts with the model's own MTP layer: the same model, given one.
         mtp_dir = (materialize_model(model, layers, dest=Path(workdir) / "model-mtp", weights=weights, mtp_layers=1)
                    if any(p.spec == "eagle" for p in plans) else None)

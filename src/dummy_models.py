@@ -178,6 +178,19 @@ def materialize_draft(target_dir: str | Path, block_size: int = 16, dest: str | 
     return _write_config(cfg, dest, f"sm120_dflash_draft_B{block_size}_")
 
 
+def eagle3_aux_layers(num_target_layers: int) -> list[int]:
+    """The target layers whose hidden states an EAGLE3 head with no layer ids of its own reads:
+    SGLang 0.5.17's default, [2, L // 2, L - 3] (DeepseekV2ForCausalLM.set_eagle3_layers_to_capture).
+    SGLang captures each distinct layer once and expects three (AuxHiddenStatePacker), so the
+    three must differ: L = 3 or L >= 7, else an error naming the layer count."""
+    ids = [2, num_target_layers // 2, num_target_layers - 3]
+    if len(set(ids)) != 3 or min(ids) < 0 or max(ids) >= num_target_layers:
+        raise ValueError(f"layers: an EAGLE3 head reads target layers [2, L // 2, L - 3] (SGLang's default), "
+                         f"which must be three distinct layers (L = 3 or L >= 7); L = {num_target_layers} "
+                         f"gives {ids}")
+    return ids
+
+
 def eagle3_draft_config(target_cfg: dict) -> dict:
     """The EAGLE3-MLA draft config matched to a target config.
 
@@ -185,13 +198,14 @@ def eagle3_draft_config(target_cfg: dict) -> dict:
     q_lora_rank, kv_lora_rank, rope, yarn), whose fused QKV-down projection reads the token's
     embedding beside the draft's hidden state; a dense FFN of the target's dense width; an `fc`
     over three of the target's hidden states (no layer ids given: SGLang captures layers 2, L/2
-    and L - 3 and the draft expects three). bf16 (the target's quantization_config is dropped);
+    and L - 3, which must differ, `eagle3_aux_layers`, and the draft expects three). bf16 (the target's quantization_config is dropped);
     no `draft_vocab_size`, so the LM head is the target's. Its draft attention is MLA, so
     SGLang serves it with an MLA backend: sm120_mla's kernel, as for the MTP layer.
     """
     if not target_cfg.get("kv_lora_rank"):
         raise ValueError("target_cfg: an EAGLE3-MLA draft copies the target's MLA shape; this config "
                          "has no kv_lora_rank")
+    eagle3_aux_layers(int(target_cfg["num_hidden_layers"]))
     cfg = copy.deepcopy(target_cfg)
     for key in ("quantization_config", "num_nextn_predict_layers", "eagle_config",
                 "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):

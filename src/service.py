@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import project_root
-from .dummy_models import heads_per_rank, max_context
+from .dummy_models import eagle3_aux_layers, heads_per_rank, max_context
 
 DEFAULT_HOST = "127.0.0.1"
 # Attention backends that our plugin (the `sglang.srt.plugins` entry point of this project)
@@ -55,6 +55,9 @@ DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
+# Backends SGLang 0.5.17 runs an EAGLE tree (topk > 1) on with pages above one token
+# (arg_groups/speculative_hook.py, _PAGE_TREE_SPEC_BACKENDS).
+PAGED_TREE_BACKENDS = ("flashinfer", "fa3", "triton")
 PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokenspeed_mla": 64,
                   "cutedsl_mla": 64, "hpc_ops": 64}
 LOG_TAIL_LINES = 60
@@ -286,6 +289,15 @@ def eagle_draft_tokens(eagle_steps: int) -> int:
     return eagle_steps + 1
 
 
+def check_eagle_tree(eagle_steps: int, eagle_topk: int, draft_tokens: int, name: str) -> None:
+    """An EAGLE tree's verified tokens within what its draft steps offer: SGLang picks
+    draft_tokens - 1 of topk + (steps - 1) x topk^2 candidates (eagle_utils.organize_draft_results)."""
+    offered = eagle_topk + (eagle_steps - 1) * eagle_topk ** 2
+    if draft_tokens - 1 > offered:
+        raise ValueError(f"{name}: {eagle_steps} EAGLE steps at topk {eagle_topk} offer {offered} draft "
+                         f"tokens, fewer than the {draft_tokens - 1} that {draft_tokens} verified tokens need")
+
+
 def check_positive(name: str, value) -> None:
     """A finite number above 0 (a timeout, an interval), else an error naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -399,6 +411,10 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         if arch not in EAGLE3_DRAFT_ARCHITECTURES:
             raise ValueError(f"draft_model_path: an EAGLE3 draft has an architecture in "
                              f"{EAGLE3_DRAFT_ARCHITECTURES}, this one {arch!r}")
+        draft = json.loads(dpath.read_text())
+        if not ((draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                or draft.get("eagle_aux_hidden_state_layer_ids")):
+            eagle3_aux_layers(int(model["num_hidden_layers"]))   # SGLang's default layers must differ
     check_int("eagle_steps", cfg.eagle_steps)
     check_int("eagle_topk", cfg.eagle_topk)
     chain = eagle_draft_tokens(cfg.eagle_steps)
@@ -411,6 +427,11 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         if cfg.eagle_topk == 1 and cfg.num_draft_tokens != chain:
             raise ValueError(f"num_draft_tokens: a chain of {cfg.eagle_steps} EAGLE steps verifies "
                              f"{chain} tokens, got {cfg.num_draft_tokens}")
+        check_eagle_tree(cfg.eagle_steps, cfg.eagle_topk, cfg.num_draft_tokens, "num_draft_tokens")
+    base = cfg.base_attention_backend()   # what SGLang's check reads (--attention-backend)
+    if cfg.eagle_topk > 1 and (cfg.page_size or 1) > 1 and base not in PAGED_TREE_BACKENDS:
+        raise ValueError(f"eagle_topk: SGLang 0.5.17 runs an EAGLE tree on pages of {cfg.page_size} tokens only "
+                         f"with {PAGED_TREE_BACKENDS} as --attention-backend, not {base}")
 
 
 def launch_args(cfg: ServerConfig) -> list[str]:

@@ -251,7 +251,8 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
                  "commits": "", "pairing": f"no {ours} point"}]
         # speculation against plain decode: the same point but for spec and its draft tokens
         plain = mine_all[mine_all["spec"] == "none"]
-        vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS if k not in ("spec", "draft_tokens", "draft_backend")])
+        vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS
+                                             if k not in ("spec", "draft_tokens", "draft_backend", "eagle_topk")])
         for r in vs_plain.sort_values(["layers", "config", "ctx"]).itertuples():
             rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode", r, 1.0,
                                     ours, "plain-decode"))

@@ -148,3 +148,22 @@ def test_eagle3_mla_draft_is_an_mla_draft_for_sglang(name, heads, weights, tmp_p
     assert json.loads((target / "config.json").read_text())["num_hidden_layers"] == 16
     with pytest.raises(ValueError, match="^target_cfg: an EAGLE3-MLA draft"):
         dm.eagle3_draft_config({"hidden_size": 4096})
+
+
+def test_eagle3_aux_layers_are_sglangs_and_must_differ():
+    """The layers an EAGLE3 head reads by default are SGLang's own choice, which captures each
+    distinct layer once: a target where two coincide (4-6 layers) is refused, naming the layers."""
+    from types import SimpleNamespace
+
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    for n in (3, 7, 16, 61):
+        fake = SimpleNamespace(pp_group=SimpleNamespace(is_last_rank=True),
+                               config=SimpleNamespace(num_hidden_layers=n), model=SimpleNamespace())
+        DeepseekV2ForCausalLM.set_eagle3_layers_to_capture(fake, None)
+        assert dm.eagle3_aux_layers(n) == fake.model.layers_to_capture
+    for n in (1, 2, 4, 5, 6):
+        with pytest.raises(ValueError, match=rf"^layers: an EAGLE3 head reads target layers .* L = {n} gives"):
+            dm.eagle3_aux_layers(n)
+    with pytest.raises(ValueError, match="^layers: an EAGLE3 head"):
+        dm.eagle3_draft_config(dm.model_config("k2_tp8_slice", 4))

@@ -296,6 +296,11 @@ def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
     assert (ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == (3, 1, 4)
     assert ns.speculative_draft_attention_backend is None   # SGLang's choice (sm120_mla: the kernel)
     dflash = materialize_draft(plain, block_size=4, dest=tmp_path / "dflash")
+    four = materialize_model("k2_tp8_slice", 4, dest=tmp_path / "four")   # SGLang's layers [2, 2, 1]
+    tree = resolve_config(ServerConfig(plain, "flashmla", prefill_attention_backend="triton", prefill_as_base=True,
+                                       tp=1, spec="eagle3", draft_model_path=head, eagle_topk=4,
+                                       num_draft_tokens=8, expert_record=False))
+    assert tree.page_size == 64   # a tree on pages passes with triton as --attention-backend
     for kw, message in [
         (dict(draft_model_path=None), "^draft_model_path: EAGLE3 needs a draft model folder"),
         (dict(draft_model_path=tmp_path / "none"), "^draft_model_path: .*config.json does not exist"),
@@ -304,6 +309,11 @@ def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
         (dict(expert_record_buffer=-1), "^expert_record_buffer: .*; EAGLE3's draft passes go through the recorder"),
         (dict(attention_backend="sm120_mla", eagle_steps=16),
          "^num_draft_tokens: 17 exceed the sm120_mla kernel's 16 queries per request"),
+        (dict(model_path=four), r"^layers: an EAGLE3 head reads target layers .* L = 4 gives \[2, 2, 1\]"),
+        (dict(eagle_steps=1, eagle_topk=2, num_draft_tokens=8),
+         "^num_draft_tokens: 1 EAGLE steps at topk 2 offer 2 draft tokens, fewer than the 7"),
+        (dict(attention_backend="flashmla", eagle_topk=4, num_draft_tokens=8),
+         r"^eagle_topk: SGLang 0.5.17 runs an EAGLE tree on pages of 64 tokens only with \('flashinfer'"),
     ]:
         args = {"model_path": plain, "attention_backend": "triton", "tp": 1, "spec": "eagle3",
                 "draft_model_path": head, "expert_record_buffer": 200, **kw}
@@ -757,9 +767,13 @@ def test_plan_matrix_orders_and_filters():
                         (dict(eagle_topk=0), "^eagle_topk: must be a positive int, got 0"),
                         (dict(eagle_topk=4, eagle_draft_tokens=1), "^eagle_draft_tokens: must be an int >= 2, got 1"),
                         (dict(eagle_topk=4, eagle_draft_tokens=17),
-                         "^eagle_draft_tokens: 17 eagle3 draft tokens exceed the sm120_mla kernel's 16")]:
+                         "^eagle_draft_tokens: 17 eagle3 draft tokens exceed the sm120_mla kernel's 16"),
+                        (dict(eagle_steps=1, eagle_topk=2, eagle_draft_tokens=8),
+                         "^eagle_draft_tokens: 1 EAGLE steps at topk 2 offer 2 draft tokens")]:
         with pytest.raises(ValueError, match=message):
             decode_bench.plan_matrix(["sm120_mla"], [4096], ["eagle3"], **kw)
+    with pytest.raises(ValueError, match=r"^eagle_topk, eagle_draft_tokens: only \('eagle', 'eagle3'\) take them"):
+        decode_bench.plan_matrix(["sm120_mla"], [4096], ["ngram"], eagle_topk=4, eagle_draft_tokens=8)
     with pytest.raises(ValueError, match="decode_tokens"):
         decode_bench.plan_matrix(["triton"], [4096], ["none"], decode_tokens=1)
 
@@ -1082,6 +1096,11 @@ def test_eagle3_servers_take_an_mla_draft_head(fake, tmp_path, monkeypatch):
     assert "--speculative-algorithm EAGLE3" in log and "--speculative-num-steps 2 --speculative-eagle-topk 1" in log
     assert re.search(r"--model-path \S+/model --", log) and re.search(r"--speculative-draft-model-path \S+/draft-", log)
     assert {r["eagle_topk"] for r in res.decode} == {1}
+    with pytest.raises(ValueError, match="^layers: an EAGLE3 head reads target layers"):   # before any start
+        decode_bench.run_matrix(model="k2_tp8_slice", layers=4, backends=["sm120_mla"], contexts=[64],
+                                spec=["none", "eagle3"], decode_tokens=12, tp=1, nvml=False, progress=False,
+                                launcher=fake, log_dir=tmp_path / "four", log=lambda s: None)
+    assert not (tmp_path / "four").exists()
     # a tree: its width and tokens reach the server and the records
     res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
                                   spec=["eagle3", "none"], eagle_steps=2, eagle_topk=4, eagle_draft_tokens=6,

@@ -272,3 +272,9 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
                               draft_tokens=4, ngram_tail=False)])
     pts = sc.decode_points(tree).set_index(["eagle_topk"])
     assert pts.loc[4, "config"] == "sm120_mla, EAGLE topk 4" and pts.loc[1, "config"] == "sm120_mla"
+    plain = _rec("sm120_mla", 65536, 140.0, "ccccccc333", "2026-12-02T05:00", spec="none", draft_tokens=0,
+                 ngram_tail=False)
+    t = sc.service_targets(sc.decode_points(pd.concat([tree, pd.DataFrame([plain])]), every_run=True))
+    vs_plain = t[t["target"] == "eagle3 64k: sm120_mla speculation >= plain decode"].set_index("config")
+    assert vs_plain.loc["sm120_mla, EAGLE topk 4", "pairing"] == "same run"   # a tree pairs with plain decode too
+    assert vs_plain.loc["sm120_mla", "ratio"] == pytest.approx(160.0 / 140.0, abs=0.01)

@@ -148,8 +148,8 @@ def install_spec_compat() -> bool:
 
     Three places in SGLang 0.5.17 check draft backends by name:
     - `DraftBackendFactory._create_backend` (sglang/srt/speculative/draft_utils.py): the
-      EAGLE / MTP multi-step draft-decode and draft-extend backends. For an MLA draft model
-      (DeepSeek-V3's MTP layer) `sm120_mla` gets the kernel's own: `Sm120MlaMultiStepDraftBackend`
+      EAGLE / EAGLE3 multi-step draft-decode and draft-extend backends. For an MLA draft model
+      (DeepSeek-V3's MTP layer, an EAGLE3-MLA head) `sm120_mla` gets the kernel's own: `Sm120MlaMultiStepDraftBackend`
       and `Sm120MlaAttnBackend`, in place of SGLang's TritonMultiStepDraftBackend and
       TritonAttnBackend; any other map (a non-MLA draft, a factory of another SGLang) gets the
       `triton` entry. `--speculative-draft-attention-backend triton` keeps the draft on Triton.
