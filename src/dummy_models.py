@@ -198,9 +198,10 @@ def eagle3_draft_config(target_cfg: dict) -> dict:
     q_lora_rank, kv_lora_rank, rope, yarn), whose fused QKV-down projection reads the token's
     embedding beside the draft's hidden state; a dense FFN of the target's dense width; an `fc`
     over three of the target's hidden states (no layer ids given: SGLang captures layers 2, L/2
-    and L - 3, which must differ, `eagle3_aux_layers`, and the draft expects three). bf16 (the target's quantization_config is dropped);
-    no `draft_vocab_size`, so the LM head is the target's. Its draft attention is MLA, so
-    SGLang serves it with an MLA backend: sm120_mla's kernel, as for the MTP layer.
+    and L - 3, which must differ, `eagle3_aux_layers`, and the draft expects three). bf16 (the
+    target's quantization_config is dropped); no `draft_vocab_size`, so the LM head is the target's.
+    Its draft attention is MLA, so SGLang serves it with an MLA backend: sm120_mla's kernel, as for
+    the MTP layer.
     """
     if not target_cfg.get("kv_lora_rank"):
         raise ValueError("target_cfg: an EAGLE3-MLA draft copies the target's MLA shape; this config "

@@ -55,11 +55,11 @@ DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
+PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokenspeed_mla": 64,
+                  "cutedsl_mla": 64, "hpc_ops": 64}
 # Backends SGLang 0.5.17 runs an EAGLE tree (topk > 1) on with pages above one token
 # (arg_groups/speculative_hook.py, _PAGE_TREE_SPEC_BACKENDS).
 PAGED_TREE_BACKENDS = ("flashinfer", "fa3", "triton")
-PAGED_BACKENDS = {"flashmla": 64, "cutlass_mla": 128, "trtllm_mla": 64, "tokenspeed_mla": 64,
-                  "cutedsl_mla": 64, "hpc_ops": 64}
 LOG_TAIL_LINES = 60
 # /generate: the longest silence from the server, before the first chunk (the first token: at
 # most 41 s in the H200 records, 128k on 16 layers with the Triton prefill; on a fresh machine a
@@ -407,11 +407,11 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         dpath = Path(cfg.draft_model_path) / "config.json"
         if not dpath.is_file():
             raise ValueError(f"draft_model_path: {dpath} does not exist")
-        arch = (json.loads(dpath.read_text()).get("architectures") or [None])[0]
+        draft = json.loads(dpath.read_text())
+        arch = (draft.get("architectures") or [None])[0]
         if arch not in EAGLE3_DRAFT_ARCHITECTURES:
             raise ValueError(f"draft_model_path: an EAGLE3 draft has an architecture in "
                              f"{EAGLE3_DRAFT_ARCHITECTURES}, this one {arch!r}")
-        draft = json.loads(dpath.read_text())
         if not ((draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 or draft.get("eagle_aux_hidden_state_layer_ids")):
             eagle3_aux_layers(int(model["num_hidden_layers"]))   # SGLang's default layers must differ

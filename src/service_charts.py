@@ -29,7 +29,8 @@ KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_t
                 "expert_record": False, "ngram_tail": False, "prefill_attention_backend": "",
                 "prefill_as_base": False, "draft_backend": "", "eagle_topk": 1}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM",
-               "eagle": "EAGLE (MTP layer, dummy weights)", "eagle3": "EAGLE3 (MLA draft head, dummy weights)"}
+               "eagle": "EAGLE (MTP layer, dummy weights)",
+               "eagle3": "EAGLE3 (MLA draft head, dummy weights)"}
 
 
 def ctx_label(ctx: int) -> str:
