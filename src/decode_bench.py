@@ -64,10 +64,9 @@ from .dummy_models import (eagle3_aux_layers, heads_per_rank, materialize_draft,
                            materialize_model, max_context, weight_format)
 from .patches import kv_sort
 from .results import cli_command
-from .service import eagle_draft_tokens as chain_draft_tokens
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
-                      check_eagle_tree, check_int, check_warmups, log_tail, resolve_tp, spec_metrics)
+                      check_warmups, eagle_verify_tokens, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -120,7 +119,8 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
     plans = []
     for backend in dict.fromkeys(backends):
         for s in dict.fromkeys(spec):
-            dt = (eagle_verify_tokens(eagle_steps, eagle_topk, eagle_draft_tokens) if s in EAGLE_SPECS else
+            dt = (eagle_verify_tokens(eagle_steps, eagle_topk, eagle_draft_tokens, "eagle_draft_tokens")
+                  if s in EAGLE_SPECS else
                   {"none": None, "dflash": draft_tokens, "ngram": ngram_draft_tokens}[s])
             ctxs = sorted({int(c) for c in contexts})
             if model_max_context is not None:
@@ -142,24 +142,6 @@ def dropped_contexts(plans: Sequence[ServerPlan], contexts: Sequence[int]) -> li
 SPEC_FALLBACKS = ("", "ngram", "none")   # what may run when a DFlash server fails to start
 
 
-def eagle_verify_tokens(eagle_steps: int, eagle_topk: int = 1, eagle_draft_tokens: int | None = None) -> int:
-    """The tokens an EAGLE or EAGLE3 server verifies a request: a chain's (topk 1) steps + 1, where
-    eagle_draft_tokens is None or that; a tree's (topk > 1) eagle_draft_tokens, which it needs."""
-    check_int("eagle_steps", eagle_steps)
-    check_int("eagle_topk", eagle_topk)
-    chain = chain_draft_tokens(eagle_steps)
-    if eagle_draft_tokens is None:
-        if eagle_topk != 1:
-            raise ValueError(f"eagle_draft_tokens: an EAGLE tree (eagle_topk {eagle_topk}) needs it given")
-        return chain
-    check_int("eagle_draft_tokens", eagle_draft_tokens, least=2)
-    if eagle_topk == 1 and eagle_draft_tokens != chain:
-        raise ValueError(f"eagle_draft_tokens: a chain of {eagle_steps} EAGLE steps verifies {chain} tokens, "
-                         f"got {eagle_draft_tokens}")
-    check_eagle_tree(eagle_steps, eagle_topk, eagle_draft_tokens, "eagle_draft_tokens")
-    return eagle_draft_tokens
-
-
 def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_tokens, ngram_draft_tokens,
                        eagle_steps: int = 3, eagle_topk: int = 1, eagle_draft_tokens: int | None = None) -> None:
     """The draft counts the planned servers will use, checked before any server starts: a DFlash
@@ -177,7 +159,7 @@ def check_draft_tokens(backends: Sequence[str], spec: Sequence[str], draft_token
         name, n, least = counts[s]
         if isinstance(n, bool) or not isinstance(n, int) or n < least:
             raise ValueError(f"{name}: {s} needs an int >= {least}, got {n!r}")
-        tokens = eagle_verify_tokens(n, eagle_topk, eagle_draft_tokens) if s in EAGLE_SPECS else n
+        tokens = eagle_verify_tokens(n, eagle_topk, eagle_draft_tokens, "eagle_draft_tokens") if s in EAGLE_SPECS else n
         if s in EAGLE_SPECS and eagle_draft_tokens is not None:
             name = "eagle_draft_tokens"
         if "sm120_mla" in backends and tokens > MAX_Q_LEN:
@@ -491,8 +473,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             rows_per_pass = recorder_rows_per_pass(plan.spec, eagle_steps)
             buffer = (spec_expert_buffer(plan.contexts, decode_tokens, rows_per_pass)
                       if expert and plan.spec in DRAFT_MODEL_SPECS else -1)
-            fail = {**common, "backend": plan.backend, "spec": plan.spec, "draft_tokens": plan.draft_tokens,
-                    "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None, "expert_record": expert,
+            # what every record of this plan names of its speculation
+            spec_keys = {"spec": plan.spec, "draft_tokens": plan.draft_tokens,
+                         "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None}
+            fail = {**common, "backend": plan.backend, **spec_keys, "expert_record": expert,
                     "expert_buffer": buffer}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
             if unsupported:   # FlashMLA on sm_120: a server start (and DFlash's fallback) would only fail
@@ -546,6 +530,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     ran = warmups_run(start_log, warmups)
                     warm_s = warmup_seconds(start_log) if ran else None
                     fail["warmups"] = ",".join(ran)
+                    # what SGLang resolved for the draft's attention (records of a draft model only)
+                    resolved_draft = resolved_draft_backend(srv.server_info, plan.spec) if drafted else None
                     if len(ran) < len(warmups):
                         log(f"  WARNING: the server's log does not say it ran the warm-ups "
                             f"{[w for w in warmups if w not in ran]} (SGLang only warns of a name it "
@@ -564,17 +550,15 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                             row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
                                                          nvml, nvml_interval_s, expert, tp, buffer,
                                                          rows_per_pass)
-                            base = {**common, "run_id": run_id, "backend": plan.backend, "spec": plan.spec,
-                                    "draft_tokens": plan.draft_tokens, "ctx": ctx, "repeat": rep,
-                                    "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None,
+                            base = {**common, "run_id": run_id, "backend": plan.backend, **spec_keys,
+                                    "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
                                     "expert_record": expert, "expert_buffer": buffer,
                                     "warmups": ",".join(ran),
                                     "warmup_s": warm_s, "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                     "context_length": srv.config.context_length,
-                                    "draft_attention_backend": (resolved_draft_backend(srv.server_info, plan.spec)
-                                                                if drafted else None),
+                                    "draft_attention_backend": resolved_draft,
                                     "startup_s": round(srv.startup_s, 1)}
                             emit(DECODE_RESULTS, [{**base, **row}])
                             emit(NVML_RESULTS, [{**base, **r} for r in nv])
@@ -600,11 +584,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                         else:
                             prof.pop("trace_path")
                         emit(PROFILE_RESULTS, [{**common, "warmups": fail["warmups"], "run_id": run_id,
-                                                "backend": plan.backend,
-                                                "spec": plan.spec, "draft_tokens": plan.draft_tokens, "ctx": ctx,
-                                                "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None,
-                                                "draft_attention_backend": (resolved_draft_backend(srv.server_info, plan.spec)
-                                                                            if drafted else None),
+                                                "backend": plan.backend, **spec_keys, "ctx": ctx,
+                                                "draft_attention_backend": resolved_draft,
                                                 "cuda_graph": cuda_graph, "expert_record": expert,
                                                 "expert_buffer": buffer, "with_stack": profile_with_stack, **prof}])
                         log(f"  profile ctx={ctx}: step {prof['per_step_ms']:.2f} ms, GPU busy "

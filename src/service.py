@@ -284,18 +284,27 @@ def check_int(name: str, value, least: int = 1) -> None:
         raise ValueError(f"{name}: must be {need}, got {value!r}")
 
 
-def eagle_draft_tokens(eagle_steps: int) -> int:
-    """The tokens an EAGLE chain (topk 1) of `eagle_steps` draft steps verifies: steps + 1."""
-    return eagle_steps + 1
-
-
-def check_eagle_tree(eagle_steps: int, eagle_topk: int, draft_tokens: int, name: str) -> None:
-    """An EAGLE tree's verified tokens within what its draft steps offer: SGLang picks
-    draft_tokens - 1 of topk + (steps - 1) x topk^2 candidates (eagle_utils.organize_draft_results)."""
+def eagle_verify_tokens(eagle_steps: int, eagle_topk: int = 1, draft_tokens: int | None = None,
+                        name: str = "num_draft_tokens") -> int:
+    """The tokens an EAGLE or EAGLE3 server verifies a request: a chain's (topk 1) steps + 1, where
+    `draft_tokens` is None or that; a tree's (topk > 1) `draft_tokens`, which it needs, within what
+    its steps offer (SGLang picks draft_tokens - 1 of topk + (steps - 1) x topk^2 candidates,
+    eagle_utils.organize_draft_results). Errors name `name`, the caller's argument for the count."""
+    check_int("eagle_steps", eagle_steps)
+    check_int("eagle_topk", eagle_topk)
+    chain = eagle_steps + 1
+    if draft_tokens is None:
+        if eagle_topk != 1:
+            raise ValueError(f"{name}: an EAGLE tree (eagle_topk {eagle_topk}) needs it given")
+        return chain
+    check_int(name, draft_tokens, least=2)
+    if eagle_topk == 1 and draft_tokens != chain:
+        raise ValueError(f"{name}: a chain of {eagle_steps} EAGLE steps verifies {chain} tokens, got {draft_tokens}")
     offered = eagle_topk + (eagle_steps - 1) * eagle_topk ** 2
     if draft_tokens - 1 > offered:
         raise ValueError(f"{name}: {eagle_steps} EAGLE steps at topk {eagle_topk} offer {offered} draft "
                          f"tokens, fewer than the {draft_tokens - 1} that {draft_tokens} verified tokens need")
+    return draft_tokens
 
 
 def check_positive(name: str, value) -> None:
@@ -415,19 +424,7 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         if not ((draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 or draft.get("eagle_aux_hidden_state_layer_ids")):
             eagle3_aux_layers(int(model["num_hidden_layers"]))   # SGLang's default layers must differ
-    check_int("eagle_steps", cfg.eagle_steps)
-    check_int("eagle_topk", cfg.eagle_topk)
-    chain = eagle_draft_tokens(cfg.eagle_steps)
-    if cfg.num_draft_tokens is None:
-        if cfg.eagle_topk != 1:
-            raise ValueError(f"num_draft_tokens: EAGLE trees (eagle_topk {cfg.eagle_topk}) need it given")
-        cfg.num_draft_tokens = chain
-    else:
-        check_int("num_draft_tokens", cfg.num_draft_tokens, least=2)
-        if cfg.eagle_topk == 1 and cfg.num_draft_tokens != chain:
-            raise ValueError(f"num_draft_tokens: a chain of {cfg.eagle_steps} EAGLE steps verifies "
-                             f"{chain} tokens, got {cfg.num_draft_tokens}")
-        check_eagle_tree(cfg.eagle_steps, cfg.eagle_topk, cfg.num_draft_tokens, "num_draft_tokens")
+    cfg.num_draft_tokens = eagle_verify_tokens(cfg.eagle_steps, cfg.eagle_topk, cfg.num_draft_tokens)
     base = cfg.base_attention_backend()   # what SGLang's check reads (--attention-backend)
     if cfg.eagle_topk > 1 and (cfg.page_size or 1) > 1 and base not in PAGED_TREE_BACKENDS:
         raise ValueError(f"eagle_topk: SGLang 0.5.17 runs an EAGLE tree on pages of {cfg.page_size} tokens only "

@@ -263,7 +263,7 @@ def test_eagle_launches_the_models_mtp_layer_and_parses_with_sglang(tmp_path):
         (dict(model_path=plain), "^model_path: EAGLE here drafts with the model's own MTP layer"),
         (dict(draft_model_path=tmp_path), "^draft_model_path: EAGLE drafts with the model's own MTP layer"),
         (dict(num_draft_tokens=3), "^num_draft_tokens: a chain of 3 EAGLE steps verifies 4 tokens, got 3"),
-        (dict(eagle_topk=4), r"^num_draft_tokens: EAGLE trees \(eagle_topk 4\) need it given"),
+        (dict(eagle_topk=4), r"^num_draft_tokens: an EAGLE tree \(eagle_topk 4\) needs it given"),
         (dict(eagle_steps=0), "^eagle_steps: must be a positive int, got 0"),
         (dict(draft_attention_backend="tritn"), "^draft_attention_backend: 'tritn' is not an attention backend"),
         (dict(expert_record_buffer=-1), "^expert_record_buffer: SGLang 0.5.17's expert recorder with an unbounded"),
