@@ -77,6 +77,18 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+# How summarize_trace adds up a category's kernels; a record without the key summed their spans.
+CATEGORY_TIME = "union"
+SUMMED_CATEGORIES = "summed spans"
+
+
+def category_time(record: dict) -> str:
+    """How a profile record's categories were added up: CATEGORY_TIME, or SUMMED_CATEGORIES for
+    a record from before it was written (a PDL dependent's wait counted in its category too)."""
+    v = record.get("category_time")
+    return v if isinstance(v, str) and v else SUMMED_CATEGORIES   # absent, or NaN in a frame
+
+
 def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40) -> dict:
     """Per-step GPU time by kernel category over a trace of `steps` forward steps.
 
@@ -84,6 +96,12 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     busy_share, per_step_ms (window / steps), gpu_ms_per_step {category: ms}, kernels (count),
     graph_launches (cudaGraphLaunch calls), top_kernels [(name, calls, ms per step)] and, for a
     trace taken with_stack, top_python [(function, calls, inclusive ms per step)].
+
+    A category's time is the union of its kernels' spans, not their sum: on sm_90 the kernel's
+    combine step is a programmatic dependent launch (COMBINE_PDL), so its span starts beside the
+    attention kernel's and includes its wait for it. Summed, the attention read about twice its
+    GPU time (records before 2026-12-02, which lack `category_time`: see SUMMED_CATEGORIES).
+    `top_kernels` still sums each kernel's own spans.
 
     The window runs from the first step's first kernel to the last step's last kernel, so it
     holds `steps` GPU passes but only steps - 1 of the host gaps between them: per_step_ms and
@@ -101,9 +119,10 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     end = max(float(e["ts"]) + float(e["dur"]) for e in kernels)
     busy = _union_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels])
     by_name = _calls_and_us(kernels)
-    by_cat: dict[str, float] = defaultdict(float)
-    for name, (_, us) in by_name.items():
-        by_cat[categorize(name)] += us
+    spans: dict[str, list] = defaultdict(list)
+    for e in kernels:
+        spans[categorize(e["name"])].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    by_cat = {cat: _union_us(iv) for cat, iv in spans.items()}
     window = end - start
     top_k = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     # With with_stack, the trace holds Python calls (cat python_function, nested): their
@@ -118,6 +137,7 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
         "busy_share": round(busy / window, 4) if window > 0 else None,
         "per_step_ms": round(window / 1e3 / steps, 4),
         "gpu_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "category_time": CATEGORY_TIME,
         "kernels": len(kernels),
         "graph_launches": graph_launches,
         "top_kernels": [[name[:120], n, round(us / 1e3 / steps, 4)] for name, (n, us) in top_k],
@@ -196,7 +216,7 @@ def profile_frame(records) -> pd.DataFrame:
 
     rows = []
     for r in records:
-        key = {"config": _config(r),
+        key = {"config": _config(r), "category_time": category_time(r),
                **{k: r.get(k) for k in ("backend", "layers", "spec", "ctx", "per_step_ms", "busy_share")}}
         cats = r.get("gpu_ms_per_step") or {}
         for cat, ms in cats.items():
@@ -221,9 +241,11 @@ def step_profile_chart(records, title: str = "", source: str = ""):
     df = profile_frame(records)
     if len(df) == 0:
         raise ValueError("records: no step profiles to chart")
-    # the layer count is in the label: profiles at two depths are two bars, never one stack
+    # the layer count is in the label: profiles at two depths are two bars, never one stack;
+    # an older record's summed categories overlap (its bar overshoots its step), and say so
     df["point"] = [f"{c}, {_layers_of(n) or '?'} layers / {s} / {ctx_label(int(x))}"
-                   for c, n, s, x in zip(df["config"], df["layers"], df["spec"], df["ctx"])]
+                   + ("" if t == CATEGORY_TIME else f" ({t})")
+                   for c, n, s, x, t in zip(df["config"], df["layers"], df["spec"], df["ctx"], df["category_time"])]
     order = list(df.sort_values(["spec", "ctx", "point"])["point"].unique())
     return (alt.Chart(df).mark_bar()
             .encode(y=alt.Y("point:N", sort=order, title=None, axis=alt.Axis(labelLimit=360)),
@@ -237,7 +259,8 @@ def step_profile_chart(records, title: str = "", source: str = ""):
 
 def profile_table(records):
     """One row per profiled point: its configuration and layer count, step ms, GPU busy share,
-    attention ms, host/idle ms and the commit that measured it."""
+    attention ms, host/idle ms, how its categories were added up (category_time) and the
+    commit that measured it."""
     import pandas as pd
 
     from .service_charts import short_commit
@@ -250,5 +273,6 @@ def profile_table(records):
                      "spec": r["spec"], "ctx": r["ctx"],
                      "step_ms": round(r["per_step_ms"], 2), "gpu_busy_%": round(100 * (r.get("busy_share") or 0), 1),
                      "attention_ms": round(attention, 3),
-                     "host_idle_ms": round(host_idle_ms(r), 2), "commit": short_commit(r.get("commit"))})
+                     "host_idle_ms": round(host_idle_ms(r), 2), "categories": category_time(r),
+                     "commit": short_commit(r.get("commit"))})
     return pd.DataFrame(rows)

@@ -31,7 +31,7 @@ def test_categorize(name, cat):
     assert categorize(name) == cat
 
 
-def test_overlapping_kernels_count_once_in_busy_time(tmp_path):
+def test_overlapping_kernels_count_once_in_busy_time_and_in_their_category(tmp_path):
     ev = [{"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 0, "dur": 100},
           {"ph": "X", "cat": "kernel", "name": "gemm_b", "ts": 50, "dur": 100},   # overlaps a
           {"ph": "X", "cat": "kernel", "name": "_fwd_kernel", "ts": 400, "dur": 100},
@@ -42,11 +42,25 @@ def test_overlapping_kernels_count_once_in_busy_time(tmp_path):
     s = summarize_trace(load_trace(path), steps=2)
     assert s["window_ms"] == 0.5 and s["busy_ms"] == 0.25 and s["busy_share"] == 0.5
     assert s["per_step_ms"] == 0.25
-    assert s["gpu_ms_per_step"] == {"gemm": 0.1, "attention: triton": 0.05}
+    assert s["gpu_ms_per_step"] == {"gemm": 0.075, "attention: triton": 0.05}   # a category: the union too
     assert s["top_kernels"][0][0] == "gemm_a" and s["kernels"] == 3
     df = profile_frame([{"backend": "triton", "spec": "ngram", "ctx": 4096, **s}])
     assert set(df["category"]) == {"gemm", "attention: triton", "host / idle (no kernel running)"}
     assert df.loc[df["category"].str.startswith("host"), "ms"].item() == pytest.approx(0.125)
+
+
+def test_a_pdl_dependent_counts_once_in_its_category(tmp_path):
+    """The combine step starts beside the attention kernel and waits for it (sm_90, COMBINE_PDL):
+    the category holds the union of their spans (60 us), not their sum (110 us)."""
+    ev = [{"ph": "X", "cat": "kernel", "name": "void sm120_mla::wide::mla_verify_wide_kernel<false>(sm120_mla::Params)",
+           "ts": 0, "dur": 50},
+          {"ph": "X", "cat": "kernel", "name": "void sm120_mla::mla_verify_combine_kernel<16, true, true>(...)",
+           "ts": 1, "dur": 59},
+          {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "ts": 100, "dur": 40}]
+    s = summarize_trace({"traceEvents": ev}, steps=1)
+    assert s["gpu_ms_per_step"] == {"attention: sm120_mla": 0.06, "gemm": 0.04}
+    assert s["category_time"] == "union" and s["busy_ms"] == 0.1
+    assert [k[2] for k in s["top_kernels"][:2]] == [0.059, 0.05]   # each kernel's own span
 
 
 def test_chart_and_table_from_records(tmp_path):
@@ -61,13 +75,20 @@ def test_chart_and_table_from_records(tmp_path):
     assert list(t["config"]) == ["triton", "sm120_mla"]
     assert list(profile_table([dict(recs[1], config="sm120_mla TP2")])["config"]) == ["sm120_mla TP2"]
     assert list(t["layers"]) == [4, 4] and list(t["commit"]) == ["abcdef0+dirty"] * 2
+    # records before category_time summed overlapping spans; the table and chart say which
+    assert list(t["categories"]) == ["summed spans"] * 2
+    assert list(profile_table([dict(recs[1], category_time="union")])["categories"]) == ["union"]
     assert list(profile_table([dict(recs[0], tp=2, ngram_tail=True)])["config"]) == ["triton TP2 + ngram_tail"]
     save_chart(step_profile_chart(recs), "profile", str(tmp_path))
     assert any(tmp_path.iterdir())
     # the same configuration profiled at two depths: two bars, each labelled with its depth
-    deeper = step_profile_chart([recs[1], dict(recs[1], layers=16)], source="recorded: H200").to_dict()
+    new = dict(recs[1], category_time="union")
+    deeper = step_profile_chart([new, dict(new, layers=16)], source="recorded: H200").to_dict()
     points = {r["point"] for r in next(iter(deeper["datasets"].values()))}
     assert points == {"sm120_mla, 4 layers / ngram / 64k", "sm120_mla, 16 layers / ngram / 64k"}
+    older = step_profile_chart([recs[1]]).to_dict()
+    assert {r["point"] for r in next(iter(older["datasets"].values()))} == {
+        "sm120_mla, 4 layers / ngram / 64k (summed spans)"}
     assert deeper["title"]["subtitle"] == "recorded: H200"
 
 
