@@ -31,9 +31,11 @@ service_expert_load.jsonl and service_failures.jsonl):
 `--spec eagle` is SGLang's EAGLE with the model's own MTP layer (DeepSeek-V3's; the K2-shaped
 model is given one, `mtp_layers=1`), `--eagle-steps` draft steps in a chain (topk 1), or a tree
 (`--eagle-topk K --eagle-draft-tokens N`). With sm120_mla its draft decodes and extends on the
-kernel too, unless `--draft-backend triton`. `--spec eagle3` is SGLang's EAGLE3 with an EAGLE3-MLA
-draft head (the layout of the Kimi K2.5/K2.6 EAGLE3 drafts, `dummy_models.materialize_eagle3_draft`)
-on the model without an MTP layer: the same steps and trees, and the same draft backends.
+kernel too, unless `--draft-backend triton`. `--spec eagle3` is SGLang's EAGLE3 with a draft head
+of its own (`dummy_models.materialize_eagle3_draft`) on the model without an MTP layer: the same
+steps and trees. `--eagle3-head mla` (the default; the layout of the Kimi K2.5/K2.6 heads) drafts
+on the same backends as EAGLE; `--eagle3-head llama` (SpecForge's Kimi K2 head, MHA) keeps its
+draft's attention on SGLang's own backends (triton under sm120_mla, or `--draft-backend`).
 
 DFlash, EAGLE and EAGLE3 servers record experts into a circular buffer of an upper bound on a request's
 recorder rows (spec_expert_buffer): their draft passes record empty rows, and SGLang 0.5.17's
@@ -60,8 +62,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .dummy_models import (eagle3_aux_layers, heads_per_rank, materialize_draft, materialize_eagle3_draft,
-                           materialize_model, max_context, weight_format)
+from .dummy_models import (EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, materialize_draft,
+                           materialize_eagle3_draft, materialize_model, max_context, weight_format)
 from .patches import kv_sort
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
@@ -186,26 +188,36 @@ def spec_expert_buffer(contexts: Sequence[int], decode_tokens: int, rows_per_pas
     return rows_per_pass * (-(-max(contexts) // 1024) + decode_tokens) + 16
 
 
-def resolved_draft_backend(server_info: dict | None, spec: str) -> str | None:
+def resolved_draft_backend(server_info: dict | None, spec: str, mla_draft: bool = True) -> str | None:
     """A DFlash or EAGLE(3) server's draft attention backend as SGLang resolved it (its /server_info):
     --speculative-draft-attention-backend (SGLang replaces a DFlash draft backend it refuses), or for
-    EAGLE and EAGLE3, where none is given, the decode backend its draft factory falls back to."""
+    EAGLE and EAGLE3, where none is given, the decode backend its draft factory falls back to. A
+    draft that is not MLA (`mla_draft` False: an EAGLE3 Llama head) given sm120_mla runs on triton,
+    the entry the plugin's factory patch gives it, and is recorded so."""
     info = server_info or {}
     named = info.get("speculative_draft_attention_backend")
-    if named or spec not in EAGLE_SPECS:
-        return named
-    return info.get("decode_attention_backend") or info.get("attention_backend")
+    if not named and spec in EAGLE_SPECS:
+        named = info.get("decode_attention_backend") or info.get("attention_backend")
+    if spec in EAGLE_SPECS and not mla_draft and named == "sm120_mla":
+        return "triton"
+    return named
 
 
-def draft_folder(plan: ServerPlan, model_dir: Path, dest: Path) -> Path | None:
+def draft_folder(plan: ServerPlan, model_dir: Path, dest: Path, eagle3_head: str = "mla") -> Path | None:
     """The draft model folder a planned server takes (--speculative-draft-model-path): DFlash's,
-    its block the plan's draft tokens; an EAGLE3-MLA head; None for the rest (EAGLE drafts with the
-    model's MTP layer)."""
+    its block the plan's draft tokens; an EAGLE3 head of layout `eagle3_head`; None for the rest
+    (EAGLE drafts with the model's MTP layer)."""
     if plan.spec == "dflash":
         return materialize_draft(model_dir, block_size=plan.draft_tokens, dest=dest)
     if plan.spec == "eagle3":
-        return materialize_eagle3_draft(model_dir, dest=dest)
+        return materialize_eagle3_draft(model_dir, dest=dest, head=eagle3_head)
     return None
+
+
+def mha_draft(spec: str, eagle3_head: str = "mla") -> bool:
+    """Whether a server's draft model keeps an MHA KV pool of its own (DFlash's, an EAGLE3 Llama
+    head's): SGLang sizes it with as many slots as the target's MLA pool (see run_matrix)."""
+    return spec == "dflash" or (spec == "eagle3" and eagle3_head == "llama")
 
 
 def random_input_ids(n: int, vocab_size: int, seed: int, low: int = 100) -> list[int]:
@@ -234,7 +246,9 @@ def decode_stats(completion_tokens: int, ttft_s: float, latency_s: float, meta_i
         if not verify_ct:
             raise ValueError("meta_info has no spec_verify_ct: speculation did not run")
         accept = float(meta_info.get("spec_accept_length", completion_tokens / int(verify_ct)))
-        before = math.ceil((first_chunk_tokens - 1) / accept) if first_chunk_tokens > 1 else 0
+        # SGLang's accept length counts the prefill's token too (completion / verify steps), so
+        # it reads a little high; rounded, not ceiled: 7 tokens at 6.74 a step are one step, not two
+        before = max(1, round((first_chunk_tokens - 1) / accept)) if first_chunk_tokens > 1 else 0
         steps, estimated = max(1, int(verify_ct) - before), before > 0
     else:
         accept = 1.0
@@ -346,7 +360,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                ngram_tail: bool = False, prefill_backend: str | None = None,
                prefill_as_base: bool = False, warmups: Sequence[str] = (),
                eagle_steps: int = 3, eagle_topk: int = 1, eagle_draft_tokens: int | None = None,
-               draft_backend: str | None = None, log: Callable[[str], None] = print) -> MatrixResult:
+               draft_backend: str | None = None, eagle3_head: str = "mla",
+               log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
     spec_fallback: when a DFlash server fails to start, run `spec_fallback` ("ngram") in its
@@ -377,6 +392,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
     triton for DFlash, the decode backend for EAGLE(3), whose MLA draft then runs on sm120_mla's
     kernel where that is the backend); records carry what SGLang resolved.
+    eagle3_head: the EAGLE3 head's layout, "mla" or "llama" (dummy_models.EAGLE3_HEADS; an MHA
+    draft, whose attention sm120_mla leaves to triton); EAGLE3 records carry it as draft_head.
     """
     from tqdm.auto import tqdm
 
@@ -396,6 +413,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         check_warmups(warmups)
     if draft_backend is not None:
         check_attention_backend(draft_backend, "draft_backend")
+    if eagle3_head not in EAGLE3_HEADS:
+        raise ValueError(f"eagle3_head: one of {sorted(EAGLE3_HEADS)}, got {eagle3_head!r}")
+    if eagle3_head != "mla" and "eagle3" not in spec:
+        raise ValueError(f"eagle3_head: only spec eagle3 takes a head, and spec is {list(spec)}")
     if (spec_fallback or "") not in SPEC_FALLBACKS:
         raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
     if spec_fallback:
@@ -475,7 +496,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                       if expert and plan.spec in DRAFT_MODEL_SPECS else -1)
             # what every record of this plan names of its speculation
             spec_keys = {"spec": plan.spec, "draft_tokens": plan.draft_tokens,
-                         "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None}
+                         "eagle_topk": eagle_topk if plan.spec in EAGLE_SPECS else None,
+                         "draft_head": eagle3_head if plan.spec == "eagle3" else None}
             fail = {**common, "backend": plan.backend, **spec_keys, "expert_record": expert,
                     "expert_buffer": buffer}
             unsupported = unsupported_reason(plan.backend, capability) if capability else None
@@ -490,11 +512,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.backend}-{plan.spec}-{uuid.uuid4().hex[:6]}"
             fail["run_id"] = run_id
             ctx_len = context_length_for(plan.contexts, decode_tokens, plan.draft_tokens)
-            # DFlash's draft keeps an MHA KV pool with as many slots as the target's MLA pool;
-            # sized by --mem-fraction-static alone the two overrun the GPU (H200, 2026-11-29:
-            # 10M slots, 77 GB for the draft's K and V, start-up OOM). Batch 1 needs a few
-            # contexts' worth of slots.
-            extra = ("--max-total-tokens", str(4 * ctx_len)) if plan.spec == "dflash" else ()
+            # DFlash's draft (and an EAGLE3 Llama head) keeps an MHA KV pool with as many slots as
+            # the target's MLA pool; sized by --mem-fraction-static alone the two overrun the GPU
+            # (H200, 2026-11-29: 10M slots, 77 GB for DFlash's draft K and V, start-up OOM).
+            # Batch 1 needs a few contexts' worth of slots.
+            extra = ("--max-total-tokens", str(4 * ctx_len)) if mha_draft(plan.spec, eagle3_head) else ()
             if ep_size > 1:   # experts sharded over ep_size of the tp ranks (SGLang's own EP MoE)
                 extra += ("--ep-size", str(ep_size))
             if tp > 1 and not fusion:
@@ -514,7 +536,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 expert_record=expert, expert_record_buffer=buffer,
                 draft_attention_backend=draft_backend if drafted else None, eagle_steps=eagle_steps,
                 eagle_topk=eagle_topk,
-                draft_model_path=draft_folder(plan, model_dir, Path(workdir) / f"draft-{run_id}"))
+                draft_model_path=draft_folder(plan, model_dir, Path(workdir) / f"draft-{run_id}", eagle3_head))
             log(f"server {plan.backend}/{plan.spec} (tp={tp}, contexts {list(plan.contexts)}): starting")
             server_log = None
             try:
@@ -531,7 +553,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     warm_s = warmup_seconds(start_log) if ran else None
                     fail["warmups"] = ",".join(ran)
                     # what SGLang resolved for the draft's attention (records of a draft model only)
-                    resolved_draft = resolved_draft_backend(srv.server_info, plan.spec) if drafted else None
+                    resolved_draft = (resolved_draft_backend(srv.server_info, plan.spec,
+                                                             mla_draft=not mha_draft(plan.spec, eagle3_head))
+                                      if drafted else None)
                     if len(ran) < len(warmups):
                         log(f"  WARNING: the server's log does not say it ran the warm-ups "
                             f"{[w for w in warmups if w not in ran]} (SGLang only warns of a name it "
@@ -796,6 +820,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eagle-topk", type=int, default=1, help="EAGLE(3) tree width (--speculative-eagle-topk)")
     p.add_argument("--eagle-draft-tokens", type=int, default=None,
                    help="tokens an EAGLE(3) tree verifies (needed for --eagle-topk > 1)")
+    p.add_argument("--eagle3-head", choices=sorted(EAGLE3_HEADS), default="mla",
+                   help="the EAGLE3 head's layout: mla (Kimi K2.5/K2.6's; its draft on the kernel) or "
+                        "llama (SpecForge's Kimi K2 head, MHA: its draft on SGLang's own backends)")
     p.add_argument("--draft-backend", default=None,
                    help="--speculative-draft-attention-backend of DFlash and EAGLE(3) servers (default: triton "
                         "for DFlash; for EAGLE(3) the decode backend, so sm120_mla's MLA draft runs on the kernel)")
@@ -869,7 +896,8 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           prefill_backend=a.prefill_backend, prefill_as_base=a.prefill_as_base,
                           warmups=tuple(n for n in a.warmups.split(",") if n),
                           eagle_steps=a.eagle_steps, eagle_topk=a.eagle_topk,
-                          eagle_draft_tokens=a.eagle_draft_tokens, draft_backend=a.draft_backend)
+                          eagle_draft_tokens=a.eagle_draft_tokens, draft_backend=a.draft_backend,
+                          eagle3_head=a.eagle3_head)
     except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
         p.error(str(e))
 

@@ -12,9 +12,13 @@ in data/models/ (see data/models/README.md):
 - `dflash_draft`: a DFlash draft (qwen3 layers, `DFlashDraftModel`); its `dflash_config`
   must name the target's layer count, so `materialize_draft` writes one per target.
 
-An EAGLE3 draft with MLA attention (SGLang's `Eagle3DeepseekV2ForCausalLM`, the layout of the
-Kimi K2.5/K2.6 EAGLE3-MLA drafts) is derived from the target's own config by
-`materialize_eagle3_draft`: no base file, since every shape it has is the target's.
+An EAGLE3 draft head is derived from the target's own config by `materialize_eagle3_draft`, of
+either layout SGLang serves for these targets (no base file: every shape is the target's):
+- `mla`: SGLang's `Eagle3DeepseekV2ForCausalLM`, the layout of the Kimi K2.5/K2.6 EAGLE3-MLA
+  heads; its draft attention is MLA, so it runs on sm120_mla's kernel;
+- `llama`: `LlamaForCausalLMEagle3` with MHA attention, the layout of SpecForge's Kimi K2
+  heads (configs/kimi-k2-eagle3.json); its draft attention is not MLA, so it keeps SGLang's
+  own MHA backends.
 
 A folder is materialised with the layer count chosen (records carry `layers` so that per-layer
 figures scale to K2's 61).
@@ -32,6 +36,12 @@ MODEL_NAMES = ("k2_tp8_slice", "kimi_k2")
 DRAFT_NAME = "dflash_draft"
 # SGLang 0.5.17's EAGLE3 draft with DeepSeek-V2 MLA attention (models/kimi_k25_eagle3.py).
 EAGLE3_MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
+# ... and its Llama one (models/llama_eagle3.py), MHA attention.
+EAGLE3_LLAMA_ARCH = "LlamaForCausalLMEagle3"
+# An EAGLE3 head's layout (materialize_eagle3_draft's `head`) and its architecture.
+EAGLE3_HEADS = {"mla": EAGLE3_MLA_ARCH, "llama": EAGLE3_LLAMA_ARCH}
+# SpecForge's Kimi K2 EAGLE3 head: 128-dim MHA heads, as many as the target's (64, 8 a rank at TP8).
+EAGLE3_LLAMA_HEAD_DIM = 128
 K2_LAYERS = 61
 # K2's own checkpoint quantization (fp8 e4m3, 128x128 weight blocks): with it SGLang creates
 # fp8 parameters directly and the dummy loader fills them through an fp16 temporary.
@@ -217,10 +227,41 @@ def eagle3_draft_config(target_cfg: dict) -> dict:
     return cfg
 
 
-def materialize_eagle3_draft(target_dir: str | Path, dest: str | Path | None = None) -> Path:
-    """Write an EAGLE3-MLA draft folder (config.json only) matched to the target folder `target_dir`."""
+def eagle3_llama_draft_config(target_cfg: dict) -> dict:
+    """The EAGLE3 Llama draft config matched to a target config: the layout of SpecForge's Kimi K2
+    head (configs/kimi-k2-eagle3.json), SGLang's `LlamaForCausalLMEagle3`.
+
+    One Llama decoder layer of the target's hidden size with MHA attention: 128-dim heads, as many
+    query and KV heads as the target's attention heads (K2: 64; the TP8 slice: 8), a dense FFN of
+    the target's dense width (K2: 18432), an `fc` over three target hidden states (SGLang's
+    default layers, as for the MLA head: `eagle3_aux_layers`). bf16. Unlike SpecForge's head, no
+    `draft_vocab_size`: a 32,000-token LM head needs its d2t map from the weights, which a dummy
+    load does not give, so the LM head is the target's (as the MLA head's). Its draft attention
+    is MHA, which sm120_mla's kernel does not serve: SGLang's triton backend takes it (the
+    plugin's factory patch leaves non-MLA drafts there), or --speculative-draft-attention-backend.
+    """
+    eagle3_aux_layers(int(target_cfg["num_hidden_layers"]))
+    heads = int(target_cfg["num_attention_heads"])
+    return {
+        "architectures": [EAGLE3_LLAMA_ARCH], "model_type": "llama", "torch_dtype": "bfloat16",
+        "hidden_size": int(target_cfg["hidden_size"]), "intermediate_size": int(target_cfg["intermediate_size"]),
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "head_dim": EAGLE3_LLAMA_HEAD_DIM, "hidden_act": "silu", "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-6),
+        "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": max_context(target_cfg),
+        "vocab_size": int(target_cfg["vocab_size"]), "tie_word_embeddings": False,
+        "attention_bias": False, "bos_token_id": target_cfg.get("bos_token_id"),
+        "eos_token_id": target_cfg.get("eos_token_id"),
+    }
+
+
+def materialize_eagle3_draft(target_dir: str | Path, dest: str | Path | None = None, head: str = "mla") -> Path:
+    """Write an EAGLE3 draft folder (config.json only) matched to the target folder `target_dir`:
+    `head` "mla" (eagle3_draft_config) or "llama" (eagle3_llama_draft_config)."""
+    if head not in EAGLE3_HEADS:
+        raise ValueError(f"head: one of {sorted(EAGLE3_HEADS)}, got {head!r}")
     target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    return _write_config(eagle3_draft_config(target_cfg), dest, "sm120_eagle3_mla_draft_")
+    cfg = eagle3_draft_config(target_cfg) if head == "mla" else eagle3_llama_draft_config(target_cfg)
+    return _write_config(cfg, dest, f"sm120_eagle3_{head}_draft_")
 
 
 def max_context(cfg: dict) -> int:

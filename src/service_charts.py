@@ -20,9 +20,11 @@ import pandas as pd
 # draft_backend (derived, `draft_backend_of`): a draft's attention backend where it is not the
 # usual one ("" where it is, and for modes without a draft model), e.g. sm120_mla's EAGLE MTP
 # draft kept on Triton. eagle_topk: an EAGLE(3) tree's width (1, a chain, for every other record).
+# draft_head (derived, `draft_head_of`): an EAGLE3 head's layout, "mla" or "llama" ("" for the
+# other modes; EAGLE3 records from before the Llama head are MLA ones).
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
               "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
-              "prefill_as_base", "draft_backend", "eagle_topk"]
+              "prefill_as_base", "draft_backend", "eagle_topk", "draft_head"]
 # What a record without the key ran with (older records predate ep_size and ngram_tail;
 # decode_tokens: decode_bench's default).
 KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
@@ -30,7 +32,7 @@ KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_t
                 "prefill_as_base": False, "draft_backend": "", "eagle_topk": 1}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM",
                "eagle": "EAGLE (MTP layer, dummy weights)",
-               "eagle3": "EAGLE3 (MLA draft head, dummy weights)"}
+               "eagle3": "EAGLE3 (draft head, dummy weights)"}
 
 
 def ctx_label(ctx: int) -> str:
@@ -59,23 +61,39 @@ def _value(r, key):
     return KEY_DEFAULTS.get(key) if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
 
-def draft_backend_of(spec, backend, draft_attention_backend) -> str:
+def draft_head_of(spec, draft_head) -> str:
+    """The point key `draft_head` of a record: an EAGLE3 record's head layout ("mla" where the
+    record has none: the first EAGLE3 heads were MLA), "" for every other mode."""
+    if spec != "eagle3":
+        return ""
+    return draft_head if isinstance(draft_head, str) and draft_head else "mla"
+
+
+def draft_backend_of(spec, backend, draft_attention_backend, draft_head=None) -> str:
     """The point key `draft_backend` of a record: its draft's attention backend where the record
-    names one other than the usual, else "". The usual: for EAGLE and EAGLE3 the decode backend
-    (SGLang's default; None, as in the first EAGLE records, is that), for DFlash triton
-    (decode_bench's default for its MHA draft). Other modes have no draft backend."""
+    names one other than the usual, else "". The usual: for EAGLE and an EAGLE3 MLA head the
+    decode backend (SGLang's default; None, as in the first EAGLE records, is that); for DFlash
+    triton (decode_bench's default for its MHA draft); for an EAGLE3 Llama head (MHA) triton
+    under sm120_mla (the plugin leaves non-MLA drafts there), else the decode backend. Other
+    modes have no draft backend."""
     named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
-    usual = {"eagle": backend, "eagle3": backend, "dflash": "triton"}.get(spec)
+    mha_head = draft_head_of(spec, draft_head) == "llama"
+    usual = {"eagle": backend, "eagle3": "triton" if mha_head and backend == "sm120_mla" else backend,
+             "dflash": "triton"}.get(spec)
     return named if usual is not None and named not in ("", usual) else ""
 
 
 def with_defaults(df):
     """A copy of records with every point key set: absent keys at KEY_DEFAULTS, else "?"
-    (draft_backend derived from spec, backend and draft_attention_backend)."""
+    (draft_head derived from spec and draft_head, draft_backend from those, backend and
+    draft_attention_backend)."""
     d = df.copy()
+    heads = d["draft_head"] if "draft_head" in d else [None] * len(d)
+    d["draft_head"] = [draft_head_of(s, h) for s, h in zip(d["spec"], heads)]
     if "draft_backend" not in d:
         named = d["draft_attention_backend"] if "draft_attention_backend" in d else [None] * len(d)
-        d["draft_backend"] = [draft_backend_of(s, b, n) for s, b, n in zip(d["spec"], d["backend"], named)]
+        d["draft_backend"] = [draft_backend_of(s, b, n, h)
+                              for s, b, n, h in zip(d["spec"], d["backend"], named, d["draft_head"])]
     for k in POINT_KEYS:
         if k in KEY_DEFAULTS:
             d[k] = d[k].where(d[k].notna(), KEY_DEFAULTS[k]) if k in d else KEY_DEFAULTS[k]
@@ -132,11 +150,12 @@ def select_tp(df, tp: int = 1):
 
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
                  ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "",
-                 prefill_as_base: bool = False, draft_backend: str = "", eagle_topk=1) -> str:
+                 prefill_as_base: bool = False, draft_backend: str = "", eagle_topk=1,
+                 draft_head: str = "") -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
     draft prep unpatched, the prefill on the same backend, a draft on its usual backend, an EAGLE
-    chain),
+    chain, an EAGLE3 head of MLA layout),
     and the layer count and decode tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
@@ -147,7 +166,8 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
             + (f" + {prefill_backend} prefill" if prefill_backend else "")
             + (" as base" if prefill_backend and prefill_as_base else "")
             + (f" + {draft_backend} draft" if draft_backend else "")
-            + (f", EAGLE topk {int(eagle_topk)}" if eagle_topk not in (None, 1) else ""))
+            + (f", EAGLE topk {int(eagle_topk)}" if eagle_topk not in (None, 1) else "")
+            + (f", {draft_head.capitalize()} EAGLE3 head" if draft_head not in ("", "mla", None) else ""))
 
 
 def _draft_key(r) -> str:
@@ -156,7 +176,7 @@ def _draft_key(r) -> str:
     has = (r.get("draft_backend") if isinstance(r, dict) else getattr(r, "draft_backend", None))
     if isinstance(has, str):
         return has
-    return draft_backend_of(v("spec"), v("backend"), v("draft_attention_backend"))
+    return draft_backend_of(v("spec"), v("backend"), v("draft_attention_backend"), v("draft_head"))
 
 
 def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
@@ -168,7 +188,7 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
                         decode_tokens=v("decode_tokens") if decode_tokens else None,
                         prefill_backend=str(v("prefill_attention_backend") or ""),
                         prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r),
-                        eagle_topk=v("eagle_topk"))
+                        eagle_topk=v("eagle_topk"), draft_head=draft_head_of(v("spec"), v("draft_head")))
 
 
 def pair_points(mine, base, keys, value: str = "tok_s"):
@@ -253,7 +273,8 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
         # speculation against plain decode: the same point but for spec and its draft tokens
         plain = mine_all[mine_all["spec"] == "none"]
         vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS
-                                             if k not in ("spec", "draft_tokens", "draft_backend", "eagle_topk")])
+                                             if k not in ("spec", "draft_tokens", "draft_backend", "eagle_topk",
+                                                          "draft_head")])
         for r in vs_plain.sort_values(["layers", "config", "ctx"]).itertuples():
             rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode", r, 1.0,
                                     ours, "plain-decode"))
@@ -479,7 +500,8 @@ def speedup_chart(speedups, baseline: str = "triton", title: str = "", source: s
 
 
 def nvml_samples(records):
-    """Tidy (t, gpu, metric, value, backend, spec, ctx, run_id) from NVML records (arrays per row)."""
+    """Tidy (t, gpu, metric, value, backend, spec, ctx, run_id, repeat) from NVML records (arrays
+    per row). Each repeat of a point has its own clock from 0: select one (pick_point does)."""
     import pandas as pd
 
     _need(records, ["nvml_gpu", "metric", "t", "value"], "records")
@@ -488,16 +510,17 @@ def nvml_samples(records):
         r = r._asdict()
         for t, v in zip(r["t"], r["value"]):
             rows.append((t, r["nvml_gpu"], r["metric"], v, r.get("backend"), r.get("spec"),
-                         r.get("ctx"), r.get("run_id")))
-    return pd.DataFrame(rows, columns=["t", "gpu", "metric", "value", "backend", "spec", "ctx", "run_id"])
+                         r.get("ctx"), r.get("run_id"), r.get("repeat")))
+    return pd.DataFrame(rows, columns=["t", "gpu", "metric", "value", "backend", "spec", "ctx", "run_id", "repeat"])
 
 
 def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int | None = None,
                most_gpus: bool = False, log: Callable[[str], None] | None = print) -> dict:
-    """The (backend, spec, ctx, run_id) to show in single-point charts: the longest context of
-    the given backend and spec (each where recorded, else any, said through `log`), latest
-    run; with `most_gpus`, among the runs of the largest recorded tp (per-GPU charts show most
-    with most GPUs)."""
+    """The (backend, spec, ctx, run_id, and repeat where records have one) to show in
+    single-point charts: the longest context of the given backend and spec (each where recorded,
+    else any, said through `log`), latest run, its last repeat (repeats of a request each sample
+    from t = 0: pooled, they would draw one zig-zag line); with `most_gpus`, among the runs of
+    the largest recorded tp (per-GPU charts show most with most GPUs)."""
     _need(df, ["backend", "spec", "ctx", "run_id"])
     d = df
     if most_gpus and "tp" in d.columns:
@@ -512,9 +535,11 @@ def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int
         elif log is not None:
             among = f" of the TP{tp_of(d['tp'].iloc[0])} runs" if most_gpus and "tp" in d.columns else ""
             log(f"no records of {key} {want!r}{among}; any {key} shown instead")
-    d = d.sort_values(["ctx", "run_id"])
+    repeats = "repeat" in d.columns and d["repeat"].notna().any()
+    d = d.sort_values(["ctx", "run_id"] + (["repeat"] if repeats else []))
     last = d.iloc[-1]
-    return {"backend": last["backend"], "spec": last["spec"], "ctx": int(last["ctx"]), "run_id": last["run_id"]}
+    point = {"backend": last["backend"], "spec": last["spec"], "ctx": int(last["ctx"]), "run_id": last["run_id"]}
+    return {**point, "repeat": int(last["repeat"])} if repeats and last["repeat"] == last["repeat"] else point
 
 
 def select_point(df, point: dict):

@@ -101,7 +101,9 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     combine step is a programmatic dependent launch (COMBINE_PDL), so its span starts beside the
     attention kernel's and includes its wait for it. Summed, the attention read about twice its
     GPU time (records before 2026-12-02, which lack `category_time`: see SUMMED_CATEGORIES).
-    `top_kernels` still sums each kernel's own spans.
+    `top_kernels` still sums each kernel's own spans. Kernels of different categories on other
+    streams can overlap too, so the categories can add up to a little more than busy_ms (2.4% in
+    a 16-layer NGRAM step at 64k); busy_ms is the union of all.
 
     The window runs from the first step's first kernel to the last step's last kernel, so it
     holds `steps` GPU passes but only steps - 1 of the host gaps between them: per_step_ms and
@@ -232,7 +234,8 @@ def _layers_of(value) -> int | None:
 
 def step_profile_chart(records, title: str = "", source: str = ""):
     """Per-step time of each profiled point as stacked bars: GPU time by kernel category, then
-    the part of the step with no kernel running (host work: scheduler, drafting, Python);
+    the part of the step with no kernel running (host work: scheduler, drafting, Python). A bar
+    can run a little past its step where kernels of two categories overlap (summarize_trace);
     `source` (service_charts.source_label) says whether it shows recorded or live numbers."""
     import altair as alt
 

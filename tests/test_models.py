@@ -150,6 +150,31 @@ def test_eagle3_mla_draft_is_an_mla_draft_for_sglang(name, heads, weights, tmp_p
         dm.eagle3_draft_config({"hidden_size": 4096})
 
 
+@pytest.mark.parametrize("name,heads,dense_width", [("k2_tp8_slice", 8, 2304), ("kimi_k2", 64, 18432)])
+def test_eagle3_llama_draft_is_an_mha_draft_for_sglang(name, heads, dense_width, tmp_path, sglang_config):
+    """The EAGLE3 Llama head (SpecForge's Kimi K2 layout): SGLang reads it as an MHA model (so
+    the kernel, MLA only, does not serve it), with 128-dim heads, as many KV heads as query heads,
+    the target's dense width, three aux hidden states into fc, the target's LM head and the
+    target's context."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+
+    target = dm.materialize_model(name, 16, dest=tmp_path / "target", weights="fp8" if name == "kimi_k2" else "bf16")
+    draft = dm.materialize_eagle3_draft(target, dest=tmp_path / "draft", head="llama")
+    cfg = sglang_config(draft)
+    assert cfg.architectures == [dm.EAGLE3_LLAMA_ARCH] and cfg.num_hidden_layers == 1
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (heads, heads, 128)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (7168, dense_width, 163840)
+    assert getattr(cfg, "draft_vocab_size", None) is None and not cfg.tie_word_embeddings
+    mc = ModelConfig(str(draft), is_draft_model=True)
+    assert mc.attention_arch == AttentionArch.MHA and mc.quantization is None
+    assert (mc.num_key_value_heads, mc.head_dim) == (heads, 128)
+    assert mc.context_len == dm.max_context(json.loads((target / "config.json").read_text()))
+    with pytest.raises(ValueError, match="^head: one of"):
+        dm.materialize_eagle3_draft(target, dest=tmp_path / "x", head="mha")
+    with pytest.raises(ValueError, match="^layers: an EAGLE3 head"):
+        dm.eagle3_llama_draft_config(dm.model_config("k2_tp8_slice", 5))
+
+
 def test_eagle3_aux_layers_are_sglangs_and_must_differ():
     """The layers an EAGLE3 head reads by default are SGLang's own choice, which captures each
     distinct layer once: a target where two coincide (4-6 layers) is refused, naming the layers."""

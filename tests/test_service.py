@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -295,6 +296,11 @@ def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
     assert ns.speculative_algorithm == "EAGLE3" and ns.speculative_draft_model_path == str(head)
     assert (ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == (3, 1, 4)
     assert ns.speculative_draft_attention_backend is None   # SGLang's choice (sm120_mla: the kernel)
+    llama = materialize_eagle3_draft(plain, dest=tmp_path / "llama", head="llama")
+    ns = parser.parse_args(launch_args(resolve_config(ServerConfig(plain, "triton", tp=1, spec="eagle3",
+                                                                   draft_model_path=llama,
+                                                                   expert_record_buffer=200))))
+    assert ns.speculative_draft_model_path == str(llama) and ns.speculative_algorithm == "EAGLE3"
     dflash = materialize_draft(plain, block_size=4, dest=tmp_path / "dflash")
     four = materialize_model("k2_tp8_slice", 4, dest=tmp_path / "four")   # SGLang's layers [2, 2, 1]
     tree = resolve_config(ServerConfig(plain, "flashmla", prefill_attention_backend="triton", prefill_as_base=True,
@@ -890,6 +896,11 @@ def test_nvml_records_round_trip_and_pick_point():
     assert sc.pick_point(tp)["run_id"] == "b"
     assert len(sc.select_point(long, p)) == 3
     assert sc.ctx_label(131072) == "128k" and sc.ctx_label(1000) == "1000"
+    # two repeats of one point each sample from t = 0: the point is one repeat, the last
+    reps = pd.concat([recs.assign(repeat=0), recs.assign(repeat=1, value=[[1.0, 2.0], [3.0, 4.0, 5.0]])])
+    p = sc.pick_point(reps)
+    assert p == {"backend": "sm120_mla", "spec": "dflash", "ctx": 65536, "run_id": "b", "repeat": 1}
+    assert sc.select_point(sc.nvml_samples(reps), p)["value"].tolist() == [3.0, 4.0, 5.0]
 
 
 def test_run_matrix_ep_size_is_checked_and_recorded(fake, tmp_path):
@@ -1111,6 +1122,48 @@ def test_eagle3_servers_take_an_mla_draft_head(fake, tmp_path, monkeypatch):
     assert "--speculative-num-draft-tokens 6" in log and "--speculative-eagle-topk 4" in log
 
 
+def test_eagle3_servers_take_a_llama_head(fake, tmp_path, monkeypatch):
+    """`eagle3_head="llama"`: SpecForge's Kimi K2 layout (MHA). Its folder names SGLang's Llama
+    EAGLE3 architecture, its MHA KV pool is bounded as DFlash's is (--max-total-tokens), and its
+    records say the head and that its draft ran on triton (sm120_mla's factory gives a non-MLA
+    draft the triton entry), so the charts do not call that a draft kept off its usual backend."""
+    import pandas as pd
+
+    from sm120_workbook.dummy_models import EAGLE3_LLAMA_ARCH
+    from sm120_workbook.service_charts import decode_points
+
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    monkeypatch.setenv("FAKE_ECHO_ARGS", "1")
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
+                                  spec=["eagle3"], eagle_steps=2, decode_tokens=12, tp=1, nvml=False,
+                                  expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
+                                  eagle3_head="llama", log=lambda s: None)
+    assert res.decode and all(r["draft_head"] == "llama" and r["draft_attention_backend"] == "triton"
+                              for r in res.decode)
+    (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
+    assert re.search(r"--max-total-tokens \d+", log)
+    draft = Path(re.search(r"--speculative-draft-model-path (\S+)", log).group(1))
+    assert not draft.exists()   # the matrix's folders go with it; the architecture is checked below
+    head = decode_bench.draft_folder(decode_bench.ServerPlan("sm120_mla", "eagle3", 3, (64,)),
+                                     materialize_model("k2_tp8_slice", 3, dest=tmp_path / "m"), tmp_path / "h",
+                                     "llama")
+    assert json.loads((head / "config.json").read_text())["architectures"] == [EAGLE3_LLAMA_ARCH]
+    pts = decode_points(pd.DataFrame(res.decode))
+    assert set(pts["draft_backend"]) == {""} and set(pts["config"]) == {"sm120_mla, Llama EAGLE3 head"}
+    assert decode_bench.resolved_draft_backend({"decode_attention_backend": "sm120_mla"}, "eagle3",
+                                               mla_draft=False) == "triton"
+    assert decode_bench.resolved_draft_backend({"speculative_draft_attention_backend": "flashinfer"}, "eagle3",
+                                               mla_draft=False) == "flashinfer"
+    for kw, message in [(dict(eagle3_head="mha"), r"^eagle3_head: one of \['llama', 'mla'\]"),
+                        (dict(eagle3_head="llama", spec=["none"]), "^eagle3_head: only spec eagle3 takes a head")]:
+        with pytest.raises(ValueError, match=message):
+            decode_bench.run_matrix(**{"model": "k2_tp8_slice", "layers": 3, "backends": ["sm120_mla"],
+                                       "contexts": [64], "spec": ["eagle3"], "tp": 1, "nvml": False,
+                                       "progress": False, "launcher": fake, "log_dir": tmp_path / "bad",
+                                       "log": lambda s: None, **kw})
+    assert not (tmp_path / "bad").exists()
+
+
 def test_dflash_servers_record_into_a_circular_buffer(fake, tmp_path, monkeypatch):
     """With the recorder asked for, DFlash servers record into a circular buffer sized above a
     request's passes (and say so); the others keep the unbounded one."""
@@ -1245,6 +1298,9 @@ def test_decode_stats_leaves_the_first_chunks_tokens_out():
     meta = {"spec_verify_ct": 25, "spec_accept_length": 4.0}
     s = decode_bench.decode_stats(101, 1.0, 3.0, meta, "ngram", first_chunk_tokens=5)
     assert s["steps_estimated"] and s["verify_step_ms"] == pytest.approx(2e3 / 24)
+    # 7 tokens after the prefill's at 128 / 19 = 6.74 a step: one verify step, not two
+    s = decode_bench.decode_stats(128, 1.0, 1.09, {"spec_verify_ct": 19}, "ngram", first_chunk_tokens=8)
+    assert s["verify_step_ms"] == pytest.approx(90 / 18)
     with pytest.raises(ValueError, match="nothing to time after the first chunk"):
         decode_bench.decode_stats(5, 1.0, 3.0, {}, "none", first_chunk_tokens=5)
 

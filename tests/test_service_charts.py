@@ -265,6 +265,19 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     # EAGLE3's usual draft backend is the decode backend, as EAGLE's
     assert sc.draft_backend_of("eagle3", "sm120_mla", "triton") == "triton"
     assert sc.draft_backend_of("eagle3", "sm120_mla", "sm120_mla") == sc.draft_backend_of("eagle3", "sm120_mla", None) == ""
+    # an EAGLE3 Llama head (MHA) usually drafts on triton under sm120_mla, on the decode backend elsewhere
+    assert sc.draft_backend_of("eagle3", "sm120_mla", "triton", "llama") == ""
+    assert sc.draft_backend_of("eagle3", "sm120_mla", "flashinfer", "llama") == "flashinfer"
+    assert sc.draft_backend_of("eagle3", "triton", "triton", "llama") == ""
+    assert [sc.draft_head_of(s, h) for s, h in (("eagle3", None), ("eagle3", float("nan")), ("eagle3", "llama"),
+                                                ("eagle", "llama"), ("none", None))] == ["mla", "mla", "llama", "", ""]
+    heads = pd.DataFrame([_rec("sm120_mla", 65536, 167.0, "ccccccc333", "2026-12-02T05:00", spec="eagle3",
+                               draft_tokens=4, ngram_tail=False),
+                          _rec("sm120_mla", 65536, 120.0, "ccccccc333", "2026-12-02T05:00", spec="eagle3",
+                               draft_tokens=4, ngram_tail=False, draft_head="llama", draft_attention_backend="triton")])
+    pts = sc.decode_points(heads).set_index("draft_head")
+    assert pts.loc["mla", "config"] == "sm120_mla" and pts.loc["llama", "config"] == "sm120_mla, Llama EAGLE3 head"
+    assert pts.loc["llama", "tok_s"] == 120.0   # never pooled with the MLA head's
     # an EAGLE tree is a point of its own, named by its width
     tree = pd.DataFrame([_rec("sm120_mla", 65536, 150.0, "ccccccc333", "2026-12-02T05:00", spec="eagle3",
                               draft_tokens=8, ngram_tail=False, eagle_topk=4),
