@@ -248,7 +248,8 @@ def eagle3_llama_draft_config(target_cfg: dict) -> dict:
         "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": heads,
         "head_dim": EAGLE3_LLAMA_HEAD_DIM, "hidden_act": "silu", "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-6),
         "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": max_context(target_cfg),
-        "vocab_size": int(target_cfg["vocab_size"]), "tie_word_embeddings": False,
+        # null, not absent: SGLang's head reads config.draft_vocab_size (None: the target's LM head)
+        "vocab_size": int(target_cfg["vocab_size"]), "draft_vocab_size": None, "tie_word_embeddings": False,
         "attention_bias": False, "bos_token_id": target_cfg.get("bos_token_id"),
         "eos_token_id": target_cfg.get("eos_token_id"),
     }
