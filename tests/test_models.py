@@ -164,7 +164,9 @@ def test_eagle3_llama_draft_is_an_mha_draft_for_sglang(name, heads, dense_width,
     assert cfg.architectures == [dm.EAGLE3_LLAMA_ARCH] and cfg.num_hidden_layers == 1
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (heads, heads, 128)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (7168, dense_width, 163840)
-    assert getattr(cfg, "draft_vocab_size", None) is None and not cfg.tie_word_embeddings
+    # set, to null: SGLang's LlamaForCausalLMEagle3.__init__ reads config.draft_vocab_size (absent,
+    # the H200's first server stopped at model init, session 36); None takes the target's LM head
+    assert cfg.draft_vocab_size is None and not cfg.tie_word_embeddings
     mc = ModelConfig(str(draft), is_draft_model=True)
     assert mc.attention_arch == AttentionArch.MHA and mc.quantization is None
     assert (mc.num_key_value_heads, mc.head_dim) == (heads, 128)
