@@ -384,8 +384,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     says it ran (a name SGLang does not know is only warned of, and left out) and warmup_s, the
     time they took by the log's stamps.
     eagle_steps: the draft steps of `spec` "eagle" (SGLang's EAGLE with the model's MTP layer;
-    those servers serve the model with one MTP layer) and "eagle3" (an EAGLE3-MLA draft head,
-    materialize_eagle3_draft, on the model as it is; it needs layers 3 or >= 7). A chain (topk 1)
+    those servers serve the model with one MTP layer) and "eagle3" (an EAGLE3 draft head of layout
+    `eagle3_head`, materialize_eagle3_draft, on the model as it is; it needs layers 3 or >= 7). A chain (topk 1)
     verifies eagle_steps + 1 tokens.
     eagle_topk, eagle_draft_tokens: their tree (--speculative-eagle-topk) and the tokens it verifies
     (needed for topk > 1; eagle_verify_tokens); records carry eagle_topk.
@@ -815,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=int, default=16)
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
     p.add_argument("--eagle-steps", type=int, default=3,
-                   help="EAGLE (the model's MTP layer) and EAGLE3 (an MLA draft head) draft steps; a chain "
+                   help="EAGLE (the model's MTP layer) and EAGLE3 (a draft head) draft steps; a chain "
                         "(topk 1) verifies steps + 1 tokens")
     p.add_argument("--eagle-topk", type=int, default=1, help="EAGLE(3) tree width (--speculative-eagle-topk)")
     p.add_argument("--eagle-draft-tokens", type=int, default=None,

@@ -234,9 +234,10 @@ def eagle3_llama_draft_config(target_cfg: dict) -> dict:
     One Llama decoder layer of the target's hidden size with MHA attention: 128-dim heads, as many
     query and KV heads as the target's attention heads (K2: 64; the TP8 slice: 8), a dense FFN of
     the target's dense width (K2: 18432), an `fc` over three target hidden states (SGLang's
-    default layers, as for the MLA head: `eagle3_aux_layers`). bf16. Unlike SpecForge's head, no
-    `draft_vocab_size`: a 32,000-token LM head needs its d2t map from the weights, which a dummy
-    load does not give, so the LM head is the target's (as the MLA head's). Its draft attention
+    default layers, as for the MLA head: `eagle3_aux_layers`). bf16. Unlike SpecForge's head,
+    `draft_vocab_size` null (SGLang reads the attribute: it must be there): a 32,000-token LM head
+    needs its d2t map from the weights, which a dummy load does not give, so the LM head is the
+    target's (as the MLA head's). Its draft attention
     is MHA, which sm120_mla's kernel does not serve: SGLang's triton backend takes it (the
     plugin's factory patch leaves non-MLA drafts there), or --speculative-draft-attention-backend.
     """

@@ -46,7 +46,8 @@ SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", "eagle": 
 MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 # The EAGLE family: draft steps and tree width (--speculative-num-steps, --speculative-eagle-topk).
 # "eagle" drafts with the model's MTP layer; "eagle3" with an EAGLE3 draft folder (for Kimi K2.x
-# an MLA one, SGLang's Eagle3DeepseekV2ForCausalLM; dummy_models.materialize_eagle3_draft).
+# an MLA head, SGLang's Eagle3DeepseekV2ForCausalLM, or a Llama one with MHA attention;
+# dummy_models.materialize_eagle3_draft writes either).
 EAGLE_SPECS = ("eagle", "eagle3")
 EAGLE3_DRAFT_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "LlamaForCausalLMEagle3")
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
@@ -412,7 +413,7 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
     else:
         if cfg.draft_model_path is None:
             raise ValueError("draft_model_path: EAGLE3 needs a draft model folder "
-                             "(dummy_models.materialize_eagle3_draft writes an MLA one)")
+                             "(dummy_models.materialize_eagle3_draft writes an MLA or a Llama one)")
         dpath = Path(cfg.draft_model_path) / "config.json"
         if not dpath.is_file():
             raise ValueError(f"draft_model_path: {dpath} does not exist")

@@ -374,14 +374,17 @@ def first_token_points(points):
     (decode_points(..., every_run=True)): with each point's newest run alone, a newer run without
     a repeat would hide an older one's. DFlash's draft model, EAGLE's MTP layer and an EAGLE3 head
     prefill the prompt too, so their points stay apart (", DFlash draft", ", MTP draft",
-    ", EAGLE3 draft")."""
+    ", EAGLE3 draft", ", Llama EAGLE3 draft": an MHA head prefills other work than an MLA one)."""
     _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend", "prefill_as_base"], "points")
     if "ttft_s" not in points:
         raise ValueError("points: missing column ttft_s (records without a time to first token or a repeat index)")
     d = points[points["ttft_s"].notna()].copy()
     drafts = {"dflash": ", DFlash draft", "eagle": ", MTP draft", "eagle3": ", EAGLE3 draft"}
-    d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a)) + drafts.get(s, "")
-                    for b, p, a, s in zip(d["backend"], d["prefill_attention_backend"], d["prefill_as_base"], d["spec"])]
+    heads = d["draft_head"] if "draft_head" in d else [None] * len(d)
+    d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a))
+                    + (", Llama EAGLE3 draft" if draft_head_of(s, h) == "llama" else drafts.get(s, ""))
+                    for b, p, a, s, h in zip(d["backend"], d["prefill_attention_backend"], d["prefill_as_base"],
+                                             d["spec"], heads)]
     keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]
     d = d.sort_values("date").groupby(keys, dropna=False).tail(1)
     cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "runs", "spec", "commit", "date"]
@@ -535,11 +538,11 @@ def pick_point(df, backend: str | None = None, spec: str | None = None, ctx: int
         elif log is not None:
             among = f" of the TP{tp_of(d['tp'].iloc[0])} runs" if most_gpus and "tp" in d.columns else ""
             log(f"no records of {key} {want!r}{among}; any {key} shown instead")
-    repeats = "repeat" in d.columns and d["repeat"].notna().any()
+    repeats = "repeat" in d.columns and bool(d["repeat"].notna().any())
     d = d.sort_values(["ctx", "run_id"] + (["repeat"] if repeats else []))
     last = d.iloc[-1]
     point = {"backend": last["backend"], "spec": last["spec"], "ctx": int(last["ctx"]), "run_id": last["run_id"]}
-    return {**point, "repeat": int(last["repeat"])} if repeats and last["repeat"] == last["repeat"] else point
+    return {**point, "repeat": int(last["repeat"])} if repeats and pd.notna(last["repeat"]) else point
 
 
 def select_point(df, point: dict):

@@ -100,10 +100,10 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     A category's time is the union of its kernels' spans, not their sum: on sm_90 the kernel's
     combine step is a programmatic dependent launch (COMBINE_PDL), so its span starts beside the
     attention kernel's and includes its wait for it. Summed, the attention read about twice its
-    GPU time (records before 2026-12-02, which lack `category_time`: see SUMMED_CATEGORIES).
+    GPU time (records made before commit 07a1e0a, which lack `category_time`: SUMMED_CATEGORIES).
     `top_kernels` still sums each kernel's own spans. Kernels of different categories on other
-    streams can overlap too, so the categories can add up to a little more than busy_ms (2.4% in
-    a 16-layer NGRAM step at 64k); busy_ms is the union of all.
+    streams can overlap too, so the categories can add up to more than busy_ms (5% of it, 2.4% of
+    the step, in a 16-layer NGRAM step at 64k); busy_ms is the union of all.
 
     The window runs from the first step's first kernel to the last step's last kernel, so it
     holds `steps` GPU passes but only steps - 1 of the host gaps between them: per_step_ms and

@@ -16,7 +16,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -1129,25 +1128,29 @@ def test_eagle3_servers_take_a_llama_head(fake, tmp_path, monkeypatch):
     draft the triton entry), so the charts do not call that a draft kept off its usual backend."""
     import pandas as pd
 
-    from sm120_workbook.dummy_models import EAGLE3_LLAMA_ARCH
+    from sm120_workbook.dummy_models import EAGLE3_LLAMA_ARCH, materialize_eagle3_draft
     from sm120_workbook.service_charts import decode_points
 
     monkeypatch.setenv("FAKE_MODE", "serve")
     monkeypatch.setenv("FAKE_ECHO_ARGS", "1")
+    launched = []   # the architecture of each draft folder the matrix writes (it deletes them after)
+
+    def materialize(*args, **kw):
+        path = materialize_eagle3_draft(*args, **kw)
+        launched.append(json.loads((path / "config.json").read_text())["architectures"])
+        return path
+
+    monkeypatch.setattr(decode_bench, "materialize_eagle3_draft", materialize)
     res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
                                   spec=["eagle3"], eagle_steps=2, decode_tokens=12, tp=1, nvml=False,
                                   expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   eagle3_head="llama", log=lambda s: None)
+    assert launched == [[EAGLE3_LLAMA_ARCH]]
     assert res.decode and all(r["draft_head"] == "llama" and r["draft_attention_backend"] == "triton"
                               for r in res.decode)
     (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
     assert re.search(r"--max-total-tokens \d+", log)
-    draft = Path(re.search(r"--speculative-draft-model-path (\S+)", log).group(1))
-    assert not draft.exists()   # the matrix's folders go with it; the architecture is checked below
-    head = decode_bench.draft_folder(decode_bench.ServerPlan("sm120_mla", "eagle3", 3, (64,)),
-                                     materialize_model("k2_tp8_slice", 3, dest=tmp_path / "m"), tmp_path / "h",
-                                     "llama")
-    assert json.loads((head / "config.json").read_text())["architectures"] == [EAGLE3_LLAMA_ARCH]
+    assert re.search(r"--speculative-draft-model-path \S+/draft-", log)
     pts = decode_points(pd.DataFrame(res.decode))
     assert set(pts["draft_backend"]) == {""} and set(pts["config"]) == {"sm120_mla, Llama EAGLE3 head"}
     assert decode_bench.resolved_draft_backend({"decode_attention_backend": "sm120_mla"}, "eagle3",

@@ -192,12 +192,16 @@ def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels
             req("sm120_mla", 65536, 12.0, 1, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none"),
             # DFlash's draft prefills too: its newer point stays apart
             req("sm120_mla", 65536, 14.0, 0, date="2026-12-01T18:00", spec="dflash"),
-            req("sm120_mla", 65536, 13.0, "1", date="2026-12-01T18:00", spec="dflash")]   # repeat as text
+            req("sm120_mla", 65536, 13.0, "1", date="2026-12-01T18:00", spec="dflash"),   # repeat as text
+            # EAGLE3 heads of the two layouts prefill different drafts: two points
+            req("sm120_mla", 65536, 11.0, 1, date="2026-12-02T06:00", spec="eagle3"),
+            req("sm120_mla", 65536, 11.5, 1, date="2026-12-02T07:00", spec="eagle3", draft_head="llama")]
     tt = sc.first_token_points(sc.decode_points(pd.DataFrame(recs)))
     assert dict(zip(tt["prefill"], tt["ttft_s"])) == {
         "sm120_mla (prefill: flashinfer)": 1.6, "sm120_mla (prefill: triton)": 10.3, "triton": 10.4,
-        "sm120_mla (prefill: triton), DFlash draft": 13.0}
-    tt = tt[~tt["prefill"].str.endswith("DFlash draft")]
+        "sm120_mla (prefill: triton), DFlash draft": 13.0, "sm120_mla (prefill: triton), EAGLE3 draft": 11.0,
+        "sm120_mla (prefill: triton), Llama EAGLE3 draft": 11.5}
+    tt = tt[~tt["prefill"].str.endswith("draft")]
     table = sc.first_token_table(tt)
     assert list(table.columns) == ["layers", "prefill", "64k"]
     assert sc.first_token_chart(tt, source="recorded").to_dict()["title"]["subtitle"] == "recorded"
