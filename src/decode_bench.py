@@ -463,11 +463,13 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
         if profile_steps:
             # The profiled request must run more steps than are profiled, or the profiler waits
-            # for the next request; a step emits at most draft_tokens + 1 tokens.
-            most = max([1] + [(p.draft_tokens or 0) + 1 for p in plans])
+            # for the next request; a step emits at most draft_tokens + 1 tokens, an EAGLE step
+            # (chain or tree) one path of eagle_steps drafts and the bonus token.
+            most = max([1] + [eagle_steps + 1 if p.spec in EAGLE_SPECS else (p.draft_tokens or 0) + 1
+                              for p in plans])
             if decode_tokens // most <= profile_steps:
                 raise ValueError(f"profile_steps: {profile_steps} steps need more than {profile_steps * most} decode "
-                                 f"tokens with {most - 1} draft tokens a step; decode_tokens is {decode_tokens}")
+                                 f"tokens with up to {most} tokens a step; decode_tokens is {decode_tokens}")
         out = MatrixResult([], [], [], [])
         lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
                  FAILURE_RESULTS: out.failures, PROFILE_RESULTS: out.profiles}

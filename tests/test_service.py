@@ -1026,10 +1026,19 @@ def test_decode_stats_refuses_a_missing_first_token_time():
         decode_bench.decode_stats(100, float("nan"), 2.0, {}, "none")
 
 
-def test_profile_steps_need_enough_decode_tokens(fake, tmp_path):
+def test_profile_steps_need_enough_decode_tokens(fake, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="profile_steps"):
         decode_bench.run_matrix(backends=["triton"], contexts=[64], spec=["ngram"], decode_tokens=40, tp=1,
                                 profile_steps=5, launcher=fake, log=lambda s: None)   # 8 drafts: 9 tokens a step
+    # an EAGLE tree of 3 steps emits at most 4 tokens a step, whatever its 8 verified tokens
+    tree = dict(backends=["triton"], contexts=[64], spec=["eagle3"], decode_tokens=40, tp=1, layers=3,
+                eagle_steps=3, eagle_topk=4, eagle_draft_tokens=8, launcher=fake, nvml=False, expert=False,
+                progress=False, record=False, log_dir=tmp_path / "tree", log=lambda s: None)
+    with pytest.raises(ValueError, match=r"^profile_steps: 10 steps need more than 40 decode tokens with up to 4"):
+        decode_bench.run_matrix(profile_steps=10, **tree)
+    monkeypatch.setenv("FAKE_MODE", "die")   # accepted: it gets as far as a server start
+    res = decode_bench.run_matrix(profile_steps=9, spec_fallback=None, **tree)
+    assert [f["status"] for f in res.failures] == ["start_failed"]
 
 
 def test_failures_table_names_the_cause_from_the_server_log():
