@@ -269,7 +269,11 @@ def rtx_projection(df: pd.DataFrame, rtx_tflops: float | None = None,
     Where the run measured the mma.sync rate, the fraction is taken against that GPU's
     mma.sync roofline (`source_mma_roofline_us`): the kernel may use no faster instruction, and
     mma.sync is the RTX PRO 6000's native tensor path, so that is the like-for-like fraction.
-    Without it, the cuBLAS-rate roofline is used (which makes the projection pessimistic).
+    Without it, the cuBLAS-rate roofline is used (which makes the projection pessimistic). The
+    RTX roofline takes that GPU's spec bandwidth (1,792 GB/s) where the measured GPU's is its
+    copy rate measured in the run: an RTX PRO 6000 whose copy falls short of its spec runs a
+    memory-bound shape that much slower than projected (q16 h8 64k is only just compute-bound
+    there: 45.6 us of mma against 42.1 us of DRAM).
 
     `rtx_bound_us`, the low end: the fixed part of the kernel's time on the measured GPU (a
     least-squares line over the shape's contexts, `_fixed_and_per_key`) plus the RTX roofline,
