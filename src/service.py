@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import project_root
-from .dummy_models import eagle3_aux_layers, heads_per_rank, max_context
+from .dummy_models import EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, max_context
 
 DEFAULT_HOST = "127.0.0.1"
 # Attention backends that our plugin (the `sglang.srt.plugins` entry point of this project)
@@ -49,7 +49,7 @@ MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 # an MLA head, SGLang's Eagle3DeepseekV2ForCausalLM, or a Llama one with MHA attention;
 # dummy_models.materialize_eagle3_draft writes either).
 EAGLE_SPECS = ("eagle", "eagle3")
-EAGLE3_DRAFT_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "LlamaForCausalLMEagle3")
+EAGLE3_DRAFT_ARCHITECTURES = tuple(EAGLE3_HEADS.values())
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.
 DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
@@ -464,9 +464,7 @@ def launch_args(cfg: ServerConfig) -> list[str]:
         a += ["--speculative-algorithm", algo]
         if cfg.num_draft_tokens is not None:
             a += ["--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
-    if cfg.spec == "dflash":
-        a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
-    if cfg.spec == "eagle3":
+    if cfg.spec in ("dflash", "eagle3"):   # EAGLE drafts with --model-path's own MTP layer
         a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
     if cfg.spec in EAGLE_SPECS:
         a += ["--speculative-num-steps", str(cfg.eagle_steps), "--speculative-eagle-topk", str(cfg.eagle_topk)]
