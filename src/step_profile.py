@@ -24,9 +24,12 @@ CATEGORIES = (
     ("attention: sm120_mla", r"mla_verify_(split|wide|combine)_kernel"),
     ("attention: flashmla", r"flash_fwd_splitkv_mla|flashmla|flash_mla|mla_combine|get_mla_metadata"),
     ("attention: triton", r"^_fwd_kernel|_fwd_grouped_kernel|_fwd_kernel_stage|extend_attention|decode_att"),
+    # FlashInfer's attention by kernel name: its namespace also holds norms and sampling
+    ("attention: flashinfer", r"(batch|single)(prefill|decode)with|batchmlapagedattention|mergestate"),
     # TP's collectives: ahead of "norm" (an all-reduce fused with RMSNorm) and "copy" ("reduce")
     ("communication (all-reduce)", r"all_?reduce|all_?gather|reduce_scatter|nccl|cross_device_reduce"),
-    ("moe", r"moe|topk|expert|grouped_gemm|fused_experts|count_and_sort"),
+    # FlashInfer's top-k sampling kernels are sampling, not the router's top-k
+    ("moe", r"moe|(?<!sampling::)topk|expert|grouped_gemm|fused_experts|count_and_sort"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|splitk|sm90_|wgmma"),
     ("norm / rope / activation", r"norm|rope|rotary|silu|gelu|act_and_mul|apply_rotary"),
     ("kv cache / indices", r"kv_indices|set_mla_kv|store_kv|kv_buffer|assign_.*cache|create_flashinfer"),

@@ -17,6 +17,12 @@ from sm120_workbook.step_profile import categorize, load_trace, profile_frame, s
     ("_fwd_grouped_kernel_stage1", "attention: triton"),
     ("void flash::flash_fwd_splitkv_mla_kernel<...>", "attention: flashmla"),
     ("smxx::decode::get_mla_metadata_kernel(GetDecodeSchedMetaParams)", "attention: flashmla"),
+    ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>(...)", "attention: flashinfer"),
+    ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>(...)", "attention: flashinfer"),
+    ("void flashinfer::PersistentVariableLengthMergeStatesKernel<...>(...)", "attention: flashinfer"),
+    ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(...)", "norm / rope / activation"),
+    ("void flashinfer::sampling::TopKTopPSamplingFromProbKernel<...>(...)", "sampling / speculative"),
+    ("create_flashinfer_kv_indices_triton", "kv cache / indices"),
     ("void (anonymous namespace)::all_reduce_kernel<(anonymous namespace)::AllReducePushImpl<__nv_bfloat16, 2u, "
      "true>>(...)", "communication (all-reduce)"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication (all-reduce)"),
