@@ -50,6 +50,10 @@ MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 # dummy_models.materialize_eagle3_draft writes either).
 EAGLE_SPECS = ("eagle", "eagle3")
 EAGLE3_DRAFT_ARCHITECTURES = tuple(EAGLE3_HEADS.values())
+# The draft attention backend an EAGLE3 Llama head (MHA) takes under sm120_mla unless one is given:
+# the plugin leaves a non-MLA draft on Triton, whose draft extend reads the prefix with one CTA a
+# head (H200, 64k: 12.2 ms a step on Triton, 6.4 ms on FlashInfer's fa2 kernels; NOTES session 37).
+MHA_EAGLE3_DRAFT_BACKEND = "flashinfer"
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.
 DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
@@ -236,7 +240,7 @@ class ServerConfig:
     # --speculative-draft-attention-backend. None: for DFlash "triton" (its MHA draft; avoids
     # FlashInfer's JIT; launch_args); for EAGLE and EAGLE3 SGLang's choice, the decode backend: with
     # sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head) decodes and extends on the kernel
-    # (patches.install_spec_compat).
+    # (patches.install_spec_compat), and an EAGLE3 Llama head (MHA) takes MHA_EAGLE3_DRAFT_BACKEND.
     draft_attention_backend: str | None = None
     # EAGLE and EAGLE3: draft steps and tree width (SGLang's own choice for DeepSeek-V3, 3 and 1);
     # num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
@@ -422,6 +426,9 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         if arch not in EAGLE3_DRAFT_ARCHITECTURES:
             raise ValueError(f"draft_model_path: an EAGLE3 draft has an architecture in "
                              f"{EAGLE3_DRAFT_ARCHITECTURES}, this one {arch!r}")
+        if arch == EAGLE3_HEADS["llama"] and cfg.draft_attention_backend is None \
+                and cfg.attention_backend == _PLUGIN_BACKEND:
+            cfg.draft_attention_backend = MHA_EAGLE3_DRAFT_BACKEND
         if not ((draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 or draft.get("eagle_aux_hidden_state_layer_ids")):
             eagle3_aux_layers(int(model["num_hidden_layers"]))   # SGLang's default layers must differ

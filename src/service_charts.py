@@ -12,6 +12,8 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from .service import MHA_EAGLE3_DRAFT_BACKEND
+
 # A point is one configuration: records differing in any of these are never pooled or paired.
 # expert_record (the recorder costs time on every forward) and ngram_tail (the host-side NGRAM
 # fix, patches/ngram_tail.py) change the step time without changing the kernel;
@@ -73,12 +75,12 @@ def draft_backend_of(spec, backend, draft_attention_backend, draft_head=None) ->
     """The point key `draft_backend` of a record: its draft's attention backend where the record
     names one other than the usual, else "". The usual: for EAGLE and an EAGLE3 MLA head the
     decode backend (SGLang's default; None, as in the first EAGLE records, is that); for DFlash
-    triton (decode_bench's default for its MHA draft); for an EAGLE3 Llama head (MHA) triton
-    under sm120_mla (the plugin leaves non-MLA drafts there), else the decode backend. Other
-    modes have no draft backend."""
+    triton (decode_bench's default for its MHA draft); for an EAGLE3 Llama head (MHA) under
+    sm120_mla the launcher's default, service.MHA_EAGLE3_DRAFT_BACKEND (flashinfer), else the
+    decode backend. Other modes have no draft backend."""
     named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
     mha_head = draft_head_of(spec, draft_head) == "llama"
-    usual = {"eagle": backend, "eagle3": "triton" if mha_head and backend == "sm120_mla" else backend,
+    usual = {"eagle": backend, "eagle3": MHA_EAGLE3_DRAFT_BACKEND if mha_head and backend == "sm120_mla" else backend,
              "dflash": "triton"}.get(spec)
     return named if usual is not None and named not in ("", usual) else ""
 
@@ -374,17 +376,20 @@ def first_token_points(points):
     (decode_points(..., every_run=True)): with each point's newest run alone, a newer run without
     a repeat would hide an older one's. DFlash's draft model, EAGLE's MTP layer and an EAGLE3 head
     prefill the prompt too, so their points stay apart (", DFlash draft", ", MTP draft",
-    ", EAGLE3 draft", ", Llama EAGLE3 draft": an MHA head prefills other work than an MLA one)."""
+    ", EAGLE3 draft", ", Llama EAGLE3 draft": an MHA head prefills other work than an MLA one),
+    and a draft on a backend other than its usual one is named (", MTP draft on triton")."""
     _need(points, ["backend", "spec", "ctx", "layers", "date", "prefill_attention_backend", "prefill_as_base"], "points")
     if "ttft_s" not in points:
         raise ValueError("points: missing column ttft_s (records without a time to first token or a repeat index)")
     d = points[points["ttft_s"].notna()].copy()
     drafts = {"dflash": ", DFlash draft", "eagle": ", MTP draft", "eagle3": ", EAGLE3 draft"}
     heads = d["draft_head"] if "draft_head" in d else [None] * len(d)
+    named = d["draft_backend"] if "draft_backend" in d else [""] * len(d)
     d["prefill"] = [prefill_label(b, p if isinstance(p, str) else "", bool(a))
                     + (", Llama EAGLE3 draft" if draft_head_of(s, h) == "llama" else drafts.get(s, ""))
-                    for b, p, a, s, h in zip(d["backend"], d["prefill_attention_backend"], d["prefill_as_base"],
-                                             d["spec"], heads)]
+                    + (f" on {n}" if isinstance(n, str) and n and s in drafts else "")
+                    for b, p, a, s, h, n in zip(d["backend"], d["prefill_attention_backend"], d["prefill_as_base"],
+                                                d["spec"], heads, named)]
     keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]
     d = d.sort_values("date").groupby(keys, dropna=False).tail(1)
     cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "runs", "spec", "commit", "date"]

@@ -1132,9 +1132,10 @@ def test_eagle3_servers_take_an_mla_draft_head(fake, tmp_path, monkeypatch):
 
 def test_eagle3_servers_take_a_llama_head(fake, tmp_path, monkeypatch):
     """`eagle3_head="llama"`: SpecForge's Kimi K2 layout (MHA). Its folder names SGLang's Llama
-    EAGLE3 architecture, its MHA KV pool is bounded as DFlash's is (--max-total-tokens), and its
-    records say the head and that its draft ran on triton (sm120_mla's factory gives a non-MLA
-    draft the triton entry), so the charts do not call that a draft kept off its usual backend."""
+    EAGLE3 architecture, its MHA KV pool is bounded as DFlash's is (--max-total-tokens), its draft
+    runs FlashInfer unless told otherwise (the plugin would leave it on Triton, 1.9x slower a step
+    at 64k), and its records say the head and the draft backend that ran: the charts name a
+    Triton draft, not the launcher's default."""
     import pandas as pd
 
     from sm120_workbook.dummy_models import EAGLE3_LLAMA_ARCH, materialize_eagle3_draft
@@ -1155,13 +1156,23 @@ def test_eagle3_servers_take_a_llama_head(fake, tmp_path, monkeypatch):
                                   expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   eagle3_head="llama", log=lambda s: None)
     assert launched == [[EAGLE3_LLAMA_ARCH]]
-    assert res.decode and all(r["draft_head"] == "llama" and r["draft_attention_backend"] == "triton"
+    assert res.decode and all(r["draft_head"] == "llama" and r["draft_attention_backend"] == "flashinfer"
                               for r in res.decode)
     (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
     assert re.search(r"--max-total-tokens \d+", log)
     assert re.search(r"--speculative-draft-model-path \S+/draft-", log)
+    assert "--speculative-draft-attention-backend flashinfer" in log
     pts = decode_points(pd.DataFrame(res.decode))
     assert set(pts["draft_backend"]) == {""} and set(pts["config"]) == {"sm120_mla, Llama EAGLE3 head"}
+    # a draft backend given is kept: Triton, the plugin's own choice, is then a named point
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
+                                  spec=["eagle3"], eagle_steps=2, decode_tokens=12, tp=1, nvml=False,
+                                  expert=True, progress=False, launcher=fake, log_dir=tmp_path / "logs_t",
+                                  eagle3_head="llama", draft_backend="triton", log=lambda s: None)
+    assert {r["draft_attention_backend"] for r in res.decode} == {"triton"}
+    pts = decode_points(pd.DataFrame(res.decode))
+    assert set(pts["draft_backend"]) == {"triton"}
+    assert set(pts["config"]) == {"sm120_mla + triton draft, Llama EAGLE3 head"}
     assert decode_bench.resolved_draft_backend({"decode_attention_backend": "sm120_mla"}, "eagle3",
                                                mla_draft=False) == "triton"
     assert decode_bench.resolved_draft_backend({"speculative_draft_attention_backend": "flashinfer"}, "eagle3",

@@ -195,12 +195,16 @@ def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels
             req("sm120_mla", 65536, 13.0, "1", date="2026-12-01T18:00", spec="dflash"),   # repeat as text
             # EAGLE3 heads of the two layouts prefill different drafts: two points
             req("sm120_mla", 65536, 11.0, 1, date="2026-12-02T06:00", spec="eagle3"),
-            req("sm120_mla", 65536, 11.5, 1, date="2026-12-02T07:00", spec="eagle3", draft_head="llama")]
+            req("sm120_mla", 65536, 11.5, 1, date="2026-12-02T07:00", spec="eagle3", draft_head="llama"),
+            # a draft on another backend than its usual one prefills on it: a point of its own
+            req("sm120_mla", 65536, 11.8, 1, date="2026-12-02T08:00", spec="eagle3", draft_head="llama",
+                draft_attention_backend="triton")]
     tt = sc.first_token_points(sc.decode_points(pd.DataFrame(recs)))
     assert dict(zip(tt["prefill"], tt["ttft_s"])) == {
         "sm120_mla (prefill: flashinfer)": 1.6, "sm120_mla (prefill: triton)": 10.3, "triton": 10.4,
         "sm120_mla (prefill: triton), DFlash draft": 13.0, "sm120_mla (prefill: triton), EAGLE3 draft": 11.0,
-        "sm120_mla (prefill: triton), Llama EAGLE3 draft": 11.5}
+        "sm120_mla (prefill: triton), Llama EAGLE3 draft": 11.5,
+        "sm120_mla (prefill: triton), Llama EAGLE3 draft on triton": 11.8}
     tt = tt[~tt["prefill"].str.endswith("draft")]
     table = sc.first_token_table(tt)
     assert list(table.columns) == ["layers", "prefill", "64k"]
@@ -269,16 +273,17 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     # EAGLE3's usual draft backend is the decode backend, as EAGLE's
     assert sc.draft_backend_of("eagle3", "sm120_mla", "triton") == "triton"
     assert sc.draft_backend_of("eagle3", "sm120_mla", "sm120_mla") == sc.draft_backend_of("eagle3", "sm120_mla", None) == ""
-    # an EAGLE3 Llama head (MHA) usually drafts on triton under sm120_mla, on the decode backend elsewhere
-    assert sc.draft_backend_of("eagle3", "sm120_mla", "triton", "llama") == ""
-    assert sc.draft_backend_of("eagle3", "sm120_mla", "flashinfer", "llama") == "flashinfer"
+    # an EAGLE3 Llama head (MHA) usually drafts on flashinfer under sm120_mla (the launcher's
+    # default), on the decode backend elsewhere; a Triton draft under sm120_mla is named
+    assert sc.draft_backend_of("eagle3", "sm120_mla", "flashinfer", "llama") == ""
+    assert sc.draft_backend_of("eagle3", "sm120_mla", "triton", "llama") == "triton"
     assert sc.draft_backend_of("eagle3", "triton", "triton", "llama") == ""
     assert [sc.draft_head_of(s, h) for s, h in (("eagle3", None), ("eagle3", float("nan")), ("eagle3", "llama"),
                                                 ("eagle", "llama"), ("none", None))] == ["mla", "mla", "llama", "", ""]
     heads = pd.DataFrame([_rec("sm120_mla", 65536, 167.0, "ccccccc333", "2026-12-02T05:00", spec="eagle3",
                                draft_tokens=4, ngram_tail=False),
                           _rec("sm120_mla", 65536, 120.0, "ccccccc333", "2026-12-02T05:00", spec="eagle3",
-                               draft_tokens=4, ngram_tail=False, draft_head="llama", draft_attention_backend="triton")])
+                               draft_tokens=4, ngram_tail=False, draft_head="llama", draft_attention_backend="flashinfer")])
     pts = sc.decode_points(heads).set_index("draft_head")
     assert pts.loc["mla", "config"] == "sm120_mla" and pts.loc["llama", "config"] == "sm120_mla, Llama EAGLE3 head"
     assert pts.loc["llama", "tok_s"] == 120.0   # never pooled with the MLA head's

@@ -189,8 +189,12 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         # line says so, and the server's routes are the target runner's to tell.
         draft = bool(getattr(model_runner, "is_draft_worker", False))
         if not self.use_mla:
+            # An MHA draft (an EAGLE3 Llama head) on Triton: its draft extend reads the whole prefix
+            # with one CTA a head, 4.4 ms a step at 64k on an H200 against FlashInfer's 0.08 ms.
             logger.info("sm120_mla (pid %d): %s is not an MLA model; every phase of it runs the "
-                        "Triton backend", os.getpid(), "the draft model" if draft else "the model")
+                        "Triton backend%s", os.getpid(), "the draft model" if draft else "the model",
+                        " (--speculative-draft-attention-backend flashinfer runs it on FlashInfer, "
+                        "much faster at long contexts)" if draft else "")
             return
         if kernel_ops is None:
             kernel_ops = load_kernel_ops()
