@@ -35,7 +35,8 @@ kernel too, unless `--draft-backend triton`. `--spec eagle3` is SGLang's EAGLE3 
 of its own (`dummy_models.materialize_eagle3_draft`) on the model without an MTP layer: the same
 steps and trees. `--eagle3-head mla` (the default; the layout of the Kimi K2.5/K2.6 heads) drafts
 on the same backends as EAGLE; `--eagle3-head llama` (SpecForge's Kimi K2 head, MHA) keeps its
-draft's attention on SGLang's own backends (triton under sm120_mla, or `--draft-backend`).
+draft's attention on SGLang's own backends: under sm120_mla FlashInfer's (service.MHA_EAGLE3_DRAFT_BACKEND;
+the plugin would leave it on Triton, 1.9x slower a step at 64k), or `--draft-backend`.
 
 DFlash, EAGLE and EAGLE3 servers record experts into a circular buffer of an upper bound on a request's
 recorder rows (spec_expert_buffer): their draft passes record empty rows, and SGLang 0.5.17's
@@ -390,10 +391,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     eagle_topk, eagle_draft_tokens: their tree (--speculative-eagle-topk) and the tokens it verifies
     (needed for topk > 1; eagle_verify_tokens); records carry eagle_topk.
     draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
-    triton for DFlash, the decode backend for EAGLE(3), whose MLA draft then runs on sm120_mla's
-    kernel where that is the backend); records carry what SGLang resolved.
+    triton for DFlash, flashinfer for an EAGLE3 Llama head under sm120_mla, else the decode backend
+    for EAGLE(3), whose MLA draft then runs on sm120_mla's kernel where that is the backend);
+    records carry what SGLang resolved.
     eagle3_head: the EAGLE3 head's layout, "mla" or "llama" (dummy_models.EAGLE3_HEADS; an MHA
-    draft, whose attention sm120_mla leaves to triton); EAGLE3 records carry it as draft_head.
+    draft, which the kernel does not serve); EAGLE3 records carry it as draft_head.
     """
     from tqdm.auto import tqdm
 
@@ -827,7 +829,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "llama (SpecForge's Kimi K2 head, MHA: its draft on SGLang's own backends)")
     p.add_argument("--draft-backend", default=None,
                    help="--speculative-draft-attention-backend of DFlash and EAGLE(3) servers (default: triton "
-                        "for DFlash; for EAGLE(3) the decode backend, so sm120_mla's MLA draft runs on the kernel)")
+                        "for DFlash; flashinfer for an EAGLE3 Llama head under sm120_mla; else for EAGLE(3) the "
+                        "decode backend, so sm120_mla's MLA draft runs on the kernel)")
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
     p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over this many of the tp ranks")
