@@ -300,6 +300,20 @@ def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
                                                                    draft_model_path=llama,
                                                                    expert_record_buffer=200))))
     assert ns.speculative_draft_model_path == str(llama) and ns.speculative_algorithm == "EAGLE3"
+    assert ns.speculative_draft_attention_backend is None   # SGLang's own backend: its choice
+    # under sm120_mla (alone or in a hybrid) a Llama head drafts on FlashInfer unless one is named;
+    # an MLA head keeps SGLang's choice (the kernel)
+    for kw, want in [(dict(attention_backend="sm120_mla"), "flashinfer"),
+                     (dict(attention_backend="sm120_mla", prefill_attention_backend="flashinfer",
+                           prefill_as_base=True), "flashinfer"),
+                     (dict(attention_backend="sm120_mla", draft_attention_backend="triton"), "triton"),
+                     (dict(attention_backend="sm120_mla", draft_model_path=head), None)]:
+        args = {"model_path": plain, "tp": 1, "spec": "eagle3", "draft_model_path": llama,
+                "expert_record_buffer": 200, **kw}
+        a = launch_args(resolve_config(ServerConfig(**args)))
+        named = a[a.index("--speculative-draft-attention-backend") + 1] \
+            if "--speculative-draft-attention-backend" in a else None
+        assert named == want, kw
     dflash = materialize_draft(plain, block_size=4, dest=tmp_path / "dflash")
     four = materialize_model("k2_tp8_slice", 4, dest=tmp_path / "four")   # SGLang's layers [2, 2, 1]
     tree = resolve_config(ServerConfig(plain, "flashmla", prefill_attention_backend="triton", prefill_as_base=True,
