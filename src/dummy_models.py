@@ -238,8 +238,8 @@ def eagle3_llama_draft_config(target_cfg: dict) -> dict:
     `draft_vocab_size` null (SGLang reads the attribute: it must be there): a 32,000-token LM head
     needs its d2t map from the weights, which a dummy load does not give, so the LM head is the
     target's (as the MLA head's). Its draft attention is MHA, which sm120_mla's kernel does not
-    serve: SGLang's triton backend takes it (the plugin's factory patch leaves non-MLA drafts
-    there), or --speculative-draft-attention-backend.
+    serve: the plugin's factory patch leaves non-MLA drafts on SGLang's triton backend, and
+    service.resolve_config names FlashInfer's for it under sm120_mla (--speculative-draft-attention-backend).
     """
     eagle3_aux_layers(int(target_cfg["num_hidden_layers"]))
     heads = int(target_cfg["num_attention_heads"])

@@ -240,7 +240,8 @@ class ServerConfig:
     # --speculative-draft-attention-backend. None: for DFlash "triton" (its MHA draft; avoids
     # FlashInfer's JIT; launch_args); for EAGLE and EAGLE3 SGLang's choice, the decode backend: with
     # sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head) decodes and extends on the kernel
-    # (patches.install_spec_compat), and an EAGLE3 Llama head (MHA) takes MHA_EAGLE3_DRAFT_BACKEND.
+    # (patches.install_spec_compat), and an EAGLE3 Llama head (MHA) under sm120_mla takes
+    # MHA_EAGLE3_DRAFT_BACKEND (resolve_config reads the head's folder and fills it in).
     draft_attention_backend: str | None = None
     # EAGLE and EAGLE3: draft steps and tree width (SGLang's own choice for DeepSeek-V3, 3 and 1);
     # num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
@@ -323,7 +324,9 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
 
     Raises ValueError naming the argument: unknown backend, context longer than the model
     allows, tp not dividing the heads, a DFlash draft that does not match the target, EAGLE
-    on a model without an MTP layer, EAGLE3 without an EAGLE3 draft folder.
+    on a model without an MTP layer, EAGLE3 without an EAGLE3 draft folder. Fills in page_size,
+    NGRAM's draft tokens and tree breadth, EAGLE's verified tokens, the draft backend of an EAGLE3
+    Llama head under sm120_mla (MHA_EAGLE3_DRAFT_BACKEND) and a free port.
     """
     cfg = dataclasses.replace(cfg)
     model = cfg.model_config()

@@ -25,11 +25,14 @@ CATEGORIES = (
     ("attention: flashmla", r"flash_fwd_splitkv_mla|flashmla|flash_mla|mla_combine|get_mla_metadata"),
     ("attention: triton", r"^_fwd_kernel|_fwd_grouped_kernel|_fwd_kernel_stage|extend_attention|decode_att"),
     # FlashInfer's attention by kernel name: its namespace also holds norms and sampling
-    ("attention: flashinfer", r"(batch|single)(prefill|decode)with|batchmlapagedattention|mergestate"),
+    ("attention: flashinfer", r"(prefill|decode|pod)withkvcache|(batch|single)(prefill|decode)with"
+                              r"|batchmlapaged?attention|mergestate"),
+    # A top-k over the vocabulary (torch.topk in a tree draft, a chain's draft top-k, FlashInfer's
+    # sampling) ahead of the router's top-k kernels, which "moe" takes
+    ("sampling / speculative", r"sampling::|at::native::\w*topk|_draft_topk"),
     # TP's collectives: ahead of "norm" (an all-reduce fused with RMSNorm) and "copy" ("reduce")
     ("communication (all-reduce)", r"all_?reduce|all_?gather|reduce_scatter|nccl|cross_device_reduce"),
-    # FlashInfer's top-k sampling kernels are sampling, not the router's top-k
-    ("moe", r"moe|(?<!sampling::)topk|expert|grouped_gemm|fused_experts|count_and_sort"),
+    ("moe", r"moe|topk|router|expert|grouped_gemm|fused_experts|count_and_sort"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|splitk|sm90_|wgmma"),
     ("norm / rope / activation", r"norm|rope|rotary|silu|gelu|act_and_mul|apply_rotary"),
     ("kv cache / indices", r"kv_indices|set_mla_kv|store_kv|kv_buffer|assign_.*cache|create_flashinfer"),

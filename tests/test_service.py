@@ -306,6 +306,7 @@ def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
     for kw, want in [(dict(attention_backend="sm120_mla"), "flashinfer"),
                      (dict(attention_backend="sm120_mla", prefill_attention_backend="flashinfer",
                            prefill_as_base=True), "flashinfer"),
+                     (dict(attention_backend="sm120_mla", prefill_attention_backend="flashinfer"), "flashinfer"),
                      (dict(attention_backend="sm120_mla", draft_attention_backend="triton"), "triton"),
                      (dict(attention_backend="sm120_mla", draft_model_path=head), None)]:
         args = {"model_path": plain, "tp": 1, "spec": "eagle3", "draft_model_path": llama,

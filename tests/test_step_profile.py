@@ -23,6 +23,13 @@ from sm120_workbook.step_profile import categorize, load_trace, profile_frame, s
     ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(...)", "norm / rope / activation"),
     ("void flashinfer::sampling::TopKTopPSamplingFromProbKernel<...>(...)", "sampling / speculative"),
     ("create_flashinfer_kv_indices_triton", "kv cache / indices"),
+    ("void flashinfer::PrefillWithKVCacheKernel<...>(...)", "attention: flashinfer"),   # not "fill"
+    ("void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<...>(...)", "attention: flashinfer"),
+    ("void flashinfer::sampling::TopKRenormProbKernel<...>(...)", "sampling / speculative"),   # not "norm"
+    ("void at::native::mbtopk::gatherTopK<c10::BFloat16, unsigned int, 2>(...)", "sampling / speculative"),
+    ("_draft_topk1_kernel", "sampling / speculative"),
+    ("topk_softmax_kernel", "moe"), ("grouped_topk_kernel", "moe"), ("biased_grouped_topk_kernel", "moe"),
+    ("moe_fused_gate_kernel", "moe"), ("_router_triton_kernel", "moe"),
     ("void (anonymous namespace)::all_reduce_kernel<(anonymous namespace)::AllReducePushImpl<__nv_bfloat16, 2u, "
      "true>>(...)", "communication (all-reduce)"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication (all-reduce)"),
