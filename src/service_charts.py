@@ -80,8 +80,8 @@ def draft_backend_of(spec, backend, draft_attention_backend, draft_head=None) ->
     decode backend. Other modes have no draft backend."""
     named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
     mha_head = draft_head_of(spec, draft_head) == "llama"
-    usual = {"eagle": backend, "eagle3": MHA_EAGLE3_DRAFT_BACKEND if mha_head and backend == "sm120_mla" else backend,
-             "dflash": "triton"}.get(spec)
+    eagle3 = MHA_EAGLE3_DRAFT_BACKEND if mha_head and backend == "sm120_mla" else backend
+    usual = {"eagle": backend, "eagle3": eagle3, "dflash": "triton"}.get(spec)
     return named if usual is not None and named not in ("", usual) else ""
 
 
