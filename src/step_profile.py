@@ -266,21 +266,38 @@ def step_profile_chart(records, title: str = "", source: str = ""):
                                           source)))
 
 
-def profile_table(records):
-    """One row per profiled point: its configuration and layer count, step ms, GPU busy share,
-    attention ms, host/idle ms, how its categories were added up (category_time) and the
-    commit that measured it."""
+def unprofiled_steps(decode) -> dict:
+    """{(run_id, ctx): median verify_step_ms} of decode records (a frame or a list of dicts): the
+    step each server measured without the profiler, which a profile of that server and context
+    sets beside its own (the profiler costs host time, a little or, where the host holds the step,
+    much)."""
+    import pandas as pd
+
+    d = pd.DataFrame(decode)
+    if not len(d) or not {"run_id", "ctx", "verify_step_ms"} <= set(d.columns):
+        return {}
+    return d.dropna(subset=["run_id", "verify_step_ms"]).groupby(["run_id", "ctx"])["verify_step_ms"].median().to_dict()
+
+
+def profile_table(records, decode=None):
+    """One row per profiled point: its configuration and layer count, step ms, with `decode`
+    records the step its server measured unprofiled at that context (unprofiled_steps; NaN where
+    none did), GPU busy share, attention ms, host/idle ms, how its categories were added up
+    (category_time) and the commit that measured it."""
     import pandas as pd
 
     from .service_charts import short_commit
 
+    unprofiled = unprofiled_steps(decode) if decode is not None else None
     rows = []
     for r in records:
         cats = r.get("gpu_ms_per_step") or {}
         attention = sum(v for k, v in cats.items() if k.startswith("attention"))
-        rows.append({"config": _config(r), "layers": _layers_of(r.get("layers")) or "?",
-                     "spec": r["spec"], "ctx": r["ctx"],
-                     "step_ms": round(r["per_step_ms"], 2), "gpu_busy_%": round(100 * (r.get("busy_share") or 0), 1),
+        row = {"config": _config(r), "layers": _layers_of(r.get("layers")) or "?",
+               "spec": r["spec"], "ctx": r["ctx"], "step_ms": round(r["per_step_ms"], 2)}
+        if unprofiled is not None:
+            row["unprofiled_ms"] = round(unprofiled.get((r.get("run_id"), r["ctx"]), float("nan")), 2)
+        rows.append({**row, "gpu_busy_%": round(100 * (r.get("busy_share") or 0), 1),
                      "attention_ms": round(attention, 3),
                      "host_idle_ms": round(host_idle_ms(r), 2), "categories": category_time(r),
                      "commit": short_commit(r.get("commit"))})
