@@ -28,7 +28,8 @@ CATEGORIES = (
     ("attention: flashinfer", r"(prefill|decode|pod)withkvcache|(batch|single)(prefill|decode)with"
                               r"|batchmlapaged?attention|mergestate"),
     # A top-k over the vocabulary (torch.topk in a tree draft, a chain's draft top-k, FlashInfer's
-    # sampling) ahead of the router's top-k kernels, which "moe" takes
+    # sampling) ahead of the router's top-k kernels, which "moe" takes (a router that fell back
+    # to torch.topk would read as sampling here; SGLang's DeepSeek router does not)
     ("sampling / speculative", r"sampling::|at::native::\w*topk|_draft_topk"),
     # TP's collectives: ahead of "norm" (an all-reduce fused with RMSNorm) and "copy" ("reduce")
     ("communication (all-reduce)", r"all_?reduce|all_?gather|reduce_scatter|nccl|cross_device_reduce"),

@@ -95,12 +95,15 @@ def test_chart_and_table_from_records(tmp_path):
     assert list(profile_table([dict(recs[0], tp=2, ngram_tail=True)])["config"]) == ["triton TP2 + ngram_tail"]
     assert "unprofiled_ms" not in t
     # beside each profile, the step its own server measured unprofiled at that context (the median)
-    decode = [{"run_id": "r1", "ctx": 65536, "verify_step_ms": ms} for ms in (5.0, 5.2, 5.1)] + [
+    decode = [{"run_id": "r1", "ctx": 65536, "verify_step_ms": ms} for ms in (5.0, 5.1, 6.2)] + [
         {"run_id": "r1", "ctx": 4096, "verify_step_ms": 3.0}, {"run_id": "r2", "ctx": 65536, "verify_step_ms": 50.0}]
     u = profile_table([dict(recs[1], run_id="r1"), dict(recs[1], run_id="r3")], decode=decode)
     assert list(u.columns[:6]) == ["config", "layers", "spec", "ctx", "step_ms", "unprofiled_ms"]
     assert u["unprofiled_ms"].iloc[0] == 5.1 and math.isnan(u["unprofiled_ms"].iloc[1])
     assert "unprofiled_ms" in profile_table(recs, decode=[])   # no records: the column, empty
+    import pandas as pd   # a frame, as notebook 05 passes; a record without a run_id matches nothing
+    u = profile_table([dict(recs[1], run_id="r1"), dict(recs[1], run_id=float("nan"))], decode=pd.DataFrame(decode))
+    assert u["unprofiled_ms"].iloc[0] == 5.1 and math.isnan(u["unprofiled_ms"].iloc[1])
     save_chart(step_profile_chart(recs), "profile", str(tmp_path))
     assert any(tmp_path.iterdir())
     # the same configuration profiled at two depths: two bars, each labelled with its depth
