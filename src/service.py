@@ -57,6 +57,17 @@ MHA_EAGLE3_DRAFT_BACKEND = "flashinfer"
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.
 DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
+
+
+def launcher_draft_backend(spec: str, decode_backend: str, mha_eagle3_head: bool = False) -> str | None:
+    """The --speculative-draft-attention-backend the launcher gives a draft none is named for:
+    triton for DFlash's MHA draft (avoids FlashInfer's JIT), MHA_EAGLE3_DRAFT_BACKEND for an EAGLE3
+    Llama head (`mha_eagle3_head`) under sm120_mla, else None: SGLang's choice, the decode backend."""
+    if spec == "dflash":
+        return "triton"
+    if spec == "eagle3" and mha_eagle3_head and decode_backend == _PLUGIN_BACKEND:
+        return MHA_EAGLE3_DRAFT_BACKEND
+    return None
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
@@ -237,11 +248,11 @@ class ServerConfig:
     spec: str = "none"                      # "none" | "ngram" | "dflash" | "eagle" | "eagle3"
     num_draft_tokens: int | None = None
     draft_model_path: str | Path | None = None
-    # --speculative-draft-attention-backend. None: for DFlash "triton" (its MHA draft; avoids
-    # FlashInfer's JIT; launch_args); for EAGLE and EAGLE3 SGLang's choice, the decode backend: with
-    # sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head) decodes and extends on the kernel
-    # (patches.install_spec_compat), and an EAGLE3 Llama head (MHA) under sm120_mla takes
-    # MHA_EAGLE3_DRAFT_BACKEND (resolve_config reads the head's folder and fills it in).
+    # --speculative-draft-attention-backend. None: launcher_draft_backend's, "triton" for DFlash
+    # (launch_args) and MHA_EAGLE3_DRAFT_BACKEND for an EAGLE3 Llama head under sm120_mla
+    # (resolve_config reads the head's folder and fills it in); else SGLang's choice, the decode
+    # backend: with sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head) decodes and extends
+    # on the kernel (patches.install_spec_compat).
     draft_attention_backend: str | None = None
     # EAGLE and EAGLE3: draft steps and tree width (SGLang's own choice for DeepSeek-V3, 3 and 1);
     # num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
@@ -429,9 +440,9 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         if arch not in EAGLE3_DRAFT_ARCHITECTURES:
             raise ValueError(f"draft_model_path: an EAGLE3 draft has an architecture in "
                              f"{EAGLE3_DRAFT_ARCHITECTURES}, this one {arch!r}")
-        if arch == EAGLE3_HEADS["llama"] and cfg.draft_attention_backend is None \
-                and cfg.attention_backend == _PLUGIN_BACKEND:
-            cfg.draft_attention_backend = MHA_EAGLE3_DRAFT_BACKEND
+        if cfg.draft_attention_backend is None:
+            cfg.draft_attention_backend = launcher_draft_backend(cfg.spec, cfg.attention_backend,
+                                                                 arch == EAGLE3_HEADS["llama"])
         if not ((draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 or draft.get("eagle_aux_hidden_state_layer_ids")):
             eagle3_aux_layers(int(model["num_hidden_layers"]))   # SGLang's default layers must differ
@@ -478,7 +489,7 @@ def launch_args(cfg: ServerConfig) -> list[str]:
         a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
     if cfg.spec in EAGLE_SPECS:
         a += ["--speculative-num-steps", str(cfg.eagle_steps), "--speculative-eagle-topk", str(cfg.eagle_topk)]
-    draft_backend = cfg.draft_attention_backend or ("triton" if cfg.spec == "dflash" else None)
+    draft_backend = cfg.draft_attention_backend or launcher_draft_backend(cfg.spec, cfg.attention_backend)
     if cfg.spec in DRAFT_MODEL_SPECS and draft_backend:
         a += ["--speculative-draft-attention-backend", draft_backend]
     if cfg.spec == "ngram" and cfg.ngram_max_bfs_breadth is not None:

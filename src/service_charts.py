@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .service import MHA_EAGLE3_DRAFT_BACKEND
+from .service import DRAFT_MODEL_SPECS, launcher_draft_backend
 
 # A point is one configuration: records differing in any of these are never pooled or paired.
 # expert_record (the recorder costs time on every forward) and ngram_tail (the host-side NGRAM
@@ -73,16 +73,15 @@ def draft_head_of(spec, draft_head) -> str:
 
 def draft_backend_of(spec, backend, draft_attention_backend, draft_head=None) -> str:
     """The point key `draft_backend` of a record: its draft's attention backend where the record
-    names one other than the usual, else "". The usual: for EAGLE and an EAGLE3 MLA head the
-    decode backend (SGLang's default; None, as in the first EAGLE records, is that); for DFlash
-    triton (decode_bench's default for its MHA draft); for an EAGLE3 Llama head (MHA) under
-    sm120_mla the launcher's default, service.MHA_EAGLE3_DRAFT_BACKEND (flashinfer), else the
-    decode backend. Other modes have no draft backend."""
+    names one other than the usual, else "". The usual: the launcher's default
+    (service.launcher_draft_backend: triton for DFlash's MHA draft, flashinfer for an EAGLE3 Llama
+    head under sm120_mla), else the decode backend (SGLang's default; None, as in the first EAGLE
+    records, is that). Other modes have no draft backend."""
+    if spec not in DRAFT_MODEL_SPECS:
+        return ""
     named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
-    mha_head = draft_head_of(spec, draft_head) == "llama"
-    eagle3 = MHA_EAGLE3_DRAFT_BACKEND if mha_head and backend == "sm120_mla" else backend
-    usual = {"eagle": backend, "eagle3": eagle3, "dflash": "triton"}.get(spec)
-    return named if usual is not None and named not in ("", usual) else ""
+    usual = launcher_draft_backend(spec, backend, draft_head_of(spec, draft_head) == "llama") or backend
+    return named if named not in ("", usual) else ""
 
 
 def with_defaults(df):
