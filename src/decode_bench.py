@@ -391,9 +391,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     eagle_topk, eagle_draft_tokens: their tree (--speculative-eagle-topk) and the tokens it verifies
     (needed for topk > 1; eagle_verify_tokens); records carry eagle_topk.
     draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
-    triton for DFlash, flashinfer for an EAGLE3 Llama head under sm120_mla, else the decode backend
-    for EAGLE(3), whose MLA draft then runs on sm120_mla's kernel where that is the backend);
-    records carry what SGLang resolved.
+    flashinfer for an EAGLE3 Llama head under sm120_mla, else SGLang's choice: for DFlash its
+    prefill backend where SGLang runs a DFlash draft on it, else flashinfer (sm120_mla); for
+    EAGLE(3) the decode backend, whose MLA draft then runs on sm120_mla's kernel where that is the
+    backend); records carry what SGLang resolved.
     eagle3_head: the EAGLE3 head's layout, "mla" or "llama" (dummy_models.EAGLE3_HEADS; an MHA
     draft, which the kernel does not serve); EAGLE3 records carry it as draft_head.
     """
@@ -828,9 +829,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the EAGLE3 head's layout: mla (Kimi K2.5/K2.6's; its draft on the kernel) or "
                         "llama (SpecForge's Kimi K2 head, MHA: its draft on SGLang's own backends)")
     p.add_argument("--draft-backend", default=None,
-                   help="--speculative-draft-attention-backend of DFlash and EAGLE(3) servers (default: triton "
-                        "for DFlash; flashinfer for an EAGLE3 Llama head under sm120_mla; else for EAGLE(3) the "
-                        "decode backend, so sm120_mla's MLA draft runs on the kernel)")
+                   help="--speculative-draft-attention-backend of DFlash and EAGLE(3) servers (default: "
+                        "flashinfer for an EAGLE3 Llama head under sm120_mla; else SGLang's choice: for DFlash the "
+                        "prefill backend, or flashinfer where that is sm120_mla; for EAGLE(3) the decode backend, "
+                        "so sm120_mla's MLA draft runs on the kernel)")
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
     p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over this many of the tp ranks")

@@ -57,17 +57,39 @@ MHA_EAGLE3_DRAFT_BACKEND = "flashinfer"
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.
 DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
+# The backends SGLang 0.5.17 runs a DFlash draft on when its prefill backend is one of them
+# (arg_groups/speculative_hook.py, _resolve_dflash_draft_attention_backend; trtllm_mha only for an
+# all-sliding or causal draft, which DFlash's is not); any other, sm120_mla included, falls back to
+# flashinfer on CUDA. tests/test_plugin.py holds this against SGLang's own function.
+DFLASH_DRAFT_BACKENDS = ("flashinfer", "fa3", "fa4", "triton")
+
+
+def dflash_draft_backend(attention_backend: str, prefill_backend: str | None = None) -> str:
+    """The backend SGLang gives a DFlash draft none is named for: the prefill backend
+    (`prefill_backend`, else `attention_backend`) where DFLASH_DRAFT_BACKENDS has it, else
+    flashinfer. Under sm120_mla that is FlashInfer (H200, 16 layers: NOTES session 38)."""
+    prefill = prefill_backend or attention_backend
+    return prefill if prefill in DFLASH_DRAFT_BACKENDS else "flashinfer"
 
 
 def launcher_draft_backend(spec: str, decode_backend: str, mha_eagle3_head: bool = False) -> str | None:
     """The --speculative-draft-attention-backend the launcher gives a draft none is named for:
-    triton for DFlash's MHA draft (avoids FlashInfer's JIT), MHA_EAGLE3_DRAFT_BACKEND for an EAGLE3
-    Llama head (`mha_eagle3_head`) under sm120_mla, else None: SGLang's choice, the decode backend."""
-    if spec == "dflash":
-        return "triton"
+    MHA_EAGLE3_DRAFT_BACKEND for an EAGLE3 Llama head (`mha_eagle3_head`) under sm120_mla, else
+    None: SGLang's choice (DFlash: dflash_draft_backend; EAGLE(3): the decode backend)."""
     if spec == "eagle3" and mha_eagle3_head and decode_backend == _PLUGIN_BACKEND:
         return MHA_EAGLE3_DRAFT_BACKEND
     return None
+
+
+def usual_draft_backend(spec: str, decode_backend: str, prefill_backend: str | None = None,
+                        mha_eagle3_head: bool = False) -> str:
+    """The attention backend a draft runs on when its server names none: the launcher's
+    (launcher_draft_backend), else SGLang's (dflash_draft_backend for DFlash, the decode backend
+    for EAGLE(3))."""
+    named = launcher_draft_backend(spec, decode_backend, mha_eagle3_head)
+    if named:
+        return named
+    return dflash_draft_backend(decode_backend, prefill_backend) if spec == "dflash" else decode_backend
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
@@ -248,11 +270,11 @@ class ServerConfig:
     spec: str = "none"                      # "none" | "ngram" | "dflash" | "eagle" | "eagle3"
     num_draft_tokens: int | None = None
     draft_model_path: str | Path | None = None
-    # --speculative-draft-attention-backend. None: launcher_draft_backend's, "triton" for DFlash
-    # (launch_args) and MHA_EAGLE3_DRAFT_BACKEND for an EAGLE3 Llama head under sm120_mla
-    # (resolve_config reads the head's folder and fills it in); else SGLang's choice, the decode
-    # backend: with sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head) decodes and extends
-    # on the kernel (patches.install_spec_compat).
+    # --speculative-draft-attention-backend. None: launcher_draft_backend's, MHA_EAGLE3_DRAFT_BACKEND
+    # for an EAGLE3 Llama head under sm120_mla (resolve_config reads the head's folder and fills it
+    # in); else SGLang's choice: for DFlash dflash_draft_backend (FlashInfer under sm120_mla), for
+    # EAGLE(3) the decode backend: with sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head)
+    # decodes and extends on the kernel (patches.install_spec_compat).
     draft_attention_backend: str | None = None
     # EAGLE and EAGLE3: draft steps and tree width (SGLang's own choice for DeepSeek-V3, 3 and 1);
     # num_draft_tokens defaults to steps + 1 (a chain) at topk 1.

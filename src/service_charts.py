@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .service import DRAFT_MODEL_SPECS, launcher_draft_backend
+from .service import DRAFT_MODEL_SPECS, usual_draft_backend
 
 # A point is one configuration: records differing in any of these are never pooled or paired.
 # expert_record (the recorder costs time on every forward) and ngram_tail (the host-side NGRAM
@@ -71,16 +71,18 @@ def draft_head_of(spec, draft_head) -> str:
     return draft_head if isinstance(draft_head, str) and draft_head else "mla"
 
 
-def draft_backend_of(spec, backend, draft_attention_backend, draft_head=None) -> str:
+def draft_backend_of(spec, backend, draft_attention_backend, draft_head=None, prefill_backend=None) -> str:
     """The point key `draft_backend` of a record: its draft's attention backend where the record
-    names one other than the usual, else "". The usual: the launcher's default
-    (service.launcher_draft_backend: triton for DFlash's MHA draft, flashinfer for an EAGLE3 Llama
-    head under sm120_mla), else the decode backend (SGLang's default; None, as in the first EAGLE
-    records, is that). Other modes have no draft backend."""
+    names one other than the usual, else "". The usual (service.usual_draft_backend): flashinfer
+    for an EAGLE3 Llama head under sm120_mla, else SGLang's choice: for DFlash its prefill backend
+    (`prefill_backend`, else `backend`) where SGLang runs a DFlash draft on it, else flashinfer; for
+    EAGLE(3) the decode backend (None, as in the first EAGLE records, is that). Other modes have no
+    draft backend."""
     if spec not in DRAFT_MODEL_SPECS:
         return ""
     named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
-    usual = launcher_draft_backend(spec, backend, draft_head_of(spec, draft_head) == "llama") or backend
+    prefill = prefill_backend if isinstance(prefill_backend, str) and prefill_backend else None
+    usual = usual_draft_backend(spec, backend, prefill, draft_head_of(spec, draft_head) == "llama")
     return named if named not in ("", usual) else ""
 
 
@@ -93,8 +95,9 @@ def with_defaults(df):
     d["draft_head"] = [draft_head_of(s, h) for s, h in zip(d["spec"], heads)]
     if "draft_backend" not in d:
         named = d["draft_attention_backend"] if "draft_attention_backend" in d else [None] * len(d)
-        d["draft_backend"] = [draft_backend_of(s, b, n, h)
-                              for s, b, n, h in zip(d["spec"], d["backend"], named, d["draft_head"])]
+        prefill = d["prefill_attention_backend"] if "prefill_attention_backend" in d else [None] * len(d)
+        d["draft_backend"] = [draft_backend_of(s, b, n, h, p) for s, b, n, h, p
+                              in zip(d["spec"], d["backend"], named, d["draft_head"], prefill)]
     for k in POINT_KEYS:
         if k in KEY_DEFAULTS:
             d[k] = d[k].where(d[k].notna(), KEY_DEFAULTS[k]) if k in d else KEY_DEFAULTS[k]
@@ -177,7 +180,8 @@ def _draft_key(r) -> str:
     has = (r.get("draft_backend") if isinstance(r, dict) else getattr(r, "draft_backend", None))
     if isinstance(has, str):
         return has
-    return draft_backend_of(v("spec"), v("backend"), v("draft_attention_backend"), v("draft_head"))
+    return draft_backend_of(v("spec"), v("backend"), v("draft_attention_backend"), v("draft_head"),
+                            v("prefill_attention_backend"))
 
 
 def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:

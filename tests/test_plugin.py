@@ -225,25 +225,32 @@ def _mid_resolution_server_args(**fields):
     return override, args
 
 
-def test_spec_compat_dflash_draft_gets_triton(clean_plugin_state):
+@pytest.mark.parametrize("fields", [
+    {"attention_backend": "sm120_mla"},
+    {"attention_backend": "flashinfer", "decode_attention_backend": "sm120_mla"},   # the README's line
+    {"attention_backend": "sm120_mla", "prefill_attention_backend": "flashinfer"},
+    {"attention_backend": "sm120_mla", "prefill_attention_backend": "triton"},
+    {"attention_backend": "triton"}, {"attention_backend": "fa3"}, {"attention_backend": "flashmla"}])
+def test_dflash_draft_backend_is_sglangs_own(clean_plugin_state, fields):
+    """With the plugin's patches installed, SGLang's own DFLASH hook resolves the draft backend a
+    server names none for (for sm120_mla its fallback, flashinfer), and service.dflash_draft_backend
+    (the launcher's and the charts' "usual") says the same."""
     from sglang.srt.arg_groups import speculative_hook
 
-    override, args = _mid_resolution_server_args(attention_backend="sm120_mla",
-                                                 speculative_draft_attention_backend=None)
+    from sm120_workbook.service import dflash_draft_backend
+
+    plugin.install_spec_compat()
+    override, args = _mid_resolution_server_args(speculative_draft_attention_backend=None, **fields)
     try:
         speculative_hook._resolve_dflash_draft_attention_backend(args)
-        assert args.speculative_draft_attention_backend == "flashinfer"  # stock fallback
+        resolved = args.speculative_draft_attention_backend
     finally:
         override.restore()
-    plugin.install_spec_compat()
-    for backend, expected in (("sm120_mla", "triton"), ("fa3", "fa3")):
-        override, args = _mid_resolution_server_args(attention_backend=backend,
-                                                     speculative_draft_attention_backend=None)
-        try:
-            speculative_hook._resolve_dflash_draft_attention_backend(args)
-            assert args.speculative_draft_attention_backend == expected
-        finally:
-            override.restore()
+    decode = fields.get("decode_attention_backend") or fields["attention_backend"]
+    prefill = fields.get("prefill_attention_backend") or fields["attention_backend"]
+    assert dflash_draft_backend(decode, prefill) == resolved
+    if "sm120_mla" in fields.values() and prefill == "sm120_mla":
+        assert resolved == "flashinfer"
 
 
 def test_attention_routes_name_where_each_phase_runs():

@@ -72,8 +72,12 @@ class H(BaseHTTPRequestHandler):
             return self._reply(200)
         if self.path == "/server_info":   # "imposter": another server's answer on our port
             backend = "imposter_backend" if mode == "imposter" else arg("--attention-backend")
+            draft = arg("--speculative-draft-attention-backend")
+            if spec == "DFLASH" and draft is None:   # SGLang resolves it (test_plugin holds the rule)
+                from sm120_workbook.service import dflash_draft_backend
+                draft = dflash_draft_backend(arg("--attention-backend"), arg("--prefill-attention-backend"))
             info = {"attention_backend": backend, "model_path": arg("--model-path"), "tp_size": tp,
-                    "speculative_draft_attention_backend": arg("--speculative-draft-attention-backend")}
+                    "speculative_draft_attention_backend": draft}
             return self._reply(200, json.dumps(info).encode(), "application/json")
         if self.path == "/metrics":
             return self._reply(200, b'# TYPE x counter\nsglang:spec_verify_calls_total{model_name="m"} 7\n'
@@ -230,9 +234,10 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
         if spec == "ngram":  # SGLang refuses NGRAM trees on paged non-flashinfer backends
             assert ns.speculative_ngram_max_bfs_breadth == 1
     if spec == "dflash":
-        assert ns.speculative_num_draft_tokens == 16 and ns.speculative_draft_attention_backend == "triton"
-        # also unresolved (SGLangServer(validate=False)): DFlash's draft gets triton unless named
-        assert "triton" in launch_args(dataclasses.replace(cfg, draft_attention_backend=None))
+        # SGLang's choice (service.dflash_draft_backend) unless named, resolved or not
+        assert ns.speculative_num_draft_tokens == 16 and ns.speculative_draft_attention_backend is None
+        assert "--speculative-draft-attention-backend" not in launch_args(
+            dataclasses.replace(cfg, draft_attention_backend=None))
         named = launch_args(dataclasses.replace(cfg, draft_attention_backend="flashinfer"))
         assert named[named.index("--speculative-draft-attention-backend") + 1] == "flashinfer"
     assert (ns.cuda_graph_backend_decode == "disabled") == (not cuda_graph)
@@ -1080,14 +1085,17 @@ def test_failures_table_names_the_cause_from_the_server_log():
 
 
 def test_dflash_records_the_draft_backend_sglang_resolved(fake, tmp_path, monkeypatch):
-    """The DFlash draft's attention backend is read back from /server_info (SGLang replaces one it
-    refuses), and recorded; other specs record none."""
+    """The DFlash draft's attention backend is read back from /server_info (SGLang resolves one
+    none is named for: triton's own, flashinfer for sm120_mla), and recorded; other specs record
+    none."""
     monkeypatch.setenv("FAKE_MODE", "serve")
-    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton", "sm120_mla"], contexts=[64],
                                   spec=["dflash", "none"], draft_tokens=4, decode_tokens=12, tp=1, nvml=False,
                                   expert=False, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   log=lambda s: None)
-    assert {(r["spec"], r["draft_attention_backend"]) for r in res.decode} == {("dflash", "triton"), ("none", None)}
+    assert {(r["backend"], r["spec"], r["draft_attention_backend"]) for r in res.decode} == {
+        ("triton", "dflash", "triton"), ("sm120_mla", "dflash", "flashinfer"),
+        ("triton", "none", None), ("sm120_mla", "none", None)}
 
 
 def test_eagle_servers_serve_the_model_with_an_mtp_layer(fake, tmp_path, monkeypatch):

@@ -249,7 +249,7 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
         _rec("sm120_mla", 65536, 40.0, "ccccccc333", "2026-12-02T02:12", spec="none", draft_tokens=0,
              ngram_tail=False),
         _rec("sm120_mla", 65536, 30.0, "ccccccc333", "2026-12-02T02:12", spec="dflash", draft_tokens=16,
-             draft_attention_backend="triton", ngram_tail=False)])
+             draft_attention_backend="flashinfer", ngram_tail=False)])
     assert [sc.draft_backend_of(s, b, n) for s, b, n in zip(recs["spec"], recs["backend"],
                                                             recs["draft_attention_backend"])] == [
         "", "", "triton", "", "", ""]
@@ -267,9 +267,16 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     assert sc.label_of({"backend": "sm120_mla", "spec": "eagle", "draft_attention_backend": "triton",
                         "expert_record": True}) == \
         "sm120_mla + triton draft"
-    # DFlash's usual draft backend is triton; another is keyed and named
-    assert sc.draft_backend_of("dflash", "sm120_mla", "flashinfer") == "flashinfer"
-    assert sc.draft_backend_of("dflash", "sm120_mla", "triton") == sc.draft_backend_of("ngram", "triton", "x") == ""
+    # DFlash's usual draft backend is SGLang's: its prefill backend where it runs a DFlash draft,
+    # else flashinfer (sm120_mla); another is keyed and named (the Triton drafts before session 38)
+    assert sc.draft_backend_of("dflash", "sm120_mla", "flashinfer") == ""
+    assert sc.draft_backend_of("dflash", "sm120_mla", "flashinfer", None, "flashinfer") == ""
+    assert sc.draft_backend_of("dflash", "sm120_mla", "triton") == "triton"
+    assert sc.draft_backend_of("dflash", "sm120_mla", "triton", None, "triton") == ""
+    assert sc.draft_backend_of("dflash", "triton", "triton") == sc.draft_backend_of("ngram", "triton", "x") == ""
+    assert sc.draft_backend_of("dflash", "triton", "triton", None, float("nan")) == ""
+    assert sc.label_of({"backend": "sm120_mla", "spec": "dflash", "draft_attention_backend": "triton",
+                        "prefill_attention_backend": "flashinfer"}).endswith("+ triton draft")
     # EAGLE3's usual draft backend is the decode backend, as EAGLE's
     assert sc.draft_backend_of("eagle3", "sm120_mla", "triton") == "triton"
     assert sc.draft_backend_of("eagle3", "sm120_mla", "sm120_mla") == sc.draft_backend_of("eagle3", "sm120_mla", None) == ""

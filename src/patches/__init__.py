@@ -19,9 +19,8 @@ What it does in each process:
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
   the name wherever they accept `triton` (`install_spec_compat`). The backend's factory
   installs the same patches when it first builds the backend, so an in-process `Engine`
-  gets the draft-worker ones too; only DFLASH's draft choice is made in the launcher, before
-  any backend exists, so an in-process Engine with DFLASH should pass
-  `speculative_draft_attention_backend="triton"` itself.
+  gets them too. DFLASH's draft backend is SGLang's own choice: it takes the prefill backend
+  where its draft runs on it, and falls back to FlashInfer for `sm120_mla`.
 
 Importing this package changes nothing; `load_plugin()` is idempotent.
 """
@@ -146,24 +145,23 @@ def spec_compat_installed() -> bool:
 def install_spec_compat() -> bool:
     """Let the draft-side backend choices accept `sm120_mla` wherever they accept `triton`.
 
-    Three places in SGLang 0.5.17 check draft backends by name:
+    Two places in SGLang 0.5.17 check draft backends by name:
     - `DraftBackendFactory._create_backend` (sglang/srt/speculative/draft_utils.py): the
       EAGLE / EAGLE3 multi-step draft-decode and draft-extend backends. For an MLA draft model
       (DeepSeek-V3's MTP layer, an EAGLE3-MLA head) `sm120_mla` gets the kernel's own: `Sm120MlaMultiStepDraftBackend`
       and `Sm120MlaAttnBackend`, in place of SGLang's TritonMultiStepDraftBackend and
       TritonAttnBackend; any other map (a non-MLA draft, a factory of another SGLang) gets the
       `triton` entry. `--speculative-draft-attention-backend triton` keeps the draft on Triton.
-    - `_resolve_dflash_draft_attention_backend` (sglang/srt/arg_groups/speculative_hook.py):
-      DFLASH's draft backend, by default the prefill backend; when that is `sm120_mla` and no
-      draft backend is given, the draft gets `triton` instead of the flashinfer fallback.
     - `_SUPPORTED_DRAFT_BACKENDS` (sglang/srt/speculative/draft_worker_common.py): the
       separate draft workers (DSpark); the name is added to the tuple.
-    Each patch only changes what happens when the name `sm120_mla` reaches it. Returns True
-    if this call installed them.
+    A third, `_resolve_dflash_draft_attention_backend` (sglang/srt/arg_groups/speculative_hook.py),
+    is left as it is: DFLASH's draft, with no backend named, takes the prefill backend, and for
+    `sm120_mla` SGLang's fallback, FlashInfer, whose draft step at 64k is a fraction of Triton's
+    (NOTES.md, session 38). Each patch only changes what happens when the name `sm120_mla`
+    reaches it. Returns True if this call installed them.
     """
     if _compat_originals:
         return False
-    from sglang.srt.arg_groups import speculative_hook
     from sglang.srt.speculative import draft_worker_common
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
@@ -174,28 +172,13 @@ def install_spec_compat() -> bool:
             backend_map = {**backend_map, BACKEND_NAME: _draft_backend_on_kernel(self, backend_map["triton"])}
         return create_backend(self, backend_name, backend_map, error_template)
 
-    resolve_dflash = speculative_hook._resolve_dflash_draft_attention_backend
-
-    def _resolve_dflash_accepting_sm120(server_args):
-        if server_args.speculative_draft_attention_backend is None:
-            from sglang.srt.arg_groups.overrides import attention_backends_of, resolved_view
-
-            prefill_backend, _ = attention_backends_of(resolved_view(server_args))
-            if prefill_backend == BACKEND_NAME:
-                server_args.speculative_draft_attention_backend = "triton"
-                logger.info("sm120_workbook (pid %d): DFLASH draft attention backend set to "
-                            "triton (the target uses %s)", os.getpid(), BACKEND_NAME)
-        return resolve_dflash(server_args)
-
     _patch(DraftBackendFactory, "_create_backend", _create_backend_accepting_sm120)
-    _patch(speculative_hook, "_resolve_dflash_draft_attention_backend",
-           _resolve_dflash_accepting_sm120)
     if BACKEND_NAME not in draft_worker_common._SUPPORTED_DRAFT_BACKENDS:
         _patch(draft_worker_common, "_SUPPORTED_DRAFT_BACKENDS",
                (*draft_worker_common._SUPPORTED_DRAFT_BACKENDS, BACKEND_NAME))
     logger.info("sm120_workbook (pid %d): speculative draft paths accept %s like triton "
-                "(DraftBackendFactory._create_backend, _resolve_dflash_draft_attention_backend, "
-                "draft_worker_common._SUPPORTED_DRAFT_BACKENDS)", os.getpid(), BACKEND_NAME)
+                "(DraftBackendFactory._create_backend, draft_worker_common._SUPPORTED_DRAFT_BACKENDS)",
+                os.getpid(), BACKEND_NAME)
     return True
 
 
