@@ -76,11 +76,13 @@ def draft_backend_of(spec, backend, draft_attention_backend, draft_head=None, pr
     names one other than the usual, else "". The usual (service.usual_draft_backend): flashinfer
     for an EAGLE3 Llama head under sm120_mla, else SGLang's choice: for DFlash its prefill backend
     (`prefill_backend`, else `backend`) where SGLang runs a DFlash draft on it, else flashinfer; for
-    EAGLE(3) the decode backend (None, as in the first EAGLE records, is that). Other modes have no
-    draft backend."""
+    EAGLE(3) the decode backend (None, as in the first EAGLE records, is that). DFlash records that
+    name none (9880eff's) ran the launcher's default then, triton. Other modes have no draft
+    backend."""
     if spec not in DRAFT_MODEL_SPECS:
         return ""
-    named = draft_attention_backend if isinstance(draft_attention_backend, str) else ""
+    named = (draft_attention_backend if isinstance(draft_attention_backend, str) and draft_attention_backend
+             else "triton" if spec == "dflash" else "")
     prefill = prefill_backend if isinstance(prefill_backend, str) and prefill_backend else None
     usual = usual_draft_backend(spec, backend, prefill, draft_head_of(spec, draft_head) == "llama")
     return named if named not in ("", usual) else ""

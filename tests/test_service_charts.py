@@ -191,8 +191,9 @@ def test_first_token_points_take_the_fastest_repeat_and_name_the_prefill_kernels
             req("sm120_mla", 65536, 12.0, 0, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none"),
             req("sm120_mla", 65536, 12.0, 1, commit="aaaaaaa111", date="2026-11-29T10:00", spec="none"),
             # DFlash's draft prefills too: its newer point stays apart
-            req("sm120_mla", 65536, 14.0, 0, date="2026-12-01T18:00", spec="dflash"),
-            req("sm120_mla", 65536, 13.0, "1", date="2026-12-01T18:00", spec="dflash"),   # repeat as text
+            req("sm120_mla", 65536, 14.0, 0, date="2026-12-01T18:00", spec="dflash", draft_attention_backend="flashinfer"),
+            req("sm120_mla", 65536, 13.0, "1", date="2026-12-01T18:00", spec="dflash",   # repeat as text
+                draft_attention_backend="flashinfer"),
             # EAGLE3 heads of the two layouts prefill different drafts: two points
             req("sm120_mla", 65536, 11.0, 1, date="2026-12-02T06:00", spec="eagle3"),
             req("sm120_mla", 65536, 11.5, 1, date="2026-12-02T07:00", spec="eagle3", draft_head="llama"),
@@ -275,6 +276,9 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     assert sc.draft_backend_of("dflash", "sm120_mla", "triton", None, "triton") == ""
     assert sc.draft_backend_of("dflash", "triton", "triton") == sc.draft_backend_of("ngram", "triton", "x") == ""
     assert sc.draft_backend_of("dflash", "triton", "triton", None, float("nan")) == ""
+    # DFlash records naming no draft backend ran the launcher's default of their day, triton
+    assert sc.draft_backend_of("dflash", "sm120_mla", float("nan")) == "triton"
+    assert sc.draft_backend_of("dflash", "triton", None) == ""
     assert sc.label_of({"backend": "sm120_mla", "spec": "dflash", "draft_attention_backend": "triton",
                         "prefill_attention_backend": "flashinfer"}).endswith("+ triton draft")
     # EAGLE3's usual draft backend is the decode backend, as EAGLE's
