@@ -69,7 +69,7 @@ from .patches import kv_sort
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
-                      check_warmups, eagle_verify_tokens, log_tail, resolve_tp, spec_metrics)
+                      check_warmups, dflash_draft_backend, eagle_verify_tokens, log_tail, resolve_tp, spec_metrics)
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -191,14 +191,17 @@ def spec_expert_buffer(contexts: Sequence[int], decode_tokens: int, rows_per_pas
 
 def resolved_draft_backend(server_info: dict | None, spec: str, mla_draft: bool = True) -> str | None:
     """A DFlash or EAGLE(3) server's draft attention backend as SGLang resolved it (its /server_info):
-    --speculative-draft-attention-backend (SGLang replaces a DFlash draft backend it refuses), or for
-    EAGLE and EAGLE3, where none is given, the decode backend its draft factory falls back to. A
-    draft that is not MLA (`mla_draft` False: an EAGLE3 Llama head) given sm120_mla runs on triton,
-    the entry the plugin's factory patch gives it, and is recorded so."""
+    --speculative-draft-attention-backend (SGLang writes the DFlash draft's back there), or where an
+    info names none: for DFlash SGLang's rule over its backends (dflash_draft_backend), for EAGLE and
+    EAGLE3 the decode backend their draft factory falls back to. A draft that is not MLA
+    (`mla_draft` False: an EAGLE3 Llama head) given sm120_mla runs on triton, the entry the plugin's
+    factory patch gives it, and is recorded so. None without an info naming a backend."""
     info = server_info or {}
     named = info.get("speculative_draft_attention_backend")
     if not named and spec in EAGLE_SPECS:
         named = info.get("decode_attention_backend") or info.get("attention_backend")
+    if not named and spec == "dflash" and info.get("attention_backend"):
+        named = dflash_draft_backend(info["attention_backend"], info.get("prefill_attention_backend"))
     if spec in EAGLE_SPECS and not mla_draft and named == "sm120_mla":
         return "triton"
     return named
@@ -392,7 +395,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     (needed for topk > 1; eagle_verify_tokens); records carry eagle_topk.
     draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
     flashinfer for an EAGLE3 Llama head under sm120_mla, else SGLang's choice: for DFlash its
-    prefill backend where SGLang runs a DFlash draft on it, else flashinfer (sm120_mla); for
+    prefill backend where SGLang runs a DFlash draft on it (service.DFLASH_DRAFT_BACKENDS), else
+    flashinfer (sm120_mla, flashmla, ...); for
     EAGLE(3) the decode backend, whose MLA draft then runs on sm120_mla's kernel where that is the
     backend); records carry what SGLang resolved.
     eagle3_head: the EAGLE3 head's layout, "mla" or "llama" (dummy_models.EAGLE3_HEADS; an MHA
@@ -831,8 +835,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--draft-backend", default=None,
                    help="--speculative-draft-attention-backend of DFlash and EAGLE(3) servers (default: "
                         "flashinfer for an EAGLE3 Llama head under sm120_mla; else SGLang's choice: for DFlash the "
-                        "prefill backend, or flashinfer where that is sm120_mla; for EAGLE(3) the decode backend, "
-                        "so sm120_mla's MLA draft runs on the kernel)")
+                        "prefill backend where it is flashinfer, fa3, fa4 or triton, else flashinfer (sm120_mla, "
+                        "flashmla, ...); for EAGLE(3) the decode backend, so sm120_mla's MLA draft runs on the kernel)")
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=-1, help="-1: every visible GPU")
     p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over this many of the tp ranks")

@@ -230,7 +230,8 @@ def _mid_resolution_server_args(**fields):
     {"attention_backend": "flashinfer", "decode_attention_backend": "sm120_mla"},   # the README's line
     {"attention_backend": "sm120_mla", "prefill_attention_backend": "flashinfer"},
     {"attention_backend": "sm120_mla", "prefill_attention_backend": "triton"},
-    {"attention_backend": "triton"}, {"attention_backend": "fa3"}, {"attention_backend": "flashmla"}])
+    {"attention_backend": "triton"}, {"attention_backend": "fa3"}, {"attention_backend": "fa4"},
+    {"attention_backend": "flashmla"}])
 def test_dflash_draft_backend_is_sglangs_own(clean_plugin_state, fields):
     """With the plugin's patches installed, SGLang's own DFLASH hook resolves the draft backend a
     server names none for (for sm120_mla its fallback, flashinfer), and service.dflash_draft_backend
@@ -249,6 +250,8 @@ def test_dflash_draft_backend_is_sglangs_own(clean_plugin_state, fields):
     decode = fields.get("decode_attention_backend") or fields["attention_backend"]
     prefill = fields.get("prefill_attention_backend") or fields["attention_backend"]
     assert dflash_draft_backend(decode, prefill) == resolved
+    # as a record holds it: the prefill backend only where one was named
+    assert dflash_draft_backend(decode, fields.get("prefill_attention_backend")) == resolved
     if "sm120_mla" in fields.values() and prefill == "sm120_mla":
         assert resolved == "flashinfer"
 

@@ -1200,6 +1200,11 @@ def test_eagle3_servers_take_a_llama_head(fake, tmp_path, monkeypatch):
                                                mla_draft=False) == "triton"
     assert decode_bench.resolved_draft_backend({"speculative_draft_attention_backend": "flashinfer"}, "eagle3",
                                                mla_draft=False) == "flashinfer"
+    # a DFlash info naming no draft backend: SGLang's rule over its backends; no info, none
+    assert decode_bench.resolved_draft_backend({"attention_backend": "sm120_mla"}, "dflash") == "flashinfer"
+    assert decode_bench.resolved_draft_backend({"attention_backend": "sm120_mla",
+                                                "prefill_attention_backend": "triton"}, "dflash") == "triton"
+    assert decode_bench.resolved_draft_backend(None, "dflash") is None
     for kw, message in [(dict(eagle3_head="mha"), r"^eagle3_head: one of \['llama', 'mla'\]"),
                         (dict(eagle3_head="llama", spec=["none"]), "^eagle3_head: only spec eagle3 takes a head")]:
         with pytest.raises(ValueError, match=message):

@@ -276,6 +276,15 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     assert sc.draft_backend_of("dflash", "sm120_mla", "triton", None, "triton") == ""
     assert sc.draft_backend_of("dflash", "triton", "triton") == sc.draft_backend_of("ngram", "triton", "x") == ""
     assert sc.draft_backend_of("dflash", "triton", "triton", None, float("nan")) == ""
+    # through with_defaults, the usual depends on the record's prefill backend
+    d = sc.with_defaults(pd.DataFrame([
+        {"spec": "dflash", "backend": "sm120_mla", "draft_attention_backend": "triton",
+         "prefill_attention_backend": "triton"},
+        {"spec": "dflash", "backend": "sm120_mla", "draft_attention_backend": "triton",
+         "prefill_attention_backend": float("nan")},
+        {"spec": "dflash", "backend": "sm120_mla", "draft_attention_backend": "flashinfer",
+         "prefill_attention_backend": "flashinfer"}]))
+    assert list(d["draft_backend"]) == ["", "triton", ""]
     # DFlash records naming no draft backend ran the launcher's default of their day, triton
     assert sc.draft_backend_of("dflash", "sm120_mla", float("nan")) == "triton"
     assert sc.draft_backend_of("dflash", "triton", None) == ""
