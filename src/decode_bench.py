@@ -200,8 +200,8 @@ def resolved_draft_backend(server_info: dict | None, spec: str, mla_draft: bool 
     named = info.get("speculative_draft_attention_backend")
     if not named and spec in EAGLE_SPECS:
         named = info.get("decode_attention_backend") or info.get("attention_backend")
-    if not named and spec == "dflash" and info.get("attention_backend"):
-        named = dflash_draft_backend(info["attention_backend"], info.get("prefill_attention_backend"))
+    if not named and spec == "dflash" and (info.get("prefill_attention_backend") or info.get("attention_backend")):
+        named = dflash_draft_backend(info.get("attention_backend"), info.get("prefill_attention_backend"))
     if spec in EAGLE_SPECS and not mla_draft and named == "sm120_mla":
         return "triton"
     return named
@@ -396,9 +396,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     draft_backend: --speculative-draft-attention-backend of the DFlash and EAGLE(3) servers (None:
     flashinfer for an EAGLE3 Llama head under sm120_mla, else SGLang's choice: for DFlash its
     prefill backend where SGLang runs a DFlash draft on it (service.DFLASH_DRAFT_BACKENDS), else
-    flashinfer (sm120_mla, flashmla, ...); for
-    EAGLE(3) the decode backend, whose MLA draft then runs on sm120_mla's kernel where that is the
-    backend); records carry what SGLang resolved.
+    flashinfer (sm120_mla, flashmla, ...); for EAGLE(3) the decode backend, whose MLA draft then
+    runs on sm120_mla's kernel where that is the backend); records carry what SGLang resolved.
     eagle3_head: the EAGLE3 head's layout, "mla" or "llama" (dummy_models.EAGLE3_HEADS; an MHA
     draft, which the kernel does not serve); EAGLE3 records carry it as draft_head.
     """

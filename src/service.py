@@ -64,7 +64,7 @@ DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")
 DFLASH_DRAFT_BACKENDS = ("flashinfer", "fa3", "fa4", "triton")
 
 
-def dflash_draft_backend(attention_backend: str, prefill_backend: str | None = None) -> str:
+def dflash_draft_backend(attention_backend: str | None, prefill_backend: str | None = None) -> str:
     """The backend SGLang gives a DFlash draft none is named for: the prefill backend
     (`prefill_backend`, else `attention_backend`) where DFLASH_DRAFT_BACKENDS has it, else
     flashinfer. Under sm120_mla that is FlashInfer (H200, 16 layers: NOTES session 38)."""

@@ -1,6 +1,7 @@
 """The README's launch line, and each speculation mode's flags put in place of NGRAM's, parse with
-SGLang 0.5.17's own argument parser (the plugin's backend among its choices): a misspelt flag or
-value in what users copy fails here, not on their server."""
+SGLang 0.5.17's own argument parser (the plugin's backend among its choices, no abbreviations): a
+misspelt flag, or a value outside a flag's choices, fails here rather than on a user's server.
+Values without choices (backend names of the draft, warm-up names) are asserted as well."""
 from __future__ import annotations
 
 import argparse
@@ -13,33 +14,43 @@ import pytest
 pytest.importorskip("sglang.srt.server_args", reason="SGLang is not installed")
 
 import sm120_workbook.patches as plugin  # noqa: E402
+from sm120_workbook.patches import warmup  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+LAUNCHER = ["python", "-m", "sglang.launch_server"]
 NGRAM_FLAGS = ("--speculative-algorithm", "--speculative-num-draft-tokens")
 
 
+def _after(text: str, marker: str) -> str:
+    assert marker in text, f"README.md no longer has {marker!r}; update tests/test_readme_launch.py"
+    return text[text.index(marker):]
+
+
 def launch_line() -> list[str]:
-    """The arguments of the first `python -m sglang.launch_server` under "Using the backend"."""
-    text = README.read_text()
-    text = text[text.index("## Using the backend in SGLang"):]
-    text = text[text.index("python -m sglang.launch_server"):]
-    words = []
+    """The arguments of the first launch command under "Using the backend in SGLang"."""
+    text = _after(_after(README.read_text(), "## Using the backend in SGLang"), " ".join(LAUNCHER))
+    command = []
     for line in text.splitlines():
-        code = line.split("  #")[0].rstrip()
-        words += shlex.split(code.rstrip("\\"))
-        if not code.endswith("\\"):
+        command.append(line.rstrip().removesuffix("\\") if line.rstrip().endswith("\\") else line)
+        if not line.rstrip().endswith("\\"):
             break
+    words = shlex.split(" ".join(command), comments=True)
+    assert words[:3] == LAUNCHER, words
     return words[3:]
 
 
-def speculation_flags() -> dict[str, list[str]]:
+def speculation_lines() -> dict[str, list[list[str]]]:
     """Each bullet after "Other speculation goes in place of NGRAM's two flags": its name (up to
-    the first colon) and the flags of its backticked spans."""
-    text = README.read_text()
-    start = text.index("Other speculation goes in place of NGRAM's two flags")
-    bullets = re.split(r"\n- ", text[start:text.index("\n\n", start)])[1:]
-    return {b.split(":")[0]: [w for span in re.findall(r"`([^`]+)`", b) if span.startswith("--")
-                              for w in shlex.split(span)] for b in bullets}
+    the first colon) and its flag sets, the first backticked span alone and then with each later
+    one (an option the bullet adds, e.g. a Llama head's draft backend)."""
+    text = _after(README.read_text(), "Other speculation goes in place of NGRAM's two flags")
+    bullets = re.split(r"\n- ", text[:text.index("\n\n")])[1:]
+    lines = {}
+    for b in bullets:
+        spans = [shlex.split(s) for s in re.findall(r"`([^`]+)`", b) if s.startswith("--")]
+        assert spans, f"no flags in the README bullet {b[:60]!r}"
+        lines[b.split(":")[0]] = [spans[0]] + [spans[0] + extra for extra in spans[1:]]
+    return lines
 
 
 def without_ngram(args: list[str]) -> list[str]:
@@ -70,12 +81,17 @@ def test_the_launch_line_parses(parser):
     ns = parser.parse_args(launch_line())
     assert (ns.attention_backend, ns.decode_attention_backend) == ("flashinfer", "sm120_mla")
     assert ns.speculative_attention_mode == "decode" and ns.speculative_algorithm == "NGRAM"
-    assert ns.warmups == "sm120_long_prompt"
+    assert ns.warmups == warmup.WARMUP_NAME
 
 
 def test_each_speculation_modes_flags_parse_in_place_of_ngrams(parser):
-    modes = speculation_flags()
-    parsed = {name: parser.parse_args(without_ngram(launch_line()) + flags) for name, flags in modes.items()}
-    assert sorted(ns.speculative_algorithm for ns in parsed.values()) == ["DFLASH", "EAGLE", "EAGLE3"], modes
-    llama = [ns for ns in parsed.values() if ns.speculative_algorithm == "EAGLE3"][0]
-    assert llama.speculative_draft_attention_backend == "flashinfer"   # the Llama head's flag
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    lines = speculation_lines()
+    base = without_ngram(launch_line())
+    parsed = [parser.parse_args(base + flags) for variants in lines.values() for flags in variants]
+    assert sorted({ns.speculative_algorithm for ns in parsed}) == ["DFLASH", "EAGLE", "EAGLE3"], lines
+    for ns in parsed:   # a draft backend has no argparse choices: it must be one SGLang knows
+        assert ns.speculative_draft_attention_backend in (None, *ATTENTION_BACKEND_CHOICES), ns
+    eagle3 = [ns for ns in parsed if ns.speculative_algorithm == "EAGLE3"]
+    assert [ns.speculative_draft_attention_backend for ns in eagle3] == [None, "flashinfer"]   # + a Llama head's
