@@ -200,8 +200,9 @@ def resolved_draft_backend(server_info: dict | None, spec: str, mla_draft: bool 
     named = info.get("speculative_draft_attention_backend")
     if not named and spec in EAGLE_SPECS:
         named = info.get("decode_attention_backend") or info.get("attention_backend")
-    if not named and spec == "dflash" and (info.get("prefill_attention_backend") or info.get("attention_backend")):
-        named = dflash_draft_backend(info.get("attention_backend"), info.get("prefill_attention_backend"))
+    if not named and spec == "dflash":
+        base, prefill = info.get("attention_backend"), info.get("prefill_attention_backend")
+        named = dflash_draft_backend(base, prefill) if base or prefill else None
     if spec in EAGLE_SPECS and not mla_draft and named == "sm120_mla":
         return "triton"
     return named

@@ -30,9 +30,10 @@ def launch_line() -> list[str]:
     """The arguments of the first launch command under "Using the backend in SGLang"."""
     text = _after(_after(README.read_text(), "## Using the backend in SGLang"), " ".join(LAUNCHER))
     command = []
-    for line in text.splitlines():
-        command.append(line.rstrip().removesuffix("\\") if line.rstrip().endswith("\\") else line)
-        if not line.rstrip().endswith("\\"):
+    for line in text.splitlines():   # up to the first line without a continuation
+        line = line.rstrip()
+        command.append(line.removesuffix("\\"))
+        if not line.endswith("\\"):
             break
     words = shlex.split(" ".join(command), comments=True)
     assert words[:3] == LAUNCHER, words
