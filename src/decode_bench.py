@@ -65,11 +65,15 @@ import numpy as np
 
 from .dummy_models import (EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, materialize_draft,
                            materialize_eagle3_draft, materialize_model, max_context, weight_format)
+from .patches import dflash_host_plan as dflash_host_plan_patch
 from .patches import kv_sort
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
                       check_warmups, dflash_draft_backend, eagle_verify_tokens, log_tail, resolve_tp, spec_metrics)
+
+# $SM120_DFLASH_HOST_PLAN per decode_bench --dflash-host-plan (patches/dflash_host_plan.py)
+DFLASH_HOST_PLAN_MODES = ("off", "on", "check")
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -366,6 +370,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                prefill_as_base: bool = False, warmups: Sequence[str] = (),
                eagle_steps: int = 3, eagle_topk: int = 1, eagle_draft_tokens: int | None = None,
                draft_backend: str | None = None, eagle3_head: str = "mla",
+               dflash_host_plan: str = "off",
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
 
@@ -380,6 +385,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     profile_with_stack also records the Python calls (host time by function).
     ngram_tail: start the servers with $SM120_NGRAM_TAIL=1 (patches/ngram_tail.py: NGRAM
     draft prep without a per-step copy of the prompt); records carry ngram_tail.
+    dflash_host_plan: "on" starts the servers with $SM120_DFLASH_HOST_PLAN=1
+    (patches/dflash_host_plan.py: a DFlash draft on FlashInfer plans from host bounds, without a
+    sync a step), "check" with $SM120_DFLASH_HOST_PLAN=check (the same, each plan's bound checked
+    against the device, a sync: not for timing), "off" without; records carry dflash_host_plan.
     prefill_backend: prefills on this SGLang backend instead (e.g. "flashinfer"; decode and
     verify stay on each backend of `backends`); records carry prefill_attention_backend.
     prefill_as_base: spell that hybrid with the prefill backend as --attention-backend
@@ -458,7 +467,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         # default; the same for every backend, so the comparison stands.
         fusion = allreduce_fusion and tp > 1
         # $SM120_KV_SORT passes through to the servers: the records say whether it was on
+        if dflash_host_plan not in DFLASH_HOST_PLAN_MODES:
+            raise ValueError(f"dflash_host_plan: expected one of {DFLASH_HOST_PLAN_MODES}, got {dflash_host_plan!r}")
         common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
+                  "dflash_host_plan": dflash_host_plan,
                   "prefill_attention_backend": prefill_backend or "", "prefill_as_base": bool(prefill_as_base),
                   "warmups": ",".join(warmups),
                   "kv_sort": kv_sort.requested(),
@@ -550,7 +562,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             server_log = None
             try:
                 log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
-                env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0"}
+                env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0",
+                       dflash_host_plan_patch.ENV_VAR: {"on": "1", "check": "check"}.get(dflash_host_plan, "0")}
                 with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
                                   stall_timeout_s=stall_timeout_s, progress=progress, launcher=launcher,
                                   env=env) as srv:
@@ -860,6 +873,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="profile only these contexts (default: all measured)")
     p.add_argument("--ngram-tail", action="store_true",
                    help="start servers with SM120_NGRAM_TAIL=1 (NGRAM draft prep without copying the prompt)")
+    p.add_argument("--dflash-host-plan", choices=DFLASH_HOST_PLAN_MODES, default="off",
+                   help="on: start servers with SM120_DFLASH_HOST_PLAN=1 (a DFlash draft on FlashInfer plans "
+                        "from host bounds, no sync a step); check: the same with each plan's bound checked "
+                        "(syncs: not for timing)")
     p.add_argument("--prefill-backend", default=None,
                    help="prefill on this SGLang attention backend (e.g. flashinfer); decode and verify "
                         "stay on --backends (SGLang's hybrid backend, --speculative-attention-mode decode)")
@@ -908,7 +925,7 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           warmups=tuple(n for n in a.warmups.split(",") if n),
                           eagle_steps=a.eagle_steps, eagle_topk=a.eagle_topk,
                           eagle_draft_tokens=a.eagle_draft_tokens, draft_backend=a.draft_backend,
-                          eagle3_head=a.eagle3_head)
+                          eagle3_head=a.eagle3_head, dflash_host_plan=a.dflash_host_plan)
     except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
         p.error(str(e))
 

@@ -23,15 +23,16 @@ from .service import DRAFT_MODEL_SPECS, usual_draft_backend
 # usual one ("" where it is, and for modes without a draft model), e.g. sm120_mla's EAGLE MTP
 # draft kept on Triton. eagle_topk: an EAGLE(3) tree's width (1, a chain, for every other record).
 # draft_head (derived, `draft_head_of`): an EAGLE3 head's layout, "mla" or "llama" ("" for the
-# other modes; EAGLE3 records from before the Llama head are MLA ones).
+# other modes; EAGLE3 records from before the Llama head are MLA ones). dflash_host_plan
+# (patches/dflash_host_plan.py: "on", "check" or "off") the DFlash draft's per-step sync.
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
               "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
-              "prefill_as_base", "draft_backend", "eagle_topk", "draft_head"]
+              "prefill_as_base", "draft_backend", "eagle_topk", "draft_head", "dflash_host_plan"]
 # What a record without the key ran with (older records predate ep_size and ngram_tail;
 # decode_tokens: decode_bench's default).
 KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
                 "expert_record": False, "ngram_tail": False, "prefill_attention_backend": "",
-                "prefill_as_base": False, "draft_backend": "", "eagle_topk": 1}
+                "prefill_as_base": False, "draft_backend": "", "eagle_topk": 1, "dflash_host_plan": "off"}
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM",
                "eagle": "EAGLE (MTP layer, dummy weights)",
                "eagle3": "EAGLE3 (draft head, dummy weights)"}
@@ -157,11 +158,11 @@ def select_tp(df, tp: int = 1):
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
                  ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "",
                  prefill_as_base: bool = False, draft_backend: str = "", eagle_topk=1,
-                 draft_head: str = "") -> str:
+                 draft_head: str = "", dflash_host_plan: str = "off") -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
     draft prep unpatched, the prefill on the same backend, a draft on its usual backend, an EAGLE
-    chain, an EAGLE3 head of MLA layout),
+    chain, an EAGLE3 head of MLA layout, the DFlash draft's plan as SGLang has it),
     and the layer count and decode tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
@@ -173,7 +174,8 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
             + (" as base" if prefill_backend and prefill_as_base else "")
             + (f" + {draft_backend} draft" if draft_backend else "")
             + (f", EAGLE topk {int(eagle_topk)}" if eagle_topk not in (None, 1) else "")
-            + (f", {draft_head.capitalize()} EAGLE3 head" if draft_head not in ("", "mla", None) else ""))
+            + (f", {draft_head.capitalize()} EAGLE3 head" if draft_head not in ("", "mla", None) else "")
+            + {"on": " + dflash_host_plan", "check": " + dflash_host_plan (checked)"}.get(dflash_host_plan, ""))
 
 
 def _draft_key(r) -> str:
@@ -195,7 +197,8 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
                         decode_tokens=v("decode_tokens") if decode_tokens else None,
                         prefill_backend=str(v("prefill_attention_backend") or ""),
                         prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r),
-                        eagle_topk=v("eagle_topk"), draft_head=draft_head_of(v("spec"), v("draft_head")))
+                        eagle_topk=v("eagle_topk"), draft_head=draft_head_of(v("spec"), v("draft_head")),
+                        dflash_host_plan=str(v("dflash_host_plan") or "off"))
 
 
 def pair_points(mine, base, keys, value: str = "tok_s"):

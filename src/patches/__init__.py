@@ -14,6 +14,9 @@ What it does in each process:
 - installs the need_sort override (`kv_sort`) when $SM120_KV_SORT=1, and nothing otherwise.
 - installs the NGRAM draft-prep fix (`ngram_tail`: no per-step copy of the whole prompt)
   when $SM120_NGRAM_TAIL=1, and nothing otherwise.
+- installs the DFlash host plan (`dflash_host_plan`: a DFlash draft on FlashInfer plans its
+  verify graphs from host bounds, so no step waits on a copy of the lengths) when
+  $SM120_DFLASH_HOST_PLAN=1 (or `check`), and nothing otherwise.
 - registers the warm-up `sm120_long_prompt` with SGLang's warm-up registry (`warmup`), which
   runs only where `--warmups sm120_long_prompt` asks for it.
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
@@ -30,7 +33,7 @@ import logging
 import os
 import sys
 
-from . import kv_sort, ngram_tail, warmup
+from . import dflash_host_plan, kv_sort, ngram_tail, warmup
 
 BACKEND_NAME = "sm120_mla"
 _BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
@@ -231,6 +234,7 @@ def load_plugin() -> None:
     register_backend()
     kv_sort.install_from_env()
     ngram_tail.install_from_env()
+    dflash_host_plan.install_from_env()
     _register_warmup_or_warn()
     selected = backend_selected_in_argv()
     if selected:
@@ -250,4 +254,5 @@ _last_message: str | None = None
 
 __all__ = ["BACKEND_NAME", "load_plugin", "register_backend", "is_registered",
            "unregister_backend", "backend_selected_in_argv", "install_spec_compat",
-           "uninstall_spec_compat", "spec_compat_installed", "kv_sort", "ngram_tail", "warmup"]
+           "uninstall_spec_compat", "spec_compat_installed", "kv_sort", "ngram_tail", "dflash_host_plan",
+           "warmup"]
