@@ -72,8 +72,9 @@ from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangSer
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
                       check_warmups, dflash_draft_backend, eagle_verify_tokens, log_tail, resolve_tp, spec_metrics)
 
-# $SM120_DFLASH_HOST_PLAN per decode_bench --dflash-host-plan (patches/dflash_host_plan.py)
-DFLASH_HOST_PLAN_MODES = ("off", "on", "check")
+# decode_bench --dflash-host-plan: "probe" starts the servers with $SM120_DFLASH_HOST_PLAN=probe
+# (patches/dflash_host_plan.py, a timing probe with wrong draft attention), "off" without
+DFLASH_HOST_PLAN_MODES = ("off", "probe")
 
 DECODE_RESULTS = "service_decode"
 NVML_RESULTS = "service_nvml"
@@ -385,10 +386,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     profile_with_stack also records the Python calls (host time by function).
     ngram_tail: start the servers with $SM120_NGRAM_TAIL=1 (patches/ngram_tail.py: NGRAM
     draft prep without a per-step copy of the prompt); records carry ngram_tail.
-    dflash_host_plan: "on" starts the servers with $SM120_DFLASH_HOST_PLAN=1
-    (patches/dflash_host_plan.py: a DFlash draft on FlashInfer plans from host bounds, without a
-    sync a step), "check" with $SM120_DFLASH_HOST_PLAN=check (the same, each plan's bound checked
-    against the device, a sync: not for timing), "off" without; records carry dflash_host_plan.
+    dflash_host_plan: "probe" starts the servers with $SM120_DFLASH_HOST_PLAN=probe
+    (patches/dflash_host_plan.py: a DFlash draft on FlashInfer planned from host bounds, without
+    the sync a step; a timing probe, its draft attention is wrong for some requests), "off"
+    without; records carry dflash_host_plan.
     prefill_backend: prefills on this SGLang backend instead (e.g. "flashinfer"; decode and
     verify stay on each backend of `backends`); records carry prefill_attention_backend.
     prefill_as_base: spell that hybrid with the prefill backend as --attention-backend
@@ -563,7 +564,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             try:
                 log_path = (Path(log_dir) / f"{run_id}.log") if log_dir else None
                 env = {**os.environ, "SM120_NGRAM_TAIL": "1" if ngram_tail else "0",
-                       dflash_host_plan_patch.ENV_VAR: {"on": "1", "check": "check"}.get(dflash_host_plan, "0")}
+                       dflash_host_plan_patch.ENV_VAR: dflash_host_plan}
                 with SGLangServer(cfg, log_path=log_path, startup_timeout_s=startup_timeout_s,
                                   stall_timeout_s=stall_timeout_s, progress=progress, launcher=launcher,
                                   env=env) as srv:
@@ -874,9 +875,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ngram-tail", action="store_true",
                    help="start servers with SM120_NGRAM_TAIL=1 (NGRAM draft prep without copying the prompt)")
     p.add_argument("--dflash-host-plan", choices=DFLASH_HOST_PLAN_MODES, default="off",
-                   help="on: start servers with SM120_DFLASH_HOST_PLAN=1 (a DFlash draft on FlashInfer plans "
-                        "from host bounds, no sync a step); check: the same with each plan's bound checked "
-                        "(syncs: not for timing)")
+                   help="probe: start servers with SM120_DFLASH_HOST_PLAN=probe, a timing probe of what the "
+                        "FlashInfer draft's per-step sync costs (its draft attention is wrong for some requests)")
     p.add_argument("--prefill-backend", default=None,
                    help="prefill on this SGLang attention backend (e.g. flashinfer); decode and verify "
                         "stay on --backends (SGLang's hybrid backend, --speculative-attention-mode decode)")

@@ -1034,7 +1034,7 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
     (dict(spec=["ngram"], ngram_draft_tokens=17, backends=["sm120_mla"]), "exceed the sm120_mla kernel's 16"),
     (dict(spec=["dflash"], spec_fallback="dflash"), "spec_fallback: one of"),
     (dict(spec=["none"], profile_steps=2, profile_contexts=[65]), r"profile_contexts: \[65\] are not among"),
-    (dict(spec=["dflash"], dflash_host_plan="yes"), r"dflash_host_plan: expected one of \('off', 'on', 'check'\)"),
+    (dict(spec=["dflash"], dflash_host_plan="on"), r"dflash_host_plan: expected one of \('off', 'probe'\)"),
 ])
 def test_run_matrix_refuses_bad_plans_before_any_launch(fake, tmp_path, kw, match):
     kw = {"backends": ["triton"], "contexts": [64], "decode_tokens": 40, **kw}
@@ -1122,18 +1122,18 @@ def test_eagle_servers_serve_the_model_with_an_mtp_layer(fake, tmp_path, monkeyp
     assert all("/model " in t for n, t in logs.items() if "-none-" in n), logs
 
 
-@pytest.mark.parametrize("mode, env", [("off", "0"), ("on", "1"), ("check", "check")])
-def test_run_matrix_passes_the_dflash_host_plan_to_the_servers_and_records(fake, tmp_path, monkeypatch, mode, env):
+@pytest.mark.parametrize("mode", ["off", "probe"])
+def test_run_matrix_passes_the_dflash_host_plan_to_the_servers_and_records(fake, tmp_path, monkeypatch, mode):
     monkeypatch.setenv("FAKE_MODE", "serve")
     monkeypatch.setenv("FAKE_ECHO_ARGS", "1")
-    monkeypatch.setenv("SM120_DFLASH_HOST_PLAN", "1")   # the caller's own setting does not leak through
+    monkeypatch.setenv("SM120_DFLASH_HOST_PLAN", "probe" if mode == "off" else "off")   # the caller's own does not leak
     res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
                                   spec=["none"], decode_tokens=12, tp=1, nvml=False, expert=False,
                                   progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   dflash_host_plan=mode, log=lambda s: None)
     assert res.decode and {r["dflash_host_plan"] for r in res.decode} == {mode}
     (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
-    assert f"fake server env SM120_DFLASH_HOST_PLAN={env}\n" in log
+    assert f"fake server env SM120_DFLASH_HOST_PLAN={mode}\n" in log
 
 
 def test_eagle3_servers_take_an_mla_draft_head(fake, tmp_path, monkeypatch):

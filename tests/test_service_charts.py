@@ -238,20 +238,19 @@ def test_prefill_label():
 
 
 def test_the_dflash_host_plan_is_a_point_of_its_own():
-    """DFlash servers with the draft planned from host bounds (and the checked variant) are points
-    of their own beside SGLang's plan, labelled so; records from before the key read "off"."""
+    """DFlash servers under the host-plan timing probe are points of their own beside SGLang's plan,
+    labelled so; records from before the key read "off"."""
     d = dict(spec="dflash", draft_tokens=16, prefill_attention_backend="flashinfer", prefill_as_base=True,
              draft_attention_backend="flashinfer", ngram_tail=False)
     recs = pd.DataFrame([
         _rec("sm120_mla", 65536, 134.0, "ccccccc333", "2026-12-02T16:00", **d),
-        _rec("sm120_mla", 65536, 160.0, "ccccccc333", "2026-12-02T16:05", dflash_host_plan="on", **d),
-        _rec("sm120_mla", 65536, 120.0, "ccccccc333", "2026-12-02T16:09", dflash_host_plan="check", **d),
+        _rec("sm120_mla", 65536, 160.0, "ccccccc333", "2026-12-02T16:05", dflash_host_plan="probe", **d),
         _rec("sm120_mla", 65536, 133.0, "ccccccc333", "2026-12-02T16:12", dflash_host_plan="off", **d)])
     pts = sc.decode_points(recs)
-    assert sorted(zip(pts["dflash_host_plan"], pts["tok_s"])) == [("check", 120.0), ("off", 133.5), ("on", 160.0)]
+    assert sorted(zip(pts["dflash_host_plan"], pts["tok_s"])) == [("off", 133.5), ("probe", 160.0)]
     labels = dict(zip(pts["dflash_host_plan"], pts["config"]))
-    assert labels["on"].endswith("+ flashinfer prefill as base + dflash_host_plan")
-    assert labels["check"].endswith(" + dflash_host_plan (checked)") and "dflash_host_plan" not in labels["off"]
+    assert labels["probe"].endswith("+ flashinfer prefill as base + dflash_host_plan probe")
+    assert "dflash_host_plan" not in labels["off"]
 
 
 def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():

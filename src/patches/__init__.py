@@ -14,9 +14,9 @@ What it does in each process:
 - installs the need_sort override (`kv_sort`) when $SM120_KV_SORT=1, and nothing otherwise.
 - installs the NGRAM draft-prep fix (`ngram_tail`: no per-step copy of the whole prompt)
   when $SM120_NGRAM_TAIL=1, and nothing otherwise.
-- installs the DFlash host plan (`dflash_host_plan`: a DFlash draft on FlashInfer plans its
-  verify graphs from host bounds, so no step waits on a copy of the lengths) when
-  $SM120_DFLASH_HOST_PLAN=1 (or `check`), and nothing otherwise.
+- installs the DFlash host-plan timing probe (`dflash_host_plan`: a DFlash draft on FlashInfer
+  planned from host bounds, so no step waits on a copy of the lengths, but with wrong draft
+  attention for some requests) when $SM120_DFLASH_HOST_PLAN=probe, and nothing otherwise.
 - registers the warm-up `sm120_long_prompt` with SGLang's warm-up registry (`warmup`), which
   runs only where `--warmups sm120_long_prompt` asks for it.
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept

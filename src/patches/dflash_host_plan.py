@@ -1,36 +1,35 @@
-"""DFlash's FlashInfer draft planned from host bounds: no per-step sync, so the overlap scheduler keeps its lead.
+"""A timing probe: DFlash's FlashInfer draft planned from host bounds, without the per-step sync.
 
-Under SGLang 0.5.17 a DFlash server drafts on FlashInfer wherever it prefills on it (the README's
-launch line; `service.dflash_draft_backend`). FlashInfer's backend inherits the base class's
-`needs_cpu_seq_lens = True`, so `decide_needs_cpu_seq_lens` (managers/overlap_utils.py) makes
-`FutureMap.resolve_seq_lens_cpu` copy the lengths to the host and sync every step, and its
-CUDA-graph replay calls FlashInfer's `plan()`, which copies the index arrays to the host again.
-Both drain the GPU queue, so the host prepares each step while the GPU idles: about 1.57 ms a
-step at 64k on the H200, and at 4k the FlashInfer draft loses to Triton's (NOTES.md, session 38).
+It answers one question: what does the sync cost a DFlash step? Its draft attention is WRONG for
+some requests (below), so it is opt-in under a name that says so, $SM120_DFLASH_HOST_PLAN=probe,
+and never part of a launch line. Server outputs stay the target's (DFlash verifies every draft
+token on the target), but wrong drafts are rejected, so with real weights acceptance falls.
 
-SGLang already has both halves of a sync-free path; they are only not joined for DFlash:
-- `DFlashWorkerV2` hands its draft forward host lengths that bound the device ones from above
-  without a sync: the committed prefix plus one verify block when the host has the lengths, else
-  the allocator's reservation (`reserved_seq_lens_cpu`, at least the committed length plus two
-  blocks: the verify in flight may accept a whole block);
-- `flashinfer_backend.fast_prefill_plan` plans a captured fa2 wrapper from host layout alone; SGLang
-  installs it only for EAGLE's draft-extend graphs.
+Why the sync: under SGLang 0.5.17 a DFlash server drafts on FlashInfer wherever it prefills on it
+(the README's launch line; `service.dflash_draft_backend`). FlashInfer's backend inherits the base
+class's `needs_cpu_seq_lens = True`, so `decide_needs_cpu_seq_lens` (managers/overlap_utils.py)
+makes `FutureMap.resolve_seq_lens_cpu` copy the lengths to the host and sync every step, and the
+draft's graph replay runs FlashInfer's `plan()`, which copies the index arrays to the host again.
+The host then prepares each step while the GPU idles (NOTES.md, sessions 38 and 39).
 
-After the DFlash worker has captured its draft graphs, this override installs `fast_prefill_plan` on
-the draft backend's target-verify wrappers and sets that backend's `needs_cpu_seq_lens` to False, on
-that instance only (the scheduler asks after the capture). Why planning from an upper bound is
-exact: FlashInfer 0.6.15's paged prefill kernel reads each request's KV length from the device
-indptr and clamps every KV chunk to it (`chunk_start = min(..., kv_len)`), so a chunk planned past
-the end is empty and merges as weight zero. tests/test_dflash_host_plan.py checks that on a GPU
-against a float64 reference, with NaN in every KV slot past the true lengths.
+What the probe does: after DFlashWorkerV2 has captured its draft graphs, it installs SGLang's own
+sync-free `fast_prefill_plan` (which SGLang installs only for EAGLE's draft-extend graphs, where the
+host lengths are exact) on the draft backend's target-verify wrappers, and sets that backend
+instance's `needs_cpu_seq_lens` to False. The draft then plans from the host upper bounds
+DFlashWorkerV2 already provides (the allocator's reservation, at least the committed length plus
+two blocks).
 
-Where it does not fit it changes nothing and logs why: a draft backend other than FlashInfer's
-fa2, sliding-window or cross-attention wrappers, a draft window (`--speculative-dflash-draft-window-size`:
-its host bound leaves out the verify block), or no captured verify graphs.
+Why that is wrong (FlashInfer 0.6.15, checked on the H200 by tests/test_dflash_host_plan.py): the
+plan gives each request ceil(host length / chunk size) KV chunks and lays out the split partials
+and their merge by that count, but the paged prefill kernel writes each row's partials with a
+stride of ceil(device length / chunk size) (prefill.cuh, `num_kv_chunks`). Where the two counts
+differ, the merge reads partials the kernel did not write. A correct sync-free plan needs
+FlashInfer to take that stride from the plan; the probe measures what it would gain.
 
-Opt-in: $SM120_DFLASH_HOST_PLAN=1 in the server's environment. $SM120_DFLASH_HOST_PLAN=check does
-the same and also reads the device lengths back at every plan (a sync: for verifying, not for
-timing), logging how often the host bound held.
+Where the probe does not fit it changes nothing and logs why: a draft backend other than
+FlashInfer's fa2, sliding-window or cross-attention wrappers, a draft window
+(`--speculative-dflash-draft-window-size`: its host bound leaves out the verify block), or no
+captured verify graphs.
 """
 from __future__ import annotations
 
@@ -43,65 +42,13 @@ from .env_switch import TRUE_WORDS
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SM120_DFLASH_HOST_PLAN"
-CHECK_WORD = "check"
+PROBE_WORD = "probe"
 _MARK = "_sm120_dflash_host_plan_original"
-_LOG_EVERY = 50   # plans between the check's log lines (and the first)
 
 
-def mode(environ=None) -> str:
-    """"off", "on" or "check", from $SM120_DFLASH_HOST_PLAN (a true word means "on")."""
-    value = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip().lower()
-    if value == CHECK_WORD:
-        return "check"
-    return "on" if value in TRUE_WORDS else "off"
-
-
-class HostBoundCheck:
-    """Counts, at each plan of an adapted wrapper, whether the host KV lengths bound the device's.
-
-    A request whose host length is below its device length would lose its last keys: the plan
-    gives it too few chunks. Padded graph slots (host length 1, FlashInfer's fill value; a real
-    DFlash request has at least its 16-token block) are skipped: SGLang discards their rows."""
-
-    def __init__(self):
-        self.plans = 0
-        self.violations = 0
-        self.min_slack: int | None = None
-
-    def __call__(self, kv_lens_host, paged_kv_indptr) -> None:
-        device = (paged_kv_indptr[1:] - paged_kv_indptr[:-1]).cpu().to(kv_lens_host.dtype)
-        real = kv_lens_host > _PAD_LEN
-        slack = (kv_lens_host - device)[real]
-        self.plans += 1
-        low = int(slack.min()) if len(slack) else None
-        if low is not None:
-            self.min_slack = low if self.min_slack is None else min(self.min_slack, low)
-        if low is not None and low < 0:
-            self.violations += 1
-            logger.error("sm120_workbook: DFlash host plan: host KV lengths %s below the device's %s",
-                         kv_lens_host[real].tolist(), device[real].tolist())
-        if self.plans % _LOG_EVERY == 1 or (low is not None and low < 0 and self.violations == 1):
-            logger.info("sm120_workbook (pid %d): DFlash host plan check: %d plans, %d with a host "
-                        "length below the device's, least slack %s tokens", os.getpid(), self.plans,
-                        self.violations, self.min_slack)
-
-
-_PAD_LEN = 1   # FlashInfer's get_cuda_graph_seq_len_fill_value()
-
-
-class _CheckedPlan:
-    """A wrapper's begin_forward that checks the host bound, then runs fast_prefill_plan.
-
-    Its `func` is fast_prefill_plan, which is what call_begin_forward looks at to pass host layout."""
-
-    def __init__(self, wrapper, check: HostBoundCheck):
-        from sglang.srt.layers.attention import flashinfer_backend as fib
-
-        self.func, self.wrapper, self.check = fib.fast_prefill_plan, wrapper, check
-
-    def __call__(self, qo_indptr, paged_kv_indptr, *args, **kwargs):
-        self.check(kwargs["kv_lens_host"], paged_kv_indptr)
-        return self.func(self.wrapper, qo_indptr, paged_kv_indptr, *args, **kwargs)
+def requested(environ=None) -> bool:
+    """Whether $SM120_DFLASH_HOST_PLAN is "probe" (only that word: the probe's drafts are wrong)."""
+    return (environ if environ is not None else os.environ).get(ENV_VAR, "").strip().lower() == PROBE_WORD
 
 
 def why_not_adaptable(backend) -> str | None:
@@ -127,7 +74,7 @@ def why_not_adaptable(backend) -> str | None:
     return None
 
 
-def adapt(backend, *, check: bool = False) -> list[int]:
+def adapt(backend) -> list[int]:
     """Plan `backend`'s target-verify graphs from host bounds and stop it asking for host lengths.
 
     Returns the captured batch sizes adapted; raises ValueError (with the reason) if it cannot."""
@@ -136,12 +83,11 @@ def adapt(backend, *, check: bool = False) -> list[int]:
     reason = why_not_adaptable(backend)
     if reason is not None:
         raise ValueError(reason)
-    checker = HostBoundCheck() if check else None
     for wrappers in backend.prefill_cuda_graph_metadata.values():
         for w in wrappers:
             # call_begin_forward takes its sync-free branch for a begin_forward whose `.func` is
             # fast_prefill_plan, as SGLang's own EAGLE draft-extend graphs have it.
-            w.begin_forward = _CheckedPlan(w, checker) if check else functools.partial(fib.fast_prefill_plan, w)
+            w.begin_forward = functools.partial(fib.fast_prefill_plan, w)
     backend.needs_cpu_seq_lens = False
     return sorted(backend.prefill_cuda_graph_metadata)
 
@@ -152,18 +98,19 @@ def _worker_class():
     return dflash_worker_v2.DFlashWorkerV2
 
 
-def adapt_worker(worker, *, check: bool = False) -> str:
+def adapt_worker(worker) -> str:
     """Adapt a DFlash worker's draft backend after its graphs are captured; returns a log line."""
     if getattr(worker, "use_compact_draft_cache", False):
         return ("left as SGLang has it: a draft window is set, and its host bound leaves out the "
                 "verify block")
     backend = worker.draft_model_runner.attn_backend
     try:
-        sizes = adapt(backend, check=check)
+        sizes = adapt(backend)
     except ValueError as e:
         return f"left as SGLang has it: {e}"
-    return (f"the FlashInfer draft's verify graphs (bs {sizes[0]}..{sizes[-1]}) plan from host "
-            f"bounds, needs_cpu_seq_lens False{' (checked at every plan)' if check else ''}")
+    return (f"TIMING PROBE: the FlashInfer draft's verify graphs (bs {sizes[0]}..{sizes[-1]}) plan "
+            f"from host bounds and its backend says needs_cpu_seq_lens False; its attention is wrong "
+            f"for a request whose KV chunk count differs between bound and length")
 
 
 def _wrap(init_cuda_graphs):
@@ -171,10 +118,10 @@ def _wrap(init_cuda_graphs):
     def wrapper(self, *args, **kwargs):
         result = init_cuda_graphs(self, *args, **kwargs)
         try:
-            line = adapt_worker(self, check=mode() == "check")
+            line = adapt_worker(self)
         except Exception as e:  # noqa: BLE001 - the server runs as SGLang has it rather than not at all
             line = f"failed, left as SGLang has it: {e!r}"
-        logger.info("sm120_workbook (pid %d): DFlash host plan: %s", os.getpid(), line)
+        logger.warning("sm120_workbook (pid %d): DFlash host plan: %s", os.getpid(), line)
         return result
 
     setattr(wrapper, _MARK, init_cuda_graphs)
@@ -204,8 +151,12 @@ def uninstall() -> None:
 
 
 def install_from_env(environ=None) -> bool:
-    """Install when $SM120_DFLASH_HOST_PLAN asks for it; a failure is logged, never raised."""
-    if mode(environ) == "off":
+    """Install when $SM120_DFLASH_HOST_PLAN is "probe"; a failure is logged, never raised."""
+    value = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+    if not requested(environ):
+        if value.lower() in TRUE_WORDS:
+            logger.warning("sm120_workbook: %s=%s ignored: the DFlash host plan is a timing probe with "
+                           "wrong draft attention; %s=%s runs it", ENV_VAR, value, ENV_VAR, PROBE_WORD)
         return False
     try:
         return install()
