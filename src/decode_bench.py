@@ -434,6 +434,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         raise ValueError(f"eagle3_head: one of {sorted(EAGLE3_HEADS)}, got {eagle3_head!r}")
     if eagle3_head != "mla" and "eagle3" not in spec:
         raise ValueError(f"eagle3_head: only spec eagle3 takes a head, and spec is {list(spec)}")
+    if dflash_host_plan not in DFLASH_HOST_PLAN_MODES:
+        raise ValueError(f"dflash_host_plan: expected one of {DFLASH_HOST_PLAN_MODES}, got {dflash_host_plan!r}")
+    if dflash_host_plan != "off" and list(spec) != ["dflash"]:
+        # the probe changes only a DFlash draft; other servers' records would carry it for nothing
+        raise ValueError(f"dflash_host_plan: the probe is for spec ['dflash'] alone, and spec is {list(spec)}")
     if (spec_fallback or "") not in SPEC_FALLBACKS:
         raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
     if spec_fallback:
@@ -468,8 +473,6 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         # default; the same for every backend, so the comparison stands.
         fusion = allreduce_fusion and tp > 1
         # $SM120_KV_SORT passes through to the servers: the records say whether it was on
-        if dflash_host_plan not in DFLASH_HOST_PLAN_MODES:
-            raise ValueError(f"dflash_host_plan: expected one of {DFLASH_HOST_PLAN_MODES}, got {dflash_host_plan!r}")
         common = {"tp": tp, "ep_size": ep_size, "allreduce_fusion": fusion, "ngram_tail": bool(ngram_tail),
                   "dflash_host_plan": dflash_host_plan,
                   "prefill_attention_backend": prefill_backend or "", "prefill_as_base": bool(prefill_as_base),

@@ -24,7 +24,8 @@ from .service import DRAFT_MODEL_SPECS, usual_draft_backend
 # draft kept on Triton. eagle_topk: an EAGLE(3) tree's width (1, a chain, for every other record).
 # draft_head (derived, `draft_head_of`): an EAGLE3 head's layout, "mla" or "llama" ("" for the
 # other modes; EAGLE3 records from before the Llama head are MLA ones). dflash_host_plan: "off",
-# or the timing probe without the DFlash draft's per-step sync (patches/dflash_host_plan.py).
+# or "probe", the timing probe without the DFlash draft's per-step sync (patches/dflash_host_plan.py;
+# data/results/probes/ has session 39's records of it as "on", and "check", which synced anyway).
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
               "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
               "prefill_as_base", "draft_backend", "eagle_topk", "draft_head", "dflash_host_plan"]
@@ -175,7 +176,8 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
             + (f" + {draft_backend} draft" if draft_backend else "")
             + (f", EAGLE topk {int(eagle_topk)}" if eagle_topk not in (None, 1) else "")
             + (f", {draft_head.capitalize()} EAGLE3 head" if draft_head not in ("", "mla", None) else "")
-            + (f" + dflash_host_plan {dflash_host_plan}" if dflash_host_plan not in ("off", "", None) else ""))
+            + {"off": "", "": "", None: "", "on": " + dflash_host_plan probe"}.get(
+                dflash_host_plan, f" + dflash_host_plan {dflash_host_plan}"))
 
 
 def _draft_key(r) -> str:

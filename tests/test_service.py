@@ -1035,6 +1035,7 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
     (dict(spec=["dflash"], spec_fallback="dflash"), "spec_fallback: one of"),
     (dict(spec=["none"], profile_steps=2, profile_contexts=[65]), r"profile_contexts: \[65\] are not among"),
     (dict(spec=["dflash"], dflash_host_plan="on"), r"dflash_host_plan: expected one of \('off', 'probe'\)"),
+    (dict(spec=["none", "dflash"], dflash_host_plan="probe"), r"the probe is for spec \['dflash'\] alone"),
 ])
 def test_run_matrix_refuses_bad_plans_before_any_launch(fake, tmp_path, kw, match):
     kw = {"backends": ["triton"], "contexts": [64], "decode_tokens": 40, **kw}
@@ -1128,8 +1129,8 @@ def test_run_matrix_passes_the_dflash_host_plan_to_the_servers_and_records(fake,
     monkeypatch.setenv("FAKE_ECHO_ARGS", "1")
     monkeypatch.setenv("SM120_DFLASH_HOST_PLAN", "probe" if mode == "off" else "off")   # the caller's own does not leak
     res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64],
-                                  spec=["none"], decode_tokens=12, tp=1, nvml=False, expert=False,
-                                  progress=False, launcher=fake, log_dir=tmp_path / "logs",
+                                  spec=["dflash"], draft_tokens=4, decode_tokens=12, tp=1, nvml=False,
+                                  expert=False, progress=False, launcher=fake, log_dir=tmp_path / "logs",
                                   dflash_host_plan=mode, log=lambda s: None)
     assert res.decode and {r["dflash_host_plan"] for r in res.decode} == {mode}
     (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]

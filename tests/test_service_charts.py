@@ -245,10 +245,12 @@ def test_the_dflash_host_plan_is_a_point_of_its_own():
     recs = pd.DataFrame([
         _rec("sm120_mla", 65536, 134.0, "ccccccc333", "2026-12-02T16:00", **d),
         _rec("sm120_mla", 65536, 160.0, "ccccccc333", "2026-12-02T16:05", dflash_host_plan="probe", **d),
+        _rec("sm120_mla", 16384, 188.0, "ccccccc333", "2026-12-02T16:06", dflash_host_plan="on", **d),
         _rec("sm120_mla", 65536, 133.0, "ccccccc333", "2026-12-02T16:12", dflash_host_plan="off", **d)])
     pts = sc.decode_points(recs)
-    assert sorted(zip(pts["dflash_host_plan"], pts["tok_s"])) == [("off", 133.5), ("probe", 160.0)]
+    assert sorted(zip(pts["dflash_host_plan"], pts["tok_s"])) == [("off", 133.5), ("on", 188.0), ("probe", 160.0)]
     labels = dict(zip(pts["dflash_host_plan"], pts["config"]))
+    assert labels["on"] == labels["probe"]   # session 39's name for the probe (data/results/probes/)
     assert labels["probe"].endswith("+ flashinfer prefill as base + dflash_host_plan probe")
     assert "dflash_host_plan" not in labels["off"]
 

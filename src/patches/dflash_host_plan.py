@@ -23,8 +23,9 @@ Why that is wrong (FlashInfer 0.6.15, checked on the H200 by tests/test_dflash_h
 plan gives each request ceil(host length / chunk size) KV chunks and lays out the split partials
 and their merge by that count, but the paged prefill kernel writes each row's partials with a
 stride of ceil(device length / chunk size) (prefill.cuh, `num_kv_chunks`). Where the two counts
-differ, the merge reads partials the kernel did not write. A correct sync-free plan needs
-FlashInfer to take that stride from the plan; the probe measures what it would gain.
+differ, the kernel writes a row's partials over the next row's slots and the merge reads slots
+the kernel did not write. A correct sync-free plan needs FlashInfer to take that stride from the
+plan; the probe measures what it would gain (both the lengths' copy and `plan()`'s copies gone).
 
 Where the probe does not fit it changes nothing and logs why: a draft backend other than
 FlashInfer's fa2, sliding-window or cross-attention wrappers, a draft window
@@ -37,12 +38,12 @@ import functools
 import logging
 import os
 
-from .env_switch import TRUE_WORDS
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SM120_DFLASH_HOST_PLAN"
 PROBE_WORD = "probe"
+_OFF_WORDS = frozenset({"", "0", "false", "no", "off"})
 _MARK = "_sm120_dflash_host_plan_original"
 
 
@@ -154,7 +155,7 @@ def install_from_env(environ=None) -> bool:
     """Install when $SM120_DFLASH_HOST_PLAN is "probe"; a failure is logged, never raised."""
     value = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
     if not requested(environ):
-        if value.lower() in TRUE_WORDS:
+        if value.lower() not in _OFF_WORDS:   # "1", or session 39's "check": say why nothing runs
             logger.warning("sm120_workbook: %s=%s ignored: the DFlash host plan is a timing probe with "
                            "wrong draft attention; %s=%s runs it", ENV_VAR, value, ENV_VAR, PROBE_WORD)
         return False
