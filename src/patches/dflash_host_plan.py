@@ -13,11 +13,10 @@ draft's graph replay runs FlashInfer's `plan()`, which copies the index arrays t
 The host then prepares each step while the GPU idles (NOTES.md, sessions 38 and 39).
 
 What the probe does: after DFlashWorkerV2 has captured its draft graphs, it installs SGLang's own
-sync-free `fast_prefill_plan` (which SGLang installs only for EAGLE's draft-extend graphs, where the
-host lengths are exact) on the draft backend's target-verify wrappers, and sets that backend
-instance's `needs_cpu_seq_lens` to False. The draft then plans from the host upper bounds
-DFlashWorkerV2 already provides (the allocator's reservation, at least the committed length plus
-two blocks).
+sync-free `fast_prefill_plan` (which SGLang installs only for EAGLE's draft-extend graphs) on the
+draft backend's target-verify wrappers, and sets that backend instance's `needs_cpu_seq_lens` to
+False. The draft then plans from the host upper bounds DFlashWorkerV2 already provides (the
+allocator's reservation, at least the committed length plus two blocks).
 
 Why that is wrong (FlashInfer 0.6.15, checked on the H200 by tests/test_dflash_host_plan.py): the
 plan gives each request ceil(host length / chunk size) KV chunks and lays out the split partials
