@@ -112,7 +112,7 @@ def test_adapt_worker_leaves_a_draft_window_alone(fib):
     assert "bs 1..4" in dflash_host_plan.adapt_worker(worker) and draft.needs_cpu_seq_lens is False
 
 
-def test_wrapped_init_cuda_graphs_adapts_after_the_capture_and_never_raises(fib, monkeypatch):
+def test_wrapped_init_cuda_graphs_adapts_after_the_capture_and_never_raises(fib):
     order = []
     draft = draft_backend(fib)
     worker = SimpleNamespace(use_compact_draft_cache=False, draft_model_runner=SimpleNamespace(attn_backend=draft))
