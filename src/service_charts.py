@@ -324,6 +324,29 @@ def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", laye
                          "commits": f"{c_off} -> {c_on}"}, columns=cols)
 
 
+# dflash_host_plan values of the timing probe: session 39 recorded it as "on"
+HOST_PLAN_PROBE = ("probe", "on")
+
+
+def host_plan_cost(points) -> pd.DataFrame:
+    """What the DFlash draft's host round-trips cost a step: each point of the host-plan timing probe
+    (patches/dflash_host_plan.py) beside the point of the same configuration and commit as SGLang
+    plans it. `points` from decode_points(..., every_run=True) over the usual records and the
+    probe's (data/results/probes/); one row per pair, empty where none."""
+    cols = ["ctx_label", "sglang_plan_ms", "probe_ms", "saved_ms", "saved", "commit"]
+    d = _need_runs(points)
+    probe, usual = d[d["dflash_host_plan"].isin(HOST_PLAN_PROBE)], d[d["dflash_host_plan"] == "off"]
+    same = [k for k in POINT_KEYS if k != "dflash_host_plan"] + ["commit"]
+    m = usual.merge(probe, on=same, suffixes=("_off", "_probe")).sort_values("ctx")
+    if not len(m):
+        return pd.DataFrame(columns=cols)
+    saved = m["verify_step_ms_off"] - m["verify_step_ms_probe"]
+    return pd.DataFrame({"ctx_label": m["ctx"].map(ctx_label), "sglang_plan_ms": m["verify_step_ms_off"].round(2),
+                         "probe_ms": m["verify_step_ms_probe"].round(2), "saved_ms": saved.round(2),
+                         "saved": (saved / m["verify_step_ms_off"]).map(lambda x: f"{x:.0%}"),
+                         "commit": m["commit"]}, columns=cols).reset_index(drop=True)
+
+
 def recorder_cost(points) -> pd.DataFrame:
     """What SGLang's expert distribution recorder costs a decode step: every point measured with
     the recorder on and with it off at one commit (the same code; two servers, one after the

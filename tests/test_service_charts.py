@@ -255,6 +255,27 @@ def test_the_dflash_host_plan_is_a_point_of_its_own():
     assert "dflash_host_plan" not in labels["off"]
 
 
+def test_host_plan_cost_pairs_the_probe_with_sglangs_plan_in_one_commit():
+    d = dict(spec="dflash", draft_tokens=16, prefill_attention_backend="flashinfer", prefill_as_base=True,
+             draft_attention_backend="flashinfer", ngram_tail=False)
+    recs = pd.DataFrame([
+        _rec("sm120_mla", 4096, 161.0, "ccccccc333", "2026-12-02T15:18", verify_step_ms=6.21, **d),
+        _rec("sm120_mla", 4096, 199.0, "ccccccc333", "2026-12-02T15:11", verify_step_ms=5.03,
+             dflash_host_plan="on", **d),
+        _rec("sm120_mla", 65536, 133.0, "ccccccc333", "2026-12-02T15:19", verify_step_ms=7.50, **d),
+        _rec("sm120_mla", 65536, 163.0, "ccccccc333", "2026-12-02T15:12", verify_step_ms=6.13,
+             dflash_host_plan="probe", **d),
+        _rec("sm120_mla", 16384, 160.0, "ddddddd444", "2026-12-02T16:00", verify_step_ms=5.30,
+             dflash_host_plan="probe", **d),                      # no usual point in its commit
+        _rec("sm120_mla", 65536, 120.0, "ccccccc333", "2026-12-02T15:05", verify_step_ms=7.26,
+             dflash_host_plan="check", **d)])                     # synced anyway: not the probe
+    t = sc.host_plan_cost(sc.decode_points(recs, every_run=True))
+    assert list(t["ctx_label"]) == ["4k", "64k"] and list(t["saved_ms"]) == [1.18, 1.37]
+    assert list(t["saved"]) == ["19%", "18%"] and set(t["commit"]) == {"ccccccc"}
+    assert list(sc.host_plan_cost(sc.decode_points(recs.iloc[:1], every_run=True)).columns) == [
+        "ctx_label", "sglang_plan_ms", "probe_ms", "saved_ms", "saved", "commit"]
+
+
 def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     """EAGLE's MTP draft on the decode backend (recorded as None in the first runs, or by name) is
     the usual point; the same server with the draft kept on Triton is another, labelled so, and is
