@@ -1,6 +1,7 @@
 """Shared test switches: GPU and nvcc tests skip visibly, with the reason, where they can't run."""
 from __future__ import annotations
 
+import argparse
 import shutil
 
 import pytest
@@ -39,3 +40,15 @@ def seed():
     s = random.SystemRandom().randrange(2**31)
     print(f"seed={s}")
     return s
+
+
+@pytest.fixture
+def sglang_parser():
+    """SGLang's own server-argument parser, as `launch_server` builds it (the launch-line tests
+    parse what the workbook would launch with it; tests/test_readme_launch.py builds its own, with
+    the plugin registered and abbreviations refused)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser

@@ -8,7 +8,6 @@ we use (loopback only). Our launch arguments themselves are checked with SGLang'
 from __future__ import annotations
 
 import _thread
-import argparse
 import dataclasses
 import json
 import re
@@ -215,16 +214,12 @@ def _server(model_dir, fake, tmp_path, monkeypatch, mode, **kw):
 @pytest.mark.parametrize("backend,spec,cuda_graph", [
     ("triton", "none", True), ("triton", "dflash", True), ("triton", "ngram", False),
     ("flashmla", "none", True), ("flashmla", "ngram", True), ("trtllm_mla", "ngram", True)])
-def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_graph):
-    from sglang.srt.server_args import ServerArgs
-
+def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_graph, sglang_parser):
     draft = materialize_draft(model_dir, 16, dest=tmp_path / "draft") if spec == "dflash" else None
     cfg = resolve_config(ServerConfig(model_dir, backend, tp=1, context_length=70000, spec=spec,
                                       draft_model_path=draft, cuda_graph=cuda_graph,
                                       expert_record_buffer=300 if spec == "dflash" else -1))
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(launch_args(cfg))
+    ns = sglang_parser.parse_args(launch_args(cfg))
     assert ns.load_format == "dummy" and ns.skip_tokenizer_init and ns.enable_metrics
     assert ns.attention_backend == backend and ns.tp_size == 1 and ns.context_length == 70000
     assert ns.expert_distribution_recorder_mode == "stat"
@@ -244,22 +239,18 @@ def test_launch_args_parse_with_sglang(model_dir, tmp_path, backend, spec, cuda_
     assert (ns.cuda_graph_backend_decode == "disabled") == (not cuda_graph)
 
 
-def test_eagle_launches_the_models_mtp_layer_and_parses_with_sglang(tmp_path):
+def test_eagle_launches_the_models_mtp_layer_and_parses_with_sglang(tmp_path, sglang_parser):
     """EAGLE drafts with the model's own MTP layer: the config must carry one; SGLang's parser
     reads the chain's steps, topk and verified tokens; the draft backend is SGLang's choice unless
     given; the recorder needs a circular buffer, as DFlash's does."""
-    from sglang.srt.server_args import ServerArgs
-
     mtp = materialize_model("k2_tp8_slice", 3, dest=tmp_path / "mtp", mtp_layers=1)
     assert json.loads((mtp / "config.json").read_text())["num_nextn_predict_layers"] == 1
     cfg = resolve_config(ServerConfig(mtp, "triton", tp=1, spec="eagle", expert_record_buffer=200))
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(launch_args(cfg))
+    ns = sglang_parser.parse_args(launch_args(cfg))
     assert ns.speculative_algorithm == "EAGLE" and ns.speculative_draft_model_path is None
     assert (ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == (3, 1, 4)
     assert ns.speculative_draft_attention_backend is None
-    ns = parser.parse_args(launch_args(resolve_config(ServerConfig(
+    ns = sglang_parser.parse_args(launch_args(resolve_config(ServerConfig(
         mtp, "triton", tp=1, spec="eagle", eagle_steps=5, expert_record=False, draft_attention_backend="triton"))))
     assert (ns.speculative_num_steps, ns.speculative_num_draft_tokens) == (5, 6)
     assert ns.speculative_draft_attention_backend == "triton"
@@ -283,28 +274,24 @@ def test_eagle_launches_the_models_mtp_layer_and_parses_with_sglang(tmp_path):
             resolve_config(ServerConfig(**args))
 
 
-def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
+def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path, sglang_parser):
     """EAGLE3 drafts with a head of its own (an MLA one for Kimi K2.x) on the model as it is: the
     draft folder must exist and hold an EAGLE3 architecture; the chain's steps, topk and verified
     tokens reach SGLang's parser as EAGLE's do."""
-    from sglang.srt.server_args import ServerArgs
-
     from sm120_workbook.dummy_models import materialize_eagle3_draft
 
     plain = materialize_model("k2_tp8_slice", 3, dest=tmp_path / "plain")
     head = materialize_eagle3_draft(plain, dest=tmp_path / "head")
     cfg = resolve_config(ServerConfig(plain, "triton", tp=1, spec="eagle3", draft_model_path=head,
                                       expert_record_buffer=200))
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(launch_args(cfg))
+    ns = sglang_parser.parse_args(launch_args(cfg))
     assert ns.speculative_algorithm == "EAGLE3" and ns.speculative_draft_model_path == str(head)
     assert (ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == (3, 1, 4)
     assert ns.speculative_draft_attention_backend is None   # SGLang's choice (sm120_mla: the kernel)
     llama = materialize_eagle3_draft(plain, dest=tmp_path / "llama", head="llama")
-    ns = parser.parse_args(launch_args(resolve_config(ServerConfig(plain, "triton", tp=1, spec="eagle3",
-                                                                   draft_model_path=llama,
-                                                                   expert_record_buffer=200))))
+    ns = sglang_parser.parse_args(launch_args(resolve_config(ServerConfig(plain, "triton", tp=1, spec="eagle3",
+                                                                          draft_model_path=llama,
+                                                                          expert_record_buffer=200))))
     assert ns.speculative_draft_model_path == str(llama) and ns.speculative_algorithm == "EAGLE3"
     assert ns.speculative_draft_attention_backend is None   # SGLang's own backend: its choice
     # under sm120_mla (alone or in a hybrid) a Llama head drafts on FlashInfer unless one is named;
@@ -347,16 +334,12 @@ def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path):
             resolve_config(ServerConfig(**args))
 
 
-def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir):
+def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir, sglang_parser):
     """A prefill on another backend: SGLang's hybrid backend, with target-verify kept on the
     decode side (--speculative-attention-mode decode), as the H200 ran sm120_mla with flashinfer."""
-    from sglang.srt.server_args import ServerArgs
-
     cfg = resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfer", tp=1,
                                       context_length=70000, spec="ngram"))
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(launch_args(cfg))
+    ns = sglang_parser.parse_args(launch_args(cfg))
     assert ns.attention_backend == "triton" and ns.prefill_attention_backend == "flashinfer"
     assert ns.speculative_attention_mode == "decode" and ns.decode_attention_backend is None
     assert "--prefill-attention-backend" not in launch_args(resolve_config(ServerConfig(model_dir, "triton", tp=1)))
@@ -367,20 +350,17 @@ def test_a_prefill_backend_beside_the_decode_one_parses_with_sglang(model_dir):
         resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfr", tp=1))
 
 
-def test_the_hybrid_spelt_prefill_first_resolves_to_the_same_backends(model_dir):
+def test_the_hybrid_spelt_prefill_first_resolves_to_the_same_backends(model_dir, sglang_parser):
     """prefill_as_base: --attention-backend PREFILL --decode-attention-backend BACKEND. SGLang's
     own resolution (attention_backends_of) gives the same pair as the other spelling; the base
     differs, which is what SGLang's chunked prefix cache gate reads."""
     from sglang.srt.arg_groups.overrides import attention_backends_of
-    from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
     spelt = {}
     for as_base in (False, True):
         cfg = resolve_config(ServerConfig(model_dir, "triton", prefill_attention_backend="flashinfer",
                                           prefill_as_base=as_base, tp=1, spec="ngram"))
-        ns = parser.parse_args(launch_args(cfg))
+        ns = sglang_parser.parse_args(launch_args(cfg))
         assert ns.speculative_attention_mode == "decode"
         assert ns.attention_backend == cfg.base_attention_backend() == ("flashinfer" if as_base else "triton")
         spelt[as_base] = attention_backends_of(ns)

@@ -6,7 +6,6 @@ chunked prefill size and context-length rules; the flag round-trips through SGLa
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 from types import SimpleNamespace
 
@@ -160,14 +159,10 @@ def test_load_plugin_registers_the_warmup(monkeypatch):
 
 # ---- the launcher side: ServerConfig.warmups and decode_bench --warmups ---------------------------
 
-def test_warmups_reach_sglangs_parser_and_unknown_names_are_refused(model_dir):
-    from sglang.srt.server_args import ServerArgs
-
+def test_warmups_reach_sglangs_parser_and_unknown_names_are_refused(model_dir, sglang_parser):
     cfg = service.resolve_config(service.ServerConfig(model_dir, "triton", tp=1,
                                                       warmups=[warmup.WARMUP_NAME, "prefill_shapes"]))
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    assert parser.parse_args(service.launch_args(cfg)).warmups == "sm120_long_prompt,prefill_shapes"
+    assert sglang_parser.parse_args(service.launch_args(cfg)).warmups == "sm120_long_prompt,prefill_shapes"
     plain = service.resolve_config(service.ServerConfig(model_dir, "triton", tp=1))
     assert "--warmups" not in service.launch_args(plain)
     with pytest.raises(ValueError, match="^warmups: 'sm120_long_promt' is not a warm-up of the installed SGLang"):
