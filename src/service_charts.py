@@ -324,6 +324,16 @@ def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", laye
                          "commits": f"{c_off} -> {c_on}"}, columns=cols)
 
 
+def _pairs_in_one_commit(points, key: str, first, second, suffixes) -> pd.DataFrame:
+    """Points of one configuration and one commit that differ only in `key`: the points where
+    `first(points)` holds merged with those where `second(points)` holds, columns suffixed by
+    `suffixes`. Records without a commit ("?") are never paired: nothing says they ran the same code."""
+    d = _need_runs(points)
+    d = d[d["commit"] != "?"]
+    same = [k for k in POINT_KEYS if k != key] + ["commit"]
+    return d[first(d)].merge(d[second(d)], on=same, suffixes=suffixes)
+
+
 # dflash_host_plan values of the timing probe: session 39 recorded it as "on"
 HOST_PLAN_PROBE = ("probe", "on")
 
@@ -332,12 +342,11 @@ def host_plan_cost(points) -> pd.DataFrame:
     """What the DFlash draft's host round-trips cost a step: each point of the host-plan timing probe
     (patches/dflash_host_plan.py) beside the point of the same configuration and commit as SGLang
     plans it. `points` from decode_points(..., every_run=True) over the usual records and the
-    probe's (data/results/probes/); one row per pair, empty where none."""
+    probe's (data/results/probes/); one row per pair, empty where none (records without a commit
+    are never paired, as in recorder_cost)."""
     cols = ["ctx_label", "sglang_plan_ms", "probe_ms", "saved_ms", "saved", "commit"]
-    d = _need_runs(points)
-    probe, usual = d[d["dflash_host_plan"].isin(HOST_PLAN_PROBE)], d[d["dflash_host_plan"] == "off"]
-    same = [k for k in POINT_KEYS if k != "dflash_host_plan"] + ["commit"]
-    m = usual.merge(probe, on=same, suffixes=("_off", "_probe")).sort_values("ctx")
+    m = _pairs_in_one_commit(points, "dflash_host_plan", lambda d: d["dflash_host_plan"] == "off",
+                             lambda d: d["dflash_host_plan"].isin(HOST_PLAN_PROBE), ("_off", "_probe")).sort_values("ctx")
     if not len(m):
         return pd.DataFrame(columns=cols)
     saved = m["verify_step_ms_off"] - m["verify_step_ms_probe"]
@@ -356,10 +365,8 @@ def recorder_cost(points) -> pd.DataFrame:
     `recorder_off_gain` is tok/s off over on."""
     cols = ["config", "spec", "ctx_label", "on_tok_s", "off_tok_s", "recorder_off_gain", "on_step_ms",
             "off_step_ms", "commit"]
-    d = _need_runs(points)
-    d = d[d["commit"] != "?"]
-    same = [k for k in POINT_KEYS if k != "expert_record"] + ["commit"]
-    m = d[d["expert_record"]].merge(d[~d["expert_record"]], on=same, suffixes=("_on", "_off"))
+    m = _pairs_in_one_commit(points, "expert_record", lambda d: d["expert_record"], lambda d: ~d["expert_record"],
+                             ("_on", "_off"))
     if len(m) == 0:
         return pd.DataFrame(columns=cols)
     m = m.sort_values(["layers", "backend", "spec", "ctx", "commit"])

@@ -268,7 +268,10 @@ def test_host_plan_cost_pairs_the_probe_with_sglangs_plan_in_one_commit():
         _rec("sm120_mla", 16384, 160.0, "ddddddd444", "2026-12-02T16:00", verify_step_ms=5.30,
              dflash_host_plan="probe", **d),                      # no usual point in its commit
         _rec("sm120_mla", 65536, 120.0, "ccccccc333", "2026-12-02T15:05", verify_step_ms=7.26,
-             dflash_host_plan="check", **d)])                     # synced anyway: not the probe
+             dflash_host_plan="check", **d),                      # synced anyway: not the probe
+        _rec("sm120_mla", 131072, 114.0, None, "2026-12-02T15:20", verify_step_ms=8.79, **d),
+        _rec("sm120_mla", 131072, 134.0, None, "2026-12-02T15:13", verify_step_ms=7.45,
+             dflash_host_plan="probe", **d)])                     # no commit: never paired
     t = sc.host_plan_cost(sc.decode_points(recs, every_run=True))
     assert list(t["ctx_label"]) == ["4k", "64k"] and list(t["saved_ms"]) == [1.18, 1.37]
     assert list(t["saved"]) == ["19%", "18%"] and set(t["commit"]) == {"ccccccc"}
