@@ -150,6 +150,11 @@ def test_install_wraps_the_real_worker_once_and_uninstalls(monkeypatch):
         assert dflash_host_plan.install_from_env({"SM120_DFLASH_HOST_PLAN": "probe"})
     finally:
         dflash_host_plan.uninstall()
+    # an install that fails is warned of and never raised: the server runs as SGLang has it
+    monkeypatch.setattr(dflash_host_plan, "install", lambda: 1 / 0)
+    assert not dflash_host_plan.install_from_env({"SM120_DFLASH_HOST_PLAN": "probe"})
+    assert warned[-1] == ("sm120_workbook: SM120_DFLASH_HOST_PLAN set but the DFlash host plan override failed: "
+                          "ZeroDivisionError('division by zero')")
 
 
 # ---------------------------------------------------------------- GPU: SGLang's plan path and FlashInfer's kernel

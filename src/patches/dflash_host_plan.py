@@ -37,6 +37,7 @@ import functools
 import logging
 import os
 
+from .env_switch import env_value, install_or_warn
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ _MARK = "_sm120_dflash_host_plan_original"
 
 def requested(environ=None) -> bool:
     """Whether $SM120_DFLASH_HOST_PLAN is "probe" (only that word: the probe's drafts are wrong)."""
-    return (environ if environ is not None else os.environ).get(ENV_VAR, "").strip().lower() == PROBE_WORD
+    return env_value(ENV_VAR, environ).lower() == PROBE_WORD
 
 
 def why_not_adaptable(backend) -> str | None:
@@ -152,14 +153,10 @@ def uninstall() -> None:
 
 def install_from_env(environ=None) -> bool:
     """Install when $SM120_DFLASH_HOST_PLAN is "probe"; a failure is logged, never raised."""
-    value = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
     if not requested(environ):
+        value = env_value(ENV_VAR, environ)
         if value.lower() not in _OFF_WORDS:   # "1", or session 39's "check": say why nothing runs
             logger.warning("sm120_workbook: %s=%s ignored: the DFlash host plan is a timing probe with "
                            "wrong draft attention; %s=%s runs it", ENV_VAR, value, ENV_VAR, PROBE_WORD)
         return False
-    try:
-        return install()
-    except Exception as e:  # noqa: BLE001 - see the docstring
-        logger.warning("sm120_workbook: %s set but the DFlash host plan override failed: %r", ENV_VAR, e)
-        return False
+    return install_or_warn(install, logger, f"{ENV_VAR} set but the DFlash host plan override")

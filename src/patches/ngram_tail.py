@@ -24,7 +24,7 @@ import logging
 import os
 from array import array
 
-from .env_switch import env_requested
+from .env_switch import env_requested, install_or_warn
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,4 @@ def install_from_env(environ=None) -> bool:
     server runs unpatched rather than not at all)."""
     if not requested(environ):
         return False
-    try:
-        return install()
-    except Exception as e:  # noqa: BLE001 - see the docstring
-        logger.warning("sm120_workbook: %s=1 but the NGRAM tail override failed: %r", ENV_VAR, e)
-        return False
+    return install_or_warn(install, logger, f"{ENV_VAR}=1 but the NGRAM tail override")
