@@ -295,6 +295,32 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
     return out
 
 
+GAP_COLUMNS = ["config", "missing", "open targets"]
+
+
+def target_gaps(targets: pd.DataFrame) -> pd.DataFrame:
+    """The "not measured" rows of a service_targets table folded into one row per configuration
+    and missing side, naming the targets left open by speculation mode and context ("dflash
+    4k/16k/64k vs triton"), so that the verdicts can be read apart from what no run measured."""
+    gaps = targets[targets["met"].isna()]
+    rows = []
+    # a configuration's lines together, in the order the targets table first names it
+    first_seen = {c: i for i, c in reversed(list(enumerate(targets["config"])))}
+    gaps = gaps.sort_values("config", key=lambda c: c.map(first_seen), kind="stable")
+    for (config, pairing), g in gaps.groupby(["config", "pairing"], sort=False):
+        open_by_claim: dict[tuple[str, str], list[str]] = {}
+        for target in g["target"]:
+            head, claim = target.split(": ", 1)   # "dflash 4k", "sm120_mla >= 3x triton"
+            spec, ctx = head.rsplit(" ", 1)
+            against = "plain decode" if claim.endswith("plain decode") else claim.rsplit(" ", 1)[-1]
+            open_by_claim.setdefault((spec, against), []).append(ctx)
+        rows.append({"config": config or "(no configuration of ours)",
+                     "missing": pairing.removeprefix("no "),
+                     "open targets": "; ".join(f"{spec} {'/'.join(ctxs)} vs {against}"
+                                               for (spec, against), ctxs in open_by_claim.items())})
+    return pd.DataFrame(rows, columns=GAP_COLUMNS)
+
+
 def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", layers: int = 4,
                    tp: int = 1) -> pd.DataFrame:
     """What SGLang's NGRAM draft prep fixed (ngram_tail) gains, from two adjacent runs of one

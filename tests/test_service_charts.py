@@ -362,3 +362,19 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     vs_plain = t[t["target"] == "eagle3 64k: sm120_mla speculation >= plain decode"].set_index("config")
     assert vs_plain.loc["sm120_mla, EAGLE topk 4", "pairing"] == "same run"   # a tree pairs with plain decode too
     assert vs_plain.loc["sm120_mla", "ratio"] == pytest.approx(160.0 / 140.0, abs=0.01)
+
+
+def test_target_gaps_fold_the_unmeasured_rows_by_configuration_and_missing_side():
+    df = pd.concat([_two_runs(),
+                    pd.DataFrame([_rec("sm120_mla", 65536, 800.0, "ccccccc", "2026-11-29T18:00",
+                                       expert_record=False)])])
+    t = sc.service_targets(sc.decode_points(df, every_run=True))
+    gaps = sc.target_gaps(t)
+    assert list(gaps.columns) == sc.GAP_COLUMNS
+    # every unmeasured row is in exactly one gap row, and no measured row is
+    assert len(t[t["met"].isna()]) == sum(g.count("/") + g.count(";") + 1 for g in gaps["open targets"])
+    # measured at 64k only: the other contexts lack its own point, 64k the baseline's
+    off = gaps.set_index(["config", "missing"]).loc["sm120_mla (recorder off) + ngram_tail", "open targets"]
+    assert off.to_dict() == {"sm120_mla point": "ngram 4k/16k vs triton", "triton point": "ngram 64k vs triton",
+                             "plain-decode point": "ngram 64k vs plain decode"}
+    assert sc.target_gaps(t[t["met"].notna()]).empty
