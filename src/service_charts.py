@@ -246,19 +246,22 @@ def speedup_table(sp):
 # The live-service issue's targets at TP1 with speculation on: sm120_mla over triton.
 SPEEDUP_TARGETS = {4096: 3.0, 16384: 4.3, 65536: 6.1}
 TARGET_COLUMNS = ["target", "config", "measured", "ratio", "met", "commits", "pairing"]
+# what each target is, as data, beside its printed name: the speculation mode, the context and
+# what it is held against ("triton", "plain decode")
+TARGET_KEYS = ["spec", "ctx", "against"]
 
 
-def _target_row(target, r, need, mine: str, base: str):
+def _target_row(target, key: dict, r, need, mine: str, base: str):
     """One target's row from a pair_points row: measured, or "not measured" naming the side
     that is missing (met None, never False)."""
     missing = mine if pd.isna(r.tok_s) else base if pd.isna(r.base_tok_s) else None
     if missing:
         return {"target": target, "config": r.config, "measured": "not measured", "ratio": float("nan"),
-                "met": None, "commits": "", "pairing": f"no {missing} point"}
+                "met": None, "commits": "", "pairing": f"no {missing} point", **key}
     ratio = r.tok_s / r.base_tok_s
     return {"target": target, "config": r.config, "measured": f"{r.tok_s:.0f} vs {r.base_tok_s:.0f} tok/s",
             "ratio": round(ratio, 2), "met": bool(ratio >= need), "commits": f"{r.commit} / {r.base_commit}",
-            "pairing": "same run" if r.same_run else "separate runs"}
+            "pairing": "same run" if r.same_run else "separate runs", **key}
 
 
 def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", tp: int = 1) -> pd.DataFrame:
@@ -267,7 +270,8 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
     target context, and `ours` with speculation against `ours` without it at each context it
     ran. Pairs match on every point key and come from one run where the points (pass
     decode_points(..., every_run=True)) hold one; `pairing` says so, or "separate runs". A
-    side not measured reads "not measured" (met None), never "missed", and names that side."""
+    side not measured reads "not measured" (met None), never "missed", and names that side.
+    Columns: TARGET_COLUMNS to read, TARGET_KEYS to select by."""
     pts = select_tp(_need_runs(points), tp)
     mine_all, base = pts[pts["backend"] == ours], pts[pts["backend"] == baseline]
     config_keys = [k for k in POINT_KEYS if k not in ("backend", "ctx")]
@@ -278,19 +282,21 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
         pairs = pair_points(mine, base, [k for k in POINT_KEYS if k != "backend"]).drop(columns="config")
         for ctx, need in SPEEDUP_TARGETS.items():
             target = f"{spec} {ctx_label(ctx)}: {ours} >= {need:g}x {baseline}"
+            key = {"spec": spec, "ctx": ctx, "against": baseline}
             at = configs.merge(pairs[pairs["ctx"] == ctx], on=config_keys, how="left")
-            rows += [_target_row(target, r, need, ours, baseline) for r in at.itertuples()] or [
+            rows += [_target_row(target, key, r, need, ours, baseline) for r in at.itertuples()] or [
                 {"target": target, "config": "", "measured": "not measured", "ratio": float("nan"), "met": None,
-                 "commits": "", "pairing": f"no {ours} point"}]
+                 "commits": "", "pairing": f"no {ours} point", **key}]
         # speculation against plain decode: the same point but for spec and its draft tokens
         plain = mine_all[mine_all["spec"] == "none"]
         vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS
                                              if k not in ("spec", "draft_tokens", "draft_backend", "eagle_topk",
                                                           "draft_head")])
         for r in vs_plain.sort_values(["layers", "config", "ctx"]).itertuples():
-            rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode", r, 1.0,
+            rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode",
+                                    {"spec": spec, "ctx": int(r.ctx), "against": "plain decode"}, r, 1.0,
                                     ours, "plain-decode"))
-    out = pd.DataFrame(rows, columns=TARGET_COLUMNS)
+    out = pd.DataFrame(rows, columns=TARGET_COLUMNS + TARGET_KEYS)
     out["met"] = out["met"].astype(object)
     return out
 
@@ -309,11 +315,8 @@ def target_gaps(targets: pd.DataFrame) -> pd.DataFrame:
     gaps = gaps.sort_values("config", key=lambda c: c.map(first_seen), kind="stable")
     for (config, pairing), g in gaps.groupby(["config", "pairing"], sort=False):
         open_by_claim: dict[tuple[str, str], list[str]] = {}
-        for target in g["target"]:
-            head, claim = target.split(": ", 1)   # "dflash 4k", "sm120_mla >= 3x triton"
-            spec, ctx = head.rsplit(" ", 1)
-            against = "plain decode" if claim.endswith("plain decode") else claim.rsplit(" ", 1)[-1]
-            open_by_claim.setdefault((spec, against), []).append(ctx)
+        for r in g.itertuples():
+            open_by_claim.setdefault((r.spec, r.against), []).append(ctx_label(r.ctx))
         rows.append({"config": config or "(no configuration of ours)",
                      "missing": pairing.removeprefix("no "),
                      "open targets": "; ".join(f"{spec} {'/'.join(ctxs)} vs {against}"

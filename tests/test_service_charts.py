@@ -69,7 +69,11 @@ def test_every_configuration_of_ours_gets_a_row():
     usual = t[t["config"] == "sm120_mla + ngram_tail"].set_index("target")
     assert usual.loc["ngram 64k: sm120_mla >= 6.1x triton", "pairing"] == "no sm120_mla point"
     assert usual.loc["ngram 4k: sm120_mla >= 3x triton", "met"] is False
-    assert list(t.columns) == sc.TARGET_COLUMNS
+    assert list(t.columns) == sc.TARGET_COLUMNS + sc.TARGET_KEYS
+    # the keys say what the printed name says
+    assert off[sc.TARGET_KEYS].to_dict("records") == [
+        {"spec": "ngram", "ctx": 4096, "against": "triton"}, {"spec": "ngram", "ctx": 16384, "against": "triton"},
+        {"spec": "ngram", "ctx": 65536, "against": "triton"}, {"spec": "ngram", "ctx": 65536, "against": "plain decode"}]
 
 
 def test_ep_size_decode_tokens_and_cuda_graph_are_point_keys():
