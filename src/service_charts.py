@@ -216,6 +216,18 @@ def pair_points(mine, base, keys, value: str = "tok_s"):
     return m.groupby(POINT_KEYS, dropna=False).tail(1).reset_index(drop=True)
 
 
+def same_run_ratios(mine, base, keys, value: str = "tok_s") -> pd.DataFrame:
+    """Every pair that one run (commit) measured, not only the newest: per point of `mine`
+    (POINT_KEYS), how many runs paired it with a `base` point of equal `keys` (`same_runs`) and
+    the lowest and highest ratio of `value` among them (`ratio_min`, `ratio_max`), so that a
+    verdict shows whether it held in each run."""
+    b = base[keys + [value, "commit"]].rename(columns={value: f"base_{value}"})
+    m = mine[mine["commit"] != "?"].merge(b, on=keys + ["commit"])
+    m["pair_ratio"] = m[value] / m[f"base_{value}"]
+    return (m.groupby(POINT_KEYS, dropna=False)["pair_ratio"]
+             .agg(same_runs="size", ratio_min="min", ratio_max="max").reset_index())
+
+
 def _need_runs(points, name="points"):
     _need(points, POINT_KEYS + ["tok_s"], name)
     return points if {"commit", "date"} <= set(points) else points.assign(commit="?", date="")
@@ -245,7 +257,7 @@ def speedup_table(sp):
 
 # The live-service issue's targets at TP1 with speculation on: sm120_mla over triton.
 SPEEDUP_TARGETS = {4096: 3.0, 16384: 4.3, 65536: 6.1}
-TARGET_COLUMNS = ["target", "config", "measured", "ratio", "met", "commits", "pairing"]
+TARGET_COLUMNS = ["target", "config", "measured", "ratio", "met", "commits", "pairing", "runs"]
 # what each target is, as data, beside its printed name: the speculation mode, the context and
 # what it is held against ("triton", "plain decode")
 TARGET_KEYS = ["spec", "ctx", "against"]
@@ -257,11 +269,16 @@ def _target_row(target, key: dict, r, need, mine: str, base: str):
     missing = mine if pd.isna(r.tok_s) else base if pd.isna(r.base_tok_s) else None
     if missing:
         return {"target": target, "config": r.config, "measured": "not measured", "ratio": float("nan"),
-                "met": None, "commits": "", "pairing": f"no {missing} point", **key}
+                "met": None, "commits": "", "pairing": f"no {missing} point", "runs": "", **key}
     ratio = r.tok_s / r.base_tok_s
+    n = 0 if pd.isna(r.same_runs) else int(r.same_runs)
+    # the verdict is the newest pair's; `runs` says whether the pairs of older runs agree
+    runs = (f"{n} same-run pairs, {r.ratio_min:.2f}-{r.ratio_max:.2f}x: "
+            + ("met in each" if r.ratio_min >= need else "missed in each" if r.ratio_max < need else "mixed")
+            if n > 1 else f"{n} same-run pair" + ("s" if n != 1 else ""))
     return {"target": target, "config": r.config, "measured": f"{r.tok_s:.0f} vs {r.base_tok_s:.0f} tok/s",
             "ratio": round(ratio, 2), "met": bool(ratio >= need), "commits": f"{r.commit} / {r.base_commit}",
-            "pairing": "same run" if r.same_run else "separate runs", **key}
+            "pairing": "same run" if r.same_run else "separate runs", "runs": runs, **key}
 
 
 def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", tp: int = 1) -> pd.DataFrame:
@@ -279,19 +296,22 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
     for spec in [s for s in pts["spec"].unique() if s != "none"]:
         mine = mine_all[mine_all["spec"] == spec]
         configs = mine.drop_duplicates(config_keys).sort_values(["layers", "config"])[config_keys + ["config"]]
-        pairs = pair_points(mine, base, [k for k in POINT_KEYS if k != "backend"]).drop(columns="config")
+        keys = [k for k in POINT_KEYS if k != "backend"]
+        pairs = (pair_points(mine, base, keys).drop(columns="config")
+                 .merge(same_run_ratios(mine, base, keys), on=POINT_KEYS, how="left"))
         for ctx, need in SPEEDUP_TARGETS.items():
             target = f"{spec} {ctx_label(ctx)}: {ours} >= {need:g}x {baseline}"
             key = {"spec": spec, "ctx": ctx, "against": baseline}
             at = configs.merge(pairs[pairs["ctx"] == ctx], on=config_keys, how="left")
             rows += [_target_row(target, key, r, need, ours, baseline) for r in at.itertuples()] or [
                 {"target": target, "config": "", "measured": "not measured", "ratio": float("nan"), "met": None,
-                 "commits": "", "pairing": f"no {ours} point", **key}]
+                 "commits": "", "pairing": f"no {ours} point", "runs": "", **key}]
         # speculation against plain decode: the same point but for spec and its draft tokens
         plain = mine_all[mine_all["spec"] == "none"]
-        vs_plain = pair_points(mine, plain, [k for k in POINT_KEYS
-                                             if k not in ("spec", "draft_tokens", "draft_backend", "eagle_topk",
-                                                          "draft_head")])
+        plain_keys = [k for k in POINT_KEYS
+                      if k not in ("spec", "draft_tokens", "draft_backend", "eagle_topk", "draft_head")]
+        vs_plain = (pair_points(mine, plain, plain_keys)
+                    .merge(same_run_ratios(mine, plain, plain_keys), on=POINT_KEYS, how="left"))
         for r in vs_plain.sort_values(["layers", "config", "ctx"]).itertuples():
             rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode",
                                     {"spec": spec, "ctx": int(r.ctx), "against": "plain decode"}, r, 1.0,

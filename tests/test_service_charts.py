@@ -382,3 +382,20 @@ def test_target_gaps_fold_the_unmeasured_rows_by_configuration_and_missing_side(
     assert off.to_dict() == {"sm120_mla point": "ngram 4k/16k vs triton", "triton point": "ngram 64k vs triton",
                              "plain-decode point": "ngram 64k vs plain decode"}
     assert sc.target_gaps(t[t["met"].notna()]).empty
+
+
+def test_targets_say_whether_every_same_run_pair_agrees():
+    # run "aaaaaaa" paired both backends at 16k (4.25x, missed); a newer run "ccccccc" did too (5.0x, met)
+    newer = [_rec("sm120_mla", 16384, 2000.0, "ccccccc333", "2026-11-30T18:00"),
+             _rec("triton", 16384, 400.0, "ccccccc333", "2026-11-30T18:02")]
+    t = sc.service_targets(sc.decode_points(pd.concat([_two_runs(), pd.DataFrame(newer)]), every_run=True))
+    row = t.set_index("target").loc["ngram 16k: sm120_mla >= 4.3x triton"]
+    assert row["met"] is True and row["commits"] == "ccccccc / ccccccc"    # the verdict: the newest pair's
+    assert row["runs"] == "2 same-run pairs, 4.25-5.00x: mixed"           # and the older pair disagrees
+    at_4k = t.set_index("target").loc["ngram 4k: sm120_mla >= 3x triton"]
+    assert at_4k["runs"] == "1 same-run pair"
+    pts = sc.decode_points(pd.concat([_two_runs(), pd.DataFrame(newer)]), every_run=True)
+    ratios = sc.same_run_ratios(pts[pts["backend"] == "sm120_mla"], pts[pts["backend"] == "triton"],
+                                [k for k in sc.POINT_KEYS if k != "backend"]).set_index("ctx")
+    assert ratios.loc[16384, "same_runs"] == 2 and ratios.loc[4096, "same_runs"] == 1
+    assert ratios.loc[16384, "ratio_min"] == pytest.approx(4.25) and ratios.loc[16384, "ratio_max"] == pytest.approx(5.0)
