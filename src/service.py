@@ -50,9 +50,11 @@ MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 # dummy_models.materialize_eagle3_draft writes either).
 EAGLE_SPECS = ("eagle", "eagle3")
 EAGLE3_DRAFT_ARCHITECTURES = tuple(EAGLE3_HEADS.values())
-# The draft attention backend an EAGLE3 Llama head (MHA) takes under sm120_mla unless one is given:
-# the plugin leaves a non-MLA draft on Triton, whose draft extend reads the prefix with one CTA a
-# head (H200, 64k: 12.2 ms a step on Triton, 6.4 ms on FlashInfer's fa2 kernels; NOTES session 37).
+# The draft attention backend an EAGLE3 Llama head (MHA) takes under sm120_mla unless one is given,
+# the plugin's choice (patches.mha_draft: on Triton its draft extend reads the prefix with one CTA a
+# head; H200, 64k: 12.2 ms a step on Triton, 6.4 ms on FlashInfer's fa2 kernels; NOTES session 37).
+# The launcher names it on the command line as well, so that a record says which ran; tests/test_plugin.py
+# holds the two choices equal against SGLang's own hook.
 MHA_EAGLE3_DRAFT_BACKEND = "flashinfer"
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("sglang")
 
 import sm120_workbook.patches as plugin  # noqa: E402
-from sm120_workbook.patches import kv_sort  # noqa: E402
+from sm120_workbook.patches import kv_sort, mha_draft  # noqa: E402
 
 GROUP = "sglang.srt.plugins"
 
@@ -27,6 +27,7 @@ def clean_plugin_state():
         plugin.unregister_backend()
         plugin.uninstall_spec_compat()
         kv_sort.uninstall()
+        mha_draft.uninstall()
         plugin._last_message = None
 
     reset()
@@ -118,6 +119,7 @@ def test_load_plugin_registers_with_sglang_and_is_idempotent(clean_plugin_state,
     plugin.load_plugin()
     plugin.load_plugin()
     assert plugin.is_registered()
+    assert mha_draft.is_installed()   # self-gated: it acts only where sm120_mla is selected
     assert ATTENTION_BACKEND_CHOICES.count(plugin.BACKEND_NAME) == 1
     assert set(ATTENTION_BACKENDS) - set(before) == {plugin.BACKEND_NAME}
     assert all(ATTENTION_BACKENDS[k] is v for k, v in before.items())  # nothing else touched
@@ -380,3 +382,97 @@ def test_attention_routes_read_sglangs_own_server_args_fields():
             "chunked_prefill_size"} <= names
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     assert defaults["speculative_attention_mode"] == "prefill" and defaults["prefill_attention_backend"] is None
+
+
+@pytest.fixture(scope="module")
+def eagle3_heads(tmp_path_factory):
+    """A K2-shaped target (8 layers: SGLang's default EAGLE3 layers are distinct) and both heads."""
+    from sm120_workbook.dummy_models import materialize_eagle3_draft, materialize_model
+
+    root = tmp_path_factory.mktemp("eagle3")
+    target = materialize_model("k2_tp8_slice", layers=8, dest=root / "target")
+    return target, {head: materialize_eagle3_draft(target, dest=root / head, head=head) for head in ("mla", "llama")}
+
+
+@pytest.mark.parametrize("fields, head, expected", [
+    ({"attention_backend": "flashinfer", "decode_attention_backend": "sm120_mla"}, "llama", "flashinfer"),
+    ({"attention_backend": "flashinfer", "decode_attention_backend": "sm120_mla"}, "mla", None),
+    ({"attention_backend": "sm120_mla"}, "llama", "flashinfer"),
+    ({"attention_backend": "sm120_mla", "prefill_attention_backend": "flashinfer"}, "llama", "flashinfer"),
+    ({"attention_backend": "sm120_mla"}, "mla", None),
+    ({"attention_backend": "flashinfer", "decode_attention_backend": "sm120_mla",
+      "speculative_draft_attention_backend": "triton"}, "llama", "triton"),     # named: left alone
+    ({"attention_backend": "triton"}, "llama", None),
+    ({"attention_backend": "flashinfer"}, "llama", None)])
+def test_a_non_mla_eagle3_head_drafts_on_flashinfer_under_sm120_mla(clean_plugin_state, eagle3_heads, plugin_log,
+                                                                    fields, head, expected):
+    """SGLang's own EAGLE3 server-argument hook, as its dispatch calls it, with the plugin's step
+    installed: a Llama head under sm120_mla, none named, gets FlashInfer, as the launcher names it
+    (service.launcher_draft_backend); an MLA head, a named backend and other backends keep SGLang's."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sm120_workbook.service import launcher_draft_backend
+
+    target, heads = eagle3_heads
+    assert mha_draft.install() and not mha_draft.install()
+    fields = {"speculative_draft_attention_backend": None, **fields}
+    override, args = _mid_resolution_server_args(
+        model_path=str(target), speculative_draft_model_path=str(heads[head]), speculative_algorithm="EAGLE3",
+        skip_tokenizer_init=True, load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4, **fields)
+    try:
+        SpeculativeAlgorithm.from_string("EAGLE3").handle_server_args(args)
+        resolved = args.speculative_draft_attention_backend
+    finally:
+        override.restore()
+    assert resolved == expected
+    named = fields["speculative_draft_attention_backend"]
+    decode = fields.get("decode_attention_backend") or fields["attention_backend"]
+    assert (named or launcher_draft_backend("eagle3", decode, head == "llama")) == resolved
+    said = [line for line in plugin_log if "is not MLA" in line]
+    assert bool(said) == (expected == "flashinfer" and named is None)
+
+
+def test_the_draft_backend_step_never_stops_a_server(clean_plugin_state, eagle3_heads, plugin_log, monkeypatch):
+    """A draft config the step cannot read leaves the draft backend to SGLang, with a warning."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    def unreadable(server_args):
+        raise OSError("no config.json")
+
+    target, heads = eagle3_heads
+    mha_draft.install()
+    monkeypatch.setattr(mha_draft, "draft_is_mla", unreadable)
+    override, args = _mid_resolution_server_args(
+        model_path=str(target), speculative_draft_model_path=str(heads["llama"]), speculative_algorithm="EAGLE3",
+        skip_tokenizer_init=True, load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4, attention_backend="sm120_mla", speculative_draft_attention_backend=None)
+    try:
+        SpeculativeAlgorithm.from_string("EAGLE3").handle_server_args(args)
+        resolved = args.speculative_draft_attention_backend
+    finally:
+        override.restore()
+    assert resolved is None
+    assert any("could not tell whether the draft model" in line and "no config.json" in line for line in plugin_log)
+
+
+def test_an_mtp_draft_keeps_the_kernel(clean_plugin_state, tmp_path):
+    """EAGLE with the model's own MTP layer (SGLang drafts from --model-path): MLA, so the step
+    names nothing and the draft stays on sm120_mla's kernel."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sm120_workbook.dummy_models import materialize_model
+
+    target = materialize_model("k2_tp8_slice", layers=4, dest=tmp_path / "target", mtp_layers=1)
+    mha_draft.install()
+    override, args = _mid_resolution_server_args(
+        model_path=str(target), speculative_draft_model_path=None, speculative_algorithm="EAGLE",
+        skip_tokenizer_init=True, load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4, attention_backend="flashinfer", decode_attention_backend="sm120_mla",
+        speculative_draft_attention_backend=None)
+    try:
+        SpeculativeAlgorithm.from_string("EAGLE").handle_server_args(args)
+        drafted_from, resolved = args.speculative_draft_model_path, args.speculative_draft_attention_backend
+    finally:
+        override.restore()
+    assert drafted_from == str(target) and resolved is None

@@ -19,6 +19,9 @@ What it does in each process:
   attention for some requests) when $SM120_DFLASH_HOST_PLAN=probe, and nothing otherwise.
 - registers the warm-up `sm120_long_prompt` with SGLang's warm-up registry (`warmup`), which
   runs only where `--warmups sm120_long_prompt` asks for it.
+- adds a step to SGLang's EAGLE-family server-argument hook (`mha_draft`): a draft model that
+  is not MLA (an EAGLE3 Llama head) under sm120_mla, with no draft backend named, drafts on
+  FlashInfer instead of falling back to Triton. Servers that do not select sm120_mla are untouched.
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
   the name wherever they accept `triton` (`install_spec_compat`). The backend's factory
   installs the same patches when it first builds the backend, so an in-process `Engine`
@@ -33,7 +36,8 @@ import logging
 import os
 import sys
 
-from . import dflash_host_plan, kv_sort, ngram_tail, warmup
+from . import dflash_host_plan, kv_sort, mha_draft, ngram_tail, warmup
+from .env_switch import install_or_warn
 
 BACKEND_NAME = "sm120_mla"
 _BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
@@ -236,6 +240,7 @@ def load_plugin() -> None:
     ngram_tail.install_from_env()
     dflash_host_plan.install_from_env()
     _register_warmup_or_warn()
+    install_or_warn(mha_draft.install, logger, "the draft backend step for non-MLA drafts")
     selected = backend_selected_in_argv()
     if selected:
         _install_spec_compat_or_warn()
@@ -255,4 +260,4 @@ _last_message: str | None = None
 __all__ = ["BACKEND_NAME", "load_plugin", "register_backend", "is_registered",
            "unregister_backend", "backend_selected_in_argv", "install_spec_compat",
            "uninstall_spec_compat", "spec_compat_installed", "kv_sort", "ngram_tail", "dflash_host_plan",
-           "warmup"]
+           "mha_draft", "warmup"]
