@@ -62,7 +62,7 @@ def test_entry_point_is_discoverable_and_names_load_plugin():
 def test_sglang_loader_in_a_fresh_process():
     """Through SGLang's own load_plugins(): import alone registers nothing; loading registers
     the backend (registry and CLI choices) and the warm-up, and leaves need_sort alone without
-    the env var;
+    the env var; the non-MLA draft step is in place (it acts only where sm120_mla is selected);
     with SM120_KV_SORT=1 a second load_plugin() call installs the override."""
     script = textwrap.dedent("""
         import json, os, torch
@@ -75,7 +75,8 @@ def test_sglang_loader_in_a_fresh_process():
         out = {"after_import": {"registry": "sm120_mla" in ATTENTION_BACKENDS,
                                 "choices": "sm120_mla" in ATTENTION_BACKEND_CHOICES,
                                 "kv_sort": plugin.kv_sort.is_installed(),
-                                "warmup": "sm120_long_prompt" in _warmup_registry}}
+                                "warmup": "sm120_long_prompt" in _warmup_registry,
+                                "mha_draft": plugin.mha_draft.is_installed()}}
         from sglang.srt.plugins import load_plugins
         load_plugins()
         a = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, False)
@@ -83,7 +84,8 @@ def test_sglang_loader_in_a_fresh_process():
                              "choices": ATTENTION_BACKEND_CHOICES.count("sm120_mla"),
                              "kv_sort": plugin.kv_sort.is_installed(), "need_sort": a.need_sort,
                              "spec_compat": plugin.spec_compat_installed(),
-                             "warmup": "sm120_long_prompt" in _warmup_registry}
+                             "warmup": "sm120_long_prompt" in _warmup_registry,
+                             "mha_draft": plugin.mha_draft.is_installed()}
         os.environ["SM120_KV_SORT"] = "1"
         plugin.load_plugin()
         a = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, False)
@@ -97,9 +99,10 @@ def test_sglang_loader_in_a_fresh_process():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line[len("RESULT "):])
-    assert out["after_import"] == {"registry": False, "choices": False, "kv_sort": False, "warmup": False}
+    assert out["after_import"] == {"registry": False, "choices": False, "kv_sort": False, "warmup": False,
+                                   "mha_draft": False}
     assert out["after_load"] == {"registry": True, "choices": 1, "kv_sort": False,
-                                 "need_sort": False, "spec_compat": False, "warmup": True}
+                                 "need_sort": False, "spec_compat": False, "warmup": True, "mha_draft": True}
     assert out["after_env"] == {"choices": 1, "kv_sort": True, "need_sort": True}
     # The plugin announces itself, with its pid, in the process's log (stderr).
     announcements = [x for x in proc.stderr.splitlines() if "sm120_workbook plugin (pid" in x]
