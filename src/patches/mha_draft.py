@@ -9,10 +9,10 @@ without it should not be the slow one.
 
 SGLang resolves the draft attention backend among its server-argument hooks when none is named:
 DFLASH's in `_resolve_dflash_draft_attention_backend` (sglang/srt/arg_groups/speculative_hook.py),
-Kimi K3's DSPARK in kimi_k3_hook. This adds the same step after `_handle_eagle_family`, the EAGLE /
-EAGLE3 hook: when no draft backend is named, `sm120_mla` serves the prefill or decode side, and
-SGLang's own ModelConfig of the draft says it is not MLA, the field is set to flashinfer, as the
-flag would set it, and the line is logged. Anything named on the command line is left alone;
+Kimi K3's DSPARK in kimi_k3_hook. This adds the same step after `_handle_eagle_family` (EAGLE,
+EAGLE3 and STANDALONE): when no draft backend is named, `sm120_mla` serves the prefill or decode
+side, and SGLang's own ModelConfig of the draft says it is not MLA, the field is set to
+flashinfer, as the flag would set it, and the line is logged. Anything named on the command line is left alone;
 an MLA draft (DeepSeek-V3's MTP layer, a Kimi K2.5/K2.6 EAGLE3 head) keeps drafting on the kernel.
 Installed by the plugin in every process; it changes no server that does not select sm120_mla.
 """
