@@ -24,7 +24,6 @@ import os
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "sm120_mla"
 # The draft backend a non-MLA draft gets under sm120_mla: FlashInfer runs MHA drafts on its fa2
 # (mma.sync) kernels on sm_80-sm_120 alike.
 MHA_DRAFT_BACKEND = "flashinfer"
@@ -46,6 +45,8 @@ def draft_backend_for(server_args) -> str | None:
     for a draft model that is not MLA under sm120_mla with none named, else None (SGLang's own)."""
     from sglang.srt.arg_groups.overrides import attention_backends_of, resolved_view
 
+    from . import BACKEND_NAME
+
     if server_args.speculative_draft_attention_backend or not server_args.speculative_draft_model_path:
         return None
     if BACKEND_NAME not in attention_backends_of(resolved_view(server_args)):
@@ -59,10 +60,9 @@ def resolve_draft_backend(server_args) -> None:
     if backend is None:
         return
     server_args.speculative_draft_attention_backend = backend
-    logger.info("sm120_workbook (pid %d): the %s draft model %s is not MLA, which %s does not serve: "
-                "its attention runs on %s (--speculative-draft-attention-backend names another)",
-                os.getpid(), server_args.speculative_algorithm, server_args.speculative_draft_model_path,
-                BACKEND_NAME, backend)
+    logger.info("sm120_workbook (pid %d): the %s draft model %s is not MLA, which the sm120 kernel does "
+                "not serve: its attention runs on %s (--speculative-draft-attention-backend names another)",
+                os.getpid(), server_args.speculative_algorithm, server_args.speculative_draft_model_path, backend)
 
 
 def _hook_module():
