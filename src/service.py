@@ -37,8 +37,9 @@ DEFAULT_HOST = "127.0.0.1"
 # adds to SGLang's choices when it loads in the launcher process.
 try:
     from .patches import BACKEND_NAME as _PLUGIN_BACKEND
+    from .patches.mha_draft import MHA_DRAFT_BACKEND as _PLUGIN_MHA_DRAFT_BACKEND
 except ImportError:  # the plugin package is absent from this copy
-    _PLUGIN_BACKEND = "sm120_mla"
+    _PLUGIN_BACKEND, _PLUGIN_MHA_DRAFT_BACKEND = "sm120_mla", "flashinfer"
 PLUGIN_BACKENDS = (_PLUGIN_BACKEND,)
 SPEC_ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", "eagle": "EAGLE", "eagle3": "EAGLE3"}
 # Models whose EAGLE draft SGLang 0.5.17 builds from the model's own MTP layer (NextN), drafting
@@ -53,9 +54,8 @@ EAGLE3_DRAFT_ARCHITECTURES = tuple(EAGLE3_HEADS.values())
 # The draft attention backend an EAGLE3 Llama head (MHA) takes under sm120_mla unless one is given,
 # the plugin's choice (patches.mha_draft: on Triton its draft extend reads the prefix with one CTA a
 # head; H200, 64k: 12.2 ms a step on Triton, 6.4 ms on FlashInfer's fa2 kernels; NOTES session 37).
-# The launcher names it on the command line as well, so that a record says which ran; tests/test_plugin.py
-# holds the two choices equal against SGLang's own hook.
-MHA_EAGLE3_DRAFT_BACKEND = "flashinfer"
+# The launcher names it on the command line as well, so that a record says which ran.
+MHA_EAGLE3_DRAFT_BACKEND = _PLUGIN_MHA_DRAFT_BACKEND
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.
 DRAFT_MODEL_SPECS = ("dflash", "eagle", "eagle3")

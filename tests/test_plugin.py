@@ -397,6 +397,23 @@ def eagle3_heads(tmp_path_factory):
     return target, {head: materialize_eagle3_draft(target, dest=root / head, head=head) for head in ("mla", "llama")}
 
 
+def _eagle_hook(algorithm, model_path, draft_model_path, **fields):
+    """(speculative_draft_model_path, speculative_draft_attention_backend) after SGLang's own
+    dispatch runs its EAGLE-family server-argument hook on a real ServerArgs with `fields`."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    fields = {"speculative_draft_attention_backend": None, **fields}   # none named unless a test names one
+    override, args = _mid_resolution_server_args(
+        model_path=str(model_path), speculative_draft_model_path=draft_model_path and str(draft_model_path),
+        speculative_algorithm=algorithm, skip_tokenizer_init=True, load_format="dummy", speculative_num_steps=3,
+        speculative_eagle_topk=1, speculative_num_draft_tokens=4, **fields)
+    try:
+        SpeculativeAlgorithm.from_string(algorithm).handle_server_args(args)
+        return args.speculative_draft_model_path, args.speculative_draft_attention_backend
+    finally:
+        override.restore()
+
+
 @pytest.mark.parametrize("fields, head, expected", [
     ({"attention_backend": "flashinfer", "decode_attention_backend": "sm120_mla"}, "llama", "flashinfer"),
     ({"attention_backend": "flashinfer", "decode_attention_backend": "sm120_mla"}, "mla", None),
@@ -412,24 +429,13 @@ def test_a_non_mla_eagle3_head_drafts_on_flashinfer_under_sm120_mla(clean_plugin
     """SGLang's own EAGLE3 server-argument hook, as its dispatch calls it, with the plugin's step
     installed: a Llama head under sm120_mla, none named, gets FlashInfer, as the launcher names it
     (service.launcher_draft_backend); an MLA head, a named backend and other backends keep SGLang's."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     from sm120_workbook.service import launcher_draft_backend
 
     target, heads = eagle3_heads
     assert mha_draft.install() and not mha_draft.install()
-    fields = {"speculative_draft_attention_backend": None, **fields}
-    override, args = _mid_resolution_server_args(
-        model_path=str(target), speculative_draft_model_path=str(heads[head]), speculative_algorithm="EAGLE3",
-        skip_tokenizer_init=True, load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4, **fields)
-    try:
-        SpeculativeAlgorithm.from_string("EAGLE3").handle_server_args(args)
-        resolved = args.speculative_draft_attention_backend
-    finally:
-        override.restore()
+    _, resolved = _eagle_hook("EAGLE3", target, heads[head], **fields)
     assert resolved == expected
-    named = fields["speculative_draft_attention_backend"]
+    named = fields.get("speculative_draft_attention_backend")
     decode = fields.get("decode_attention_backend") or fields["attention_backend"]
     assert (named or launcher_draft_backend("eagle3", decode, head == "llama")) == resolved
     said = [line for line in plugin_log if "is not MLA" in line]
@@ -438,23 +444,13 @@ def test_a_non_mla_eagle3_head_drafts_on_flashinfer_under_sm120_mla(clean_plugin
 
 def test_the_draft_backend_step_never_stops_a_server(clean_plugin_state, eagle3_heads, plugin_log, monkeypatch):
     """A draft config the step cannot read leaves the draft backend to SGLang, with a warning."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     def unreadable(server_args):
         raise OSError("no config.json")
 
     target, heads = eagle3_heads
     mha_draft.install()
     monkeypatch.setattr(mha_draft, "draft_is_mla", unreadable)
-    override, args = _mid_resolution_server_args(
-        model_path=str(target), speculative_draft_model_path=str(heads["llama"]), speculative_algorithm="EAGLE3",
-        skip_tokenizer_init=True, load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4, attention_backend="sm120_mla", speculative_draft_attention_backend=None)
-    try:
-        SpeculativeAlgorithm.from_string("EAGLE3").handle_server_args(args)
-        resolved = args.speculative_draft_attention_backend
-    finally:
-        override.restore()
+    _, resolved = _eagle_hook("EAGLE3", target, heads["llama"], attention_backend="sm120_mla")
     assert resolved is None
     assert any("could not tell whether the draft model" in line and "no config.json" in line for line in plugin_log)
 
@@ -462,20 +458,10 @@ def test_the_draft_backend_step_never_stops_a_server(clean_plugin_state, eagle3_
 def test_an_mtp_draft_keeps_the_kernel(clean_plugin_state, tmp_path):
     """EAGLE with the model's own MTP layer (SGLang drafts from --model-path): MLA, so the step
     names nothing and the draft stays on sm120_mla's kernel."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     from sm120_workbook.dummy_models import materialize_model
 
     target = materialize_model("k2_tp8_slice", layers=4, dest=tmp_path / "target", mtp_layers=1)
     mha_draft.install()
-    override, args = _mid_resolution_server_args(
-        model_path=str(target), speculative_draft_model_path=None, speculative_algorithm="EAGLE",
-        skip_tokenizer_init=True, load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4, attention_backend="flashinfer", decode_attention_backend="sm120_mla",
-        speculative_draft_attention_backend=None)
-    try:
-        SpeculativeAlgorithm.from_string("EAGLE").handle_server_args(args)
-        drafted_from, resolved = args.speculative_draft_model_path, args.speculative_draft_attention_backend
-    finally:
-        override.restore()
+    drafted_from, resolved = _eagle_hook("EAGLE", target, None, attention_backend="flashinfer",
+                                         decode_attention_backend="sm120_mla")
     assert drafted_from == str(target) and resolved is None
