@@ -35,8 +35,8 @@ kernel too, unless `--draft-backend triton`. `--spec eagle3` is SGLang's EAGLE3 
 of its own (`dummy_models.materialize_eagle3_draft`) on the model without an MTP layer: the same
 steps and trees. `--eagle3-head mla` (the default; the layout of the Kimi K2.5/K2.6 heads) drafts
 on the same backends as EAGLE; `--eagle3-head llama` (SpecForge's Kimi K2 head, MHA) keeps its
-draft's attention on SGLang's own backends: under sm120_mla FlashInfer's (service.MHA_EAGLE3_DRAFT_BACKEND;
-the plugin would leave it on Triton, 1.9x slower a step at 64k), or `--draft-backend`.
+draft's attention on SGLang's own backends: under sm120_mla FlashInfer's, the plugin's step in SGLang's
+server-argument hook (patches.mha_draft; Triton's is 1.9x slower a step at 64k), or `--draft-backend`.
 
 DFlash, EAGLE and EAGLE3 servers record experts into a circular buffer of an upper bound on a request's
 recorder rows (spec_expert_buffer): their draft passes record empty rows, and SGLang 0.5.17's
@@ -199,8 +199,9 @@ def resolved_draft_backend(server_info: dict | None, spec: str, mla_draft: bool 
     --speculative-draft-attention-backend (SGLang writes the DFlash draft's back there), or where an
     info names none: for DFlash SGLang's rule over its backends (dflash_draft_backend), for EAGLE and
     EAGLE3 the decode backend their draft factory falls back to. A draft that is not MLA
-    (`mla_draft` False: an EAGLE3 Llama head) given sm120_mla runs on triton, the entry the plugin's
-    factory patch gives it, and is recorded so. None without an info naming a backend."""
+    (`mla_draft` False: an EAGLE3 Llama head) left on sm120_mla (the plugin's step in SGLang's hook
+    did not run) runs on triton, the entry the plugin's factory patch gives it, and is recorded so.
+    None without an info naming a backend."""
     info = server_info or {}
     named = info.get("speculative_draft_attention_backend")
     if not named and spec in EAGLE_SPECS:

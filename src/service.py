@@ -52,9 +52,9 @@ MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 EAGLE_SPECS = ("eagle", "eagle3")
 EAGLE3_DRAFT_ARCHITECTURES = tuple(EAGLE3_HEADS.values())
 # The draft attention backend an EAGLE3 Llama head (MHA) takes under sm120_mla unless one is given,
-# the plugin's choice (patches.mha_draft: on Triton its draft extend reads the prefix with one CTA a
-# head; H200, 64k: 12.2 ms a step on Triton, 6.4 ms on FlashInfer's fa2 kernels; NOTES session 37).
-# The launcher names it on the command line as well, so that a record says which ran.
+# the plugin's choice in SGLang's server-argument hook (patches.mha_draft: on Triton its draft extend
+# reads the prefix with one CTA a head; H200, 64k: 12.2 ms a step on Triton, 6.4 ms on FlashInfer's
+# fa2 kernels; NOTES session 37). Records read what ran from /server_info.
 MHA_EAGLE3_DRAFT_BACKEND = _PLUGIN_MHA_DRAFT_BACKEND
 # Speculation modes with a draft model of its own: its passes go through SGLang's expert recorder
 # (empty rows), and --speculative-draft-attention-backend names its attention backend.
@@ -74,24 +74,16 @@ def dflash_draft_backend(attention_backend: str | None, prefill_backend: str | N
     return prefill if prefill in DFLASH_DRAFT_BACKENDS else "flashinfer"
 
 
-def launcher_draft_backend(spec: str, decode_backend: str, mha_eagle3_head: bool = False) -> str | None:
-    """The --speculative-draft-attention-backend the launcher gives a draft none is named for:
-    MHA_EAGLE3_DRAFT_BACKEND for an EAGLE3 Llama head (`mha_eagle3_head`) under sm120_mla, else
-    None: SGLang's choice (DFlash: dflash_draft_backend; EAGLE(3): the decode backend)."""
-    if spec == "eagle3" and mha_eagle3_head and decode_backend == _PLUGIN_BACKEND:
-        return MHA_EAGLE3_DRAFT_BACKEND
-    return None
-
-
 def usual_draft_backend(spec: str, decode_backend: str, prefill_backend: str | None = None,
                         mha_eagle3_head: bool = False) -> str:
-    """The attention backend a draft runs on when its server names none: the launcher's
-    (launcher_draft_backend), else SGLang's (dflash_draft_backend for DFlash, the decode backend
-    for EAGLE(3))."""
-    named = launcher_draft_backend(spec, decode_backend, mha_eagle3_head)
-    if named:
-        return named
+    """The attention backend a draft runs on when its server names none: the plugin's for an EAGLE3
+    Llama head (`mha_eagle3_head`) under sm120_mla (patches.mha_draft: MHA_EAGLE3_DRAFT_BACKEND),
+    else SGLang's (dflash_draft_backend for DFlash, the decode backend for EAGLE(3))."""
+    if spec == "eagle3" and mha_eagle3_head and decode_backend == _PLUGIN_BACKEND:
+        return MHA_EAGLE3_DRAFT_BACKEND
     return dflash_draft_backend(decode_backend, prefill_backend) if spec == "dflash" else decode_backend
+
+
 # Backends whose KV pages are larger than one token (SGLang snaps FlashMLA to 64).
 # The page size SGLang 0.5.17 forces on these backends (arg_groups/overrides.py,
 # _mla_backend_page_constraints): NGRAM's tree breadth has to follow it, and records name it.
@@ -272,11 +264,11 @@ class ServerConfig:
     spec: str = "none"                      # "none" | "ngram" | "dflash" | "eagle" | "eagle3"
     num_draft_tokens: int | None = None
     draft_model_path: str | Path | None = None
-    # --speculative-draft-attention-backend. None: launcher_draft_backend's, MHA_EAGLE3_DRAFT_BACKEND
-    # for an EAGLE3 Llama head under sm120_mla (resolve_config reads the head's folder and fills it
-    # in); else SGLang's choice: for DFlash dflash_draft_backend (FlashInfer under sm120_mla), for
-    # EAGLE(3) the decode backend: with sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head)
-    # decodes and extends on the kernel (patches.install_spec_compat).
+    # --speculative-draft-attention-backend. None: SGLang's choice with the plugin's step
+    # (usual_draft_backend): MHA_EAGLE3_DRAFT_BACKEND for an EAGLE3 Llama head under sm120_mla
+    # (patches.mha_draft); for DFlash dflash_draft_backend (FlashInfer under sm120_mla); for EAGLE(3)
+    # the decode backend: with sm120_mla an MLA draft (the MTP layer, an EAGLE3-MLA head) decodes
+    # and extends on the kernel (patches.install_spec_compat).
     draft_attention_backend: str | None = None
     # EAGLE and EAGLE3: draft steps and tree width (SGLang's own choice for DeepSeek-V3, 3 and 1);
     # num_draft_tokens defaults to steps + 1 (a chain) at topk 1.
@@ -360,8 +352,7 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     Raises ValueError naming the argument: unknown backend, context longer than the model
     allows, tp not dividing the heads, a DFlash draft that does not match the target, EAGLE
     on a model without an MTP layer, EAGLE3 without an EAGLE3 draft folder. Fills in page_size,
-    NGRAM's draft tokens and tree breadth, EAGLE's verified tokens, the draft backend of an EAGLE3
-    Llama head under sm120_mla (MHA_EAGLE3_DRAFT_BACKEND) and a free port.
+    NGRAM's draft tokens and tree breadth, EAGLE's verified tokens and a free port.
     """
     cfg = dataclasses.replace(cfg)
     model = cfg.model_config()
@@ -464,9 +455,6 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
         if arch not in EAGLE3_DRAFT_ARCHITECTURES:
             raise ValueError(f"draft_model_path: an EAGLE3 draft has an architecture in "
                              f"{EAGLE3_DRAFT_ARCHITECTURES}, this one {arch!r}")
-        if cfg.draft_attention_backend is None:
-            cfg.draft_attention_backend = launcher_draft_backend(cfg.spec, cfg.attention_backend,
-                                                                 arch == EAGLE3_HEADS["llama"])
         if not ((draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 or draft.get("eagle_aux_hidden_state_layer_ids")):
             eagle3_aux_layers(int(model["num_hidden_layers"]))   # SGLang's default layers must differ
@@ -513,9 +501,8 @@ def launch_args(cfg: ServerConfig) -> list[str]:
         a += ["--speculative-draft-model-path", str(cfg.draft_model_path)]
     if cfg.spec in EAGLE_SPECS:
         a += ["--speculative-num-steps", str(cfg.eagle_steps), "--speculative-eagle-topk", str(cfg.eagle_topk)]
-    draft_backend = cfg.draft_attention_backend or launcher_draft_backend(cfg.spec, cfg.attention_backend)
-    if cfg.spec in DRAFT_MODEL_SPECS and draft_backend:
-        a += ["--speculative-draft-attention-backend", draft_backend]
+    if cfg.spec in DRAFT_MODEL_SPECS and cfg.draft_attention_backend:
+        a += ["--speculative-draft-attention-backend", cfg.draft_attention_backend]
     if cfg.spec == "ngram" and cfg.ngram_max_bfs_breadth is not None:
         a += ["--speculative-ngram-max-bfs-breadth", str(cfg.ngram_max_bfs_breadth)]
     if cfg.warmups:

@@ -427,9 +427,10 @@ def _eagle_hook(algorithm, model_path, draft_model_path, **fields):
 def test_a_non_mla_eagle3_head_drafts_on_flashinfer_under_sm120_mla(clean_plugin_state, eagle3_heads, plugin_log,
                                                                     fields, head, expected):
     """SGLang's own EAGLE3 server-argument hook, as its dispatch calls it, with the plugin's step
-    installed: a Llama head under sm120_mla, none named, gets FlashInfer, as the launcher names it
-    (service.launcher_draft_backend); an MLA head, a named backend and other backends keep SGLang's."""
-    from sm120_workbook.service import launcher_draft_backend
+    installed: a Llama head under sm120_mla, none named, gets FlashInfer, the draft backend the
+    service's records and charts take as usual (service.usual_draft_backend); an MLA head, a named
+    backend and other backends keep SGLang's (the decode backend)."""
+    from sm120_workbook.service import usual_draft_backend
 
     target, heads = eagle3_heads
     assert mha_draft.install() and not mha_draft.install()
@@ -437,7 +438,7 @@ def test_a_non_mla_eagle3_head_drafts_on_flashinfer_under_sm120_mla(clean_plugin
     assert resolved == expected
     named = fields.get("speculative_draft_attention_backend")
     decode = fields.get("decode_attention_backend") or fields["attention_backend"]
-    assert (named or launcher_draft_backend("eagle3", decode, head == "llama")) == resolved
+    assert (resolved or decode) == (named or usual_draft_backend("eagle3", decode, mha_eagle3_head=head == "llama"))
     said = [line for line in plugin_log if "is not MLA" in line]
     assert bool(said) == (expected == "flashinfer" and named is None)
 

@@ -75,6 +75,12 @@ class H(BaseHTTPRequestHandler):
             if spec == "DFLASH" and draft is None:   # SGLang resolves it (test_plugin holds the rule)
                 from sm120_workbook.service import dflash_draft_backend
                 draft = dflash_draft_backend(arg("--attention-backend"), arg("--prefill-attention-backend"))
+            if spec == "EAGLE3" and draft is None:   # the plugin's step in SGLang's hook (test_plugin holds it)
+                from sm120_workbook.dummy_models import EAGLE3_LLAMA_ARCH
+                head = json.load(open(os.path.join(arg("--speculative-draft-model-path"), "config.json")))
+                decode = arg("--decode-attention-backend") or arg("--attention-backend")
+                if head["architectures"] == [EAGLE3_LLAMA_ARCH] and decode == "sm120_mla":
+                    from sm120_workbook.patches.mha_draft import MHA_DRAFT_BACKEND as draft
             info = {"attention_backend": backend, "model_path": arg("--model-path"), "tp_size": tp,
                     "speculative_draft_attention_backend": draft}
             return self._reply(200, json.dumps(info).encode(), "application/json")
@@ -294,12 +300,11 @@ def test_eagle3_launches_its_draft_folder_and_parses_with_sglang(tmp_path, sglan
                                                                           expert_record_buffer=200))))
     assert ns.speculative_draft_model_path == str(llama) and ns.speculative_algorithm == "EAGLE3"
     assert ns.speculative_draft_attention_backend is None   # SGLang's own backend: its choice
-    # under sm120_mla (alone or in a hybrid) a Llama head drafts on FlashInfer unless one is named;
-    # an MLA head keeps SGLang's choice (the kernel)
-    for kw, want in [(dict(attention_backend="sm120_mla"), "flashinfer"),
+    # the launcher names a draft backend only where one is given: under sm120_mla a Llama head's is
+    # the plugin's step in SGLang's hook (patches.mha_draft, test_plugin), so /server_info says which ran
+    for kw, want in [(dict(attention_backend="sm120_mla"), None),
                      (dict(attention_backend="sm120_mla", prefill_attention_backend="flashinfer",
-                           prefill_as_base=True), "flashinfer"),
-                     (dict(attention_backend="sm120_mla", prefill_attention_backend="flashinfer"), "flashinfer"),
+                           prefill_as_base=True), None),
                      (dict(attention_backend="sm120_mla", draft_attention_backend="triton"), "triton"),
                      (dict(attention_backend="sm120_mla", draft_model_path=head), None)]:
         args = {"model_path": plain, "tp": 1, "spec": "eagle3", "draft_model_path": llama,
@@ -1181,7 +1186,7 @@ def test_eagle3_servers_take_a_llama_head(fake, tmp_path, monkeypatch):
     (log,) = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
     assert re.search(r"--max-total-tokens \d+", log)
     assert re.search(r"--speculative-draft-model-path \S+/draft-", log)
-    assert "--speculative-draft-attention-backend flashinfer" in log
+    assert "--speculative-draft-attention-backend" not in log   # the plugin's step names it in the server
     pts = decode_points(pd.DataFrame(res.decode))
     assert set(pts["draft_backend"]) == {""} and set(pts["config"]) == {"sm120_mla, Llama EAGLE3 head"}
     # a draft backend given is kept: Triton, the plugin's own choice, is then a named point
