@@ -1158,9 +1158,9 @@ def test_eagle3_servers_take_an_mla_draft_head(fake, tmp_path, monkeypatch):
 def test_eagle3_servers_take_a_llama_head(fake, tmp_path, monkeypatch):
     """`eagle3_head="llama"`: SpecForge's Kimi K2 layout (MHA). Its folder names SGLang's Llama
     EAGLE3 architecture, its MHA KV pool is bounded as DFlash's is (--max-total-tokens), its draft
-    runs FlashInfer unless told otherwise (the plugin would leave it on Triton, 1.9x slower a step
-    at 64k), and its records say the head and the draft backend that ran: the charts name a
-    Triton draft, not the launcher's default."""
+    runs FlashInfer unless told otherwise (the plugin's step in SGLang's hook; Triton is 1.9x slower
+    a step at 64k), and its records say the head and the draft backend that ran: the charts name a
+    Triton draft, not the usual one."""
     import pandas as pd
 
     from sm120_workbook.dummy_models import EAGLE3_LLAMA_ARCH, materialize_eagle3_draft

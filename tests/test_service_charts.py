@@ -339,8 +339,8 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     # EAGLE3's usual draft backend is the decode backend, as EAGLE's
     assert sc.draft_backend_of("eagle3", "sm120_mla", "triton") == "triton"
     assert sc.draft_backend_of("eagle3", "sm120_mla", "sm120_mla") == sc.draft_backend_of("eagle3", "sm120_mla", None) == ""
-    # an EAGLE3 Llama head (MHA) usually drafts on flashinfer under sm120_mla (the launcher's
-    # default), on the decode backend elsewhere; a Triton draft under sm120_mla is named
+    # an EAGLE3 Llama head (MHA) usually drafts on flashinfer under sm120_mla (the plugin's step),
+    # on the decode backend elsewhere; a Triton draft under sm120_mla is named
     assert sc.draft_backend_of("eagle3", "sm120_mla", "flashinfer", "llama") == ""
     assert sc.draft_backend_of("eagle3", "sm120_mla", "triton", "llama") == "triton"
     assert sc.draft_backend_of("eagle3", "triton", "triton", "llama") == ""
