@@ -77,10 +77,11 @@ class H(BaseHTTPRequestHandler):
                 draft = dflash_draft_backend(arg("--attention-backend"), arg("--prefill-attention-backend"))
             if spec == "EAGLE3" and draft is None:   # the plugin's step in SGLang's hook (test_plugin holds it)
                 from sm120_workbook.dummy_models import EAGLE3_LLAMA_ARCH
+                from sm120_workbook.service import usual_draft_backend
                 head = json.load(open(os.path.join(arg("--speculative-draft-model-path"), "config.json")))
                 decode = arg("--decode-attention-backend") or arg("--attention-backend")
-                if head["architectures"] == [EAGLE3_LLAMA_ARCH] and decode == "sm120_mla":
-                    from sm120_workbook.patches.mha_draft import MHA_DRAFT_BACKEND as draft
+                usual = usual_draft_backend("eagle3", decode, mha_eagle3_head=head["architectures"] == [EAGLE3_LLAMA_ARCH])
+                draft = usual if usual != decode else None   # SGLang's own choice: the field stays unset
             info = {"attention_backend": backend, "model_path": arg("--model-path"), "tp_size": tp,
                     "speculative_draft_attention_backend": draft}
             return self._reply(200, json.dumps(info).encode(), "application/json")
