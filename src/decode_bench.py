@@ -112,6 +112,9 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
 
     Contexts that cannot fit the model (ctx + decode + margin > model_max_context) are dropped.
     """
+    for name, value in (("backends", backends), ("contexts", contexts), ("spec", spec)):
+        if isinstance(value, str):   # papermill's -p passes a list as its text
+            raise ValueError(f"{name}: a list, got the string {value!r} (papermill: -y '{name}: [...]', not -p)")
     if not backends:
         raise ValueError("backends: empty")
     bad = [s for s in spec if s not in SPEC_MODES]

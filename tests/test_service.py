@@ -788,6 +788,11 @@ def test_plan_matrix_orders_and_filters():
         decode_bench.plan_matrix(["sm120_mla"], [4096], ["ngram"], eagle_topk=4, eagle_draft_tokens=8)
     with pytest.raises(ValueError, match="decode_tokens"):
         decode_bench.plan_matrix(["triton"], [4096], ["none"], decode_tokens=1)
+    for kw, name in ((dict(spec='["ngram"]'), "spec"), (dict(backends="sm120_mla"), "backends"),
+                     (dict(contexts="[4096]"), "contexts")):   # a list given as papermill's -p text
+        args = dict(backends=["sm120_mla"], contexts=[4096], spec=["none"]) | kw
+        with pytest.raises(ValueError, match=f"^{name}: a list, got the string .*papermill: -y"):
+            decode_bench.plan_matrix(**args)
 
 
 def test_decode_stats_definitions():
