@@ -67,6 +67,7 @@ from .dummy_models import (EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, mate
                            materialize_eagle3_draft, materialize_model, max_context, weight_format)
 from .patches import dflash_host_plan as dflash_host_plan_patch
 from .patches import kv_sort
+from .notebook_params import check_list_params
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
@@ -112,9 +113,7 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
 
     Contexts that cannot fit the model (ctx + decode + margin > model_max_context) are dropped.
     """
-    for name, value in (("backends", backends), ("contexts", contexts), ("spec", spec)):
-        if isinstance(value, str):   # papermill's -p passes a list as its text
-            raise ValueError(f"{name}: a list, got the string {value!r} (papermill: -y '{name}: [...]', not -p)")
+    check_list_params(backends=backends, contexts=contexts, spec=spec)
     if not backends:
         raise ValueError("backends: empty")
     bad = [s for s in spec if s not in SPEC_MODES]

@@ -69,3 +69,43 @@ def test_papermill_reads_every_parameter(name):
     source = "".join(_parameter_cells(json.loads((NOTEBOOK_DIR / name).read_text()))[0]["source"])
     names = set(re.findall(r"^(\w+)\s*=", source, flags=re.M))
     assert set(papermill.inspect_notebook(str(NOTEBOOK_DIR / name))) == names
+
+
+@pytest.mark.parametrize("name", _notebooks())
+def test_list_parameters_are_checked(name):
+    """Every parameter whose default is a list is named in a check_list_params call of the
+    notebook, so that papermill's `-p` (which passes a list as its text) gets an error that
+    names the parameter and `-y`."""
+    import ast
+
+    nb = json.loads((NOTEBOOK_DIR / name).read_text())
+    params = ast.parse("".join(_parameter_cells(nb)[0]["source"]))
+    lists = {t.id for node in params.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.List)
+             for t in node.targets}
+    checked = set()
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code" or "check_list_params(" not in "".join(cell["source"]):
+            continue
+        for node in ast.walk(ast.parse("".join(cell["source"]))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_list_params":
+                checked |= {kw.arg for kw in node.keywords if isinstance(kw.value, ast.Name) and kw.value.id == kw.arg}
+    assert lists <= checked, f"{name}: list parameters not checked: {sorted(lists - checked)}"
+
+
+def test_check_list_params_names_papermill_y():
+    from sm120_workbook.notebook_params import check_list_params
+
+    check_list_params(a=[1], b=(2, 3), c=[])
+    for bad in ('["ngram"]', 4096, None):
+        with pytest.raises(ValueError, match=r"^ctx_list: a list, got \w+ .*papermill: -y 'ctx_list: \[\.\.\.\]', not -p"):
+            check_list_params(ctx_list=bad)
+
+
+def test_a_list_given_with_p_fails_naming_it(tmp_path):
+    """papermill -p ctx_list '[2048]' hands the notebook a string: it stops at once, naming it."""
+    papermill = pytest.importorskip("papermill")
+    name = "01_mla_verify_reference.ipynb"
+    with pytest.raises(papermill.PapermillExecutionError, match="ctx_list: a list, got str"):
+        papermill.execute_notebook(str(NOTEBOOK_DIR / name), str(tmp_path / name),
+                                   parameters={"ctx_list": "[2048]", "out_dir": str(tmp_path)},
+                                   cwd=str(NOTEBOOK_DIR), kernel_name="python3", progress_bar=False)

@@ -791,7 +791,7 @@ def test_plan_matrix_orders_and_filters():
     for kw, name in ((dict(spec='["ngram"]'), "spec"), (dict(backends="sm120_mla"), "backends"),
                      (dict(contexts="[4096]"), "contexts")):   # a list given as papermill's -p text
         args = dict(backends=["sm120_mla"], contexts=[4096], spec=["none"]) | kw
-        with pytest.raises(ValueError, match=f"^{name}: a list, got the string .*papermill: -y"):
+        with pytest.raises(ValueError, match=f"^{name}: a list, got str .*papermill: -y"):
             decode_bench.plan_matrix(**args)
 
 
