@@ -65,9 +65,9 @@ import numpy as np
 
 from .dummy_models import (EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, materialize_draft,
                            materialize_eagle3_draft, materialize_model, max_context, weight_format)
+from .notebook_params import check_list_params
 from .patches import dflash_host_plan as dflash_host_plan_patch
 from .patches import kv_sort
-from .notebook_params import check_list_params
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
