@@ -140,6 +140,8 @@ def decode_points(df, every_run: bool = False):
     # the layer count and decode tokens join the label only where the records hold more than one
     agg["config"] = [label_of(r, layers=agg["layers"].nunique() > 1,
                               decode_tokens=agg["decode_tokens"].nunique() > 1) for r in agg.itertuples()]
+    agg["setup"] = [setup_label(r) for r in agg.itertuples()]
+    agg["line"] = [line_label(r) for r in agg.itertuples()]
     return agg.sort_values(["backend", "spec", "ctx", "layers", "tp", "config", "date"]).reset_index(drop=True)
 
 
@@ -201,6 +203,49 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
                         prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r),
                         eagle_topk=v("eagle_topk"), draft_head=draft_head_of(v("spec"), v("draft_head")),
                         dflash_host_plan=str(v("dflash_host_plan") or "off"))
+
+
+def setup_label(r) -> str:
+    """What a point's server ran beside its backend, speculation and draft: its GPUs, layers,
+    decode tokens, recorder, NGRAM fix and prefill (config_label's words, layers and decode
+    tokens always). Points of one setup differ only in their line (line_label) and panel (spec)."""
+    v = lambda k: _value(r, k)  # noqa: E731
+    return config_label("", bool(v("expert_record")), bool(v("ngram_tail")), v("tp"), v("layers"),
+                        ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")), decode_tokens=v("decode_tokens"),
+                        prefill_backend=str(v("prefill_attention_backend") or ""),
+                        prefill_as_base=bool(v("prefill_as_base"))).lstrip(" ,")
+
+
+def line_label(r) -> str:
+    """A point's line within its setup: the backend, and its draft where that is not the usual one
+    (the rest of label_of's words)."""
+    v = lambda k: _value(r, k)  # noqa: E731
+    return config_label(v("backend"), draft_backend=_draft_key(r), eagle_topk=v("eagle_topk"),
+                        draft_head=draft_head_of(v("spec"), v("draft_head")),
+                        dflash_host_plan=str(v("dflash_host_plan") or "off"))
+
+
+def setup_table(points) -> pd.DataFrame:
+    """The setups that decode points hold, a row each: lines (a line a speculation mode, as the
+    chart draws them), backends, points, layers and the newest date. The first row is the
+    default setup (pick_setup): the most lines, then the most layers (the least host-bound
+    steps), then the newest."""
+    _need(points, ["setup", "line", "spec", "backend", "layers", "date"], "points")
+    t = (points.assign(line_spec=points["line"] + " / " + points["spec"])
+               .groupby("setup").agg(lines=("line_spec", "nunique"), backends=("backend", "nunique"),
+                                     points=("line", "size"), layers=("layers", "max"), newest=("date", "max"))
+               .reset_index())
+    t["newest"] = t["newest"].astype(str).str[:10]
+    return t.sort_values(["lines", "layers", "newest", "setup"], ascending=[False, False, False, True],
+                         kind="stable").reset_index(drop=True)
+
+
+def pick_setup(points, setup: str = "") -> str:
+    """`setup` where the points hold it; "" picks setup_table's first row."""
+    names = list(setup_table(points)["setup"])
+    if setup and setup not in names:
+        raise ValueError(f"setup: {setup!r} is not a setup of these points; one of {names}")
+    return setup or names[0]
 
 
 def pair_points(mine, base, keys, value: str = "tok_s"):
@@ -517,8 +562,7 @@ def first_token_chart(tt, title: str = "", source: str = ""):
     base = alt.Chart(tt).encode(
         x=context_x(tt),
         y=alt.Y("ttft_s:Q", title="time to first token (s, log)", scale=alt.Scale(type="log")),
-        color=alt.Color("prefill:N", title="server (prefill kernels)", scale=alt.Scale(scheme="tableau10"),
-                        legend=alt.Legend(labelLimit=360)),
+        color=series_colors(tt["prefill"], "server (prefill kernels)"),
         tooltip=["prefill", "layers", "ctx_label", alt.Tooltip("ttft_s:Q", format=".2f"), "runs", "commit"])
     return ((base.mark_line() + base.mark_point(filled=True))
             .properties(width=240, height=200)
@@ -556,23 +600,64 @@ def chart_title(text: str, source: str = ""):
     return alt.TitleParams(text, subtitle=source) if source else text
 
 
-def decode_speed_chart(points, title: str = "", source: str = ""):
-    """Decode tok/s against context (log-log), one line per backend, one panel per spec mode;
-    `source` (source_label) says whether it shows recorded or live numbers."""
+def series_colors(values, title: str):
+    """A color encoding for a chart's lines from a palette with a color for each: tableau10 up to
+    10 lines, else tableau20 (past 20, colors repeat)."""
+    import altair as alt
+
+    n = values.nunique()
+    return alt.Color(f"{values.name}:N", title=title, scale=alt.Scale(scheme="tableau10" if n <= 10 else "tableau20"),
+                     legend=alt.Legend(labelLimit=360))
+
+
+def decode_speed_chart(points, title: str = "", source: str = "", setup: str | None = None):
+    """Decode tok/s against context (log-log), a line per configuration, a panel per spec mode;
+    `source` (source_label) says whether it shows recorded or live numbers. With `setup` (a value
+    of setup_table, or "" for its default), that setup's points alone, a line per backend and draft,
+    the setup named in the title."""
     import altair as alt
 
     _need(points, ["config", "spec_title", "ctx", "tok_s", "ctx_label"], "points")
+    field, legend = "config", "attention backend"
+    if setup is not None:
+        setup = pick_setup(points, setup)
+        points, field, legend = points[points["setup"] == setup], "line", "attention backend (draft)"
+        title = title or f"Decode speed against context length: {setup}"
+    elif points["config"].nunique() > 20:
+        raise ValueError(f"points: {points['config'].nunique()} configurations, more lines than a chart has "
+                         "colors; pass setup (\"\" for the default) to chart one setup")
     base = alt.Chart(points).encode(
         x=context_x(points),
         y=alt.Y("tok_s:Q", title="decode tok/s (batch 1)", scale=alt.Scale(type="log")),
-        color=alt.Color("config:N", title="attention backend", scale=alt.Scale(scheme="tableau20"),
-                        legend=alt.Legend(labelLimit=360)),
-        tooltip=["config", "spec", "ctx_label", alt.Tooltip("tok_s:Q", format=".1f"),
+        color=series_colors(points[field], legend),
+        tooltip=[field, "spec", "ctx_label", alt.Tooltip("tok_s:Q", format=".1f"),
                  alt.Tooltip("accept_len:Q", format=".2f"), alt.Tooltip("verify_step_ms:Q", format=".2f")])
     return ((base.mark_line() + base.mark_point(filled=True))
             .properties(width=260, height=220)
             .facet(column=alt.Column("spec_title:N", title=None, sort=_spec_order(points)))
             .properties(title=chart_title(title or "Decode speed against context length", source)))
+
+
+def decode_speed_explorer(points, setup: str = "", live: bool = False):
+    """An ipywidgets UI: a dropdown of the points' setups (setup_table's order, starting at
+    `setup`, "" for the default) and the decode-speed chart of the one chosen."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    names = list(setup_table(points)["setup"])
+    pick = w.Dropdown(options=names, value=pick_setup(points, setup), description="setup",
+                      layout=w.Layout(width="640px"))
+    out = w.Output()
+
+    def update(_=None):
+        chosen = points[points["setup"] == pick.value]
+        out.clear_output(wait=True)
+        with out:
+            display(decode_speed_chart(points, setup=pick.value, source=source_label(chosen, live)))
+
+    pick.observe(update, names="value")
+    update()
+    return w.VBox([pick, out])
 
 
 def speedup_chart(speedups, baseline: str = "triton", title: str = "", source: str = ""):

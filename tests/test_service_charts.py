@@ -399,3 +399,75 @@ def test_targets_say_whether_every_same_run_pair_agrees():
                                 [k for k in sc.POINT_KEYS if k != "backend"]).set_index("ctx")
     assert ratios.loc[16384, "same_runs"] == 2 and ratios.loc[4096, "same_runs"] == 1
     assert ratios.loc[16384, "ratio_min"] == pytest.approx(4.25) and ratios.loc[16384, "ratio_max"] == pytest.approx(5.0)
+
+
+def _setups():
+    """Two setups: 16 layers with three lines in the EAGLE panel (a draft kept on triton among them),
+    4 layers with one line in each of two panels."""
+    recs = [_rec(b, ctx, 100.0, "eeeeeee", "2026-12-02T10:00", layers=16, spec="eagle", ngram_tail=False,
+                 prefill_attention_backend="flashinfer", prefill_as_base=True, **kw)
+            for ctx in (4096, 65536)
+            for b, kw in (("sm120_mla", {}), ("sm120_mla", {"draft_attention_backend": "triton"}), ("triton", {}))]
+    recs += [_rec("sm120_mla", 4096, 900.0, "fffffff", "2026-12-03T10:00", spec=s) for s in ("ngram", "none")]
+    return sc.decode_points(pd.DataFrame(recs))
+
+
+def test_a_point_is_its_setup_and_its_line():
+    pts = _setups()
+    eagle = pts[pts["spec"] == "eagle"]
+    assert set(eagle["setup"]) == {"16 layers, 128 decode tokens + flashinfer prefill as base"}
+    assert sorted(set(eagle["line"])) == ["sm120_mla", "sm120_mla + triton draft", "triton"]
+    assert set(pts.loc[pts["layers"] == 4, "setup"]) == {"4 layers, 128 decode tokens + ngram_tail"}
+    assert sc.setup_label({**BASE, "tp": 2, "ep_size": 2, "expert_record": False}) == \
+        "TP2 EP2, 4 layers, 128 decode tokens (recorder off) + ngram_tail"
+
+
+def test_the_default_setup_has_the_most_lines_and_a_wrong_name_is_refused():
+    pts = _setups()
+    table = sc.setup_table(pts)
+    assert list(table["setup"]) == ["16 layers, 128 decode tokens + flashinfer prefill as base",
+                                    "4 layers, 128 decode tokens + ngram_tail"]
+    assert list(table["lines"]) == [3, 2] and list(table["backends"]) == [2, 1] and list(table["points"]) == [6, 2]
+    assert list(table["newest"]) == ["2026-12-02", "2026-12-03"]
+    assert sc.pick_setup(pts) == table["setup"][0]
+    assert sc.pick_setup(pts, "4 layers, 128 decode tokens + ngram_tail") == table["setup"][1]
+    with pytest.raises(ValueError, match="setup: '24 layers' is not a setup of these points"):
+        sc.pick_setup(pts, "24 layers")
+    with pytest.raises(ValueError, match="points: no rows"):
+        sc.pick_setup(pts.head(0))
+    # on equal lines the deeper setup comes first (its steps are the least host-bound)
+    same = sc.setup_table(pts[pts["line"] != "sm120_mla + triton draft"])   # two lines each
+    assert list(same["lines"]) == [2, 2] and list(same["setup"]) == [
+        "16 layers, 128 decode tokens + flashinfer prefill as base", "4 layers, 128 decode tokens + ngram_tail"]
+
+
+def test_the_decode_chart_of_one_setup_has_a_color_a_line():
+    pts = _setups()
+    spec = sc.decode_speed_chart(pts, setup="", source="recorded").to_dict()
+    assert spec["title"]["text"] == "Decode speed against context length: " + sc.pick_setup(pts)
+    data = next(iter(spec["datasets"].values()))
+    assert {r["setup"] for r in data} == {sc.pick_setup(pts)} and len(data) == 6
+    color = spec["spec"]["layer"][0]["encoding"]["color"]
+    assert color["field"] == "line" and color["scale"]["scheme"] == "tableau10"
+    # every configuration in one chart: refused past the 20 colors a palette has
+    for n, scheme in ((10, "tableau10"), (11, "tableau20")):
+        lines = pd.Series([f"line {i}" for i in range(n)], name="config")
+        assert sc.series_colors(lines, "x").to_dict()["scale"]["scheme"] == scheme
+    many = pd.concat([pts.head(1).assign(config=f"configuration {i}") for i in range(21)])
+    assert sc.decode_speed_chart(many.head(20))   # 20 configurations: one chart still tells them apart
+    with pytest.raises(ValueError, match="21 configurations, more lines than a chart has colors; pass setup"):
+        sc.decode_speed_chart(many)
+
+
+def test_the_decode_explorer_charts_the_setup_picked(monkeypatch):
+    pts = _setups()
+    drawn = []
+    monkeypatch.setattr(sc, "decode_speed_chart", lambda p, setup, source: drawn.append((setup, source)))
+    ui = sc.decode_speed_explorer(pts)
+    pick = ui.children[0]
+    assert list(pick.options) == list(sc.setup_table(pts)["setup"]) and pick.value == pick.options[0]
+    pick.value = pick.options[1]
+    assert drawn == [(pick.options[0], "recorded: H200; commit eeeeeee; 2026-12-02"),
+                     (pick.options[1], "recorded: H200; commit fffffff; 2026-12-03")]
+    with pytest.raises(ValueError, match="setup: 'nope'"):
+        sc.decode_speed_explorer(pts, "nope")
