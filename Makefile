@@ -15,7 +15,8 @@ SGLANG_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject
 TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print('\n'.join(d['project']['optional-dependencies']['cpu']))")
 # A machine with an NVIDIA GPU (nvidia-smi lists one) gets the `gpu` extra: SGLang 0.5.17 with
 # its CUDA stack (torch 2.11, a CUDA 13 build), so that `make run` and JupyterLab run the GPU cells
-# live. Any other gets CPU torch and the pure-Python parts of SGLang the CPU tests import (CI).
+# live. Any other gets torch 2.14.1 run on the CPU (the `cpu` extra) and the pure-Python parts of
+# SGLang the CPU tests import (CI).
 # `make setup TORCH=cpu` (or gpu) chooses; a .venv, once made, stays as it is (rm -rf .venv).
 ifeq ($(origin TORCH),undefined)
 TORCH := $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),gpu,cpu)
@@ -42,13 +43,13 @@ help:
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (the CPU torch wheel is for 3.11)"; exit 1; }
+	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (the torch wheel on disk is for 3.11)"; exit 1; }
 	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
 	  || { echo "error: $(PYTHON) is older than 3.11; set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { echo "error: $(PYTHON) has no venv module (apt-get install python3-venv)"; exit 1; }
 	@case "$(TORCH)" in gpu|cpu) ;; *) echo "error: $(TORCH_WHY); use TORCH=gpu or TORCH=cpu"; exit 1;; esac
 	@command -v nvcc >/dev/null || echo "note: nvcc not found; kernel compile tests will skip (visibly)"
-	@echo "setup ($(TORCH), $(TORCH_WHY)): $(if $(filter gpu,$(TORCH)),SGLang with its CUDA stack,CPU torch and SGLang's pure-Python parts)"
+	@echo "setup ($(TORCH), $(TORCH_WHY)): $(if $(filter gpu,$(TORCH)),SGLang with its CUDA stack,torch on the CPU and SGLang's pure-Python parts)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ "$(TORCH)" = gpu ]; then \

@@ -1,5 +1,5 @@
 """`make setup` (what `make run` and `make test` start with) picks the environment for the machine:
-SGLang with its CUDA stack where an NVIDIA GPU is, CPU torch elsewhere (CI). Read from `make -n`,
+SGLang with its CUDA stack where an NVIDIA GPU is, torch on the CPU elsewhere (CI). Read from `make -n`,
 which prints the recipe without running it."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_a_gpu_machine_gets_sglang_with_its_cuda_stack(tmp_path):
 
 def test_a_machine_without_one_gets_cpu_torch(tmp_path):
     recipe = _setup_recipe(tmp_path, "")
-    assert 'echo "setup (cpu, nvidia-smi lists none): CPU torch' in recipe and 'if [ "cpu" = gpu ]' in recipe
+    assert 'echo "setup (cpu, nvidia-smi lists none): torch on the CPU' in recipe and 'if [ "cpu" = gpu ]' in recipe
     assert "-e '.[cpu,sglang-cpu-deps,test]'" in recipe and "--no-deps 'sglang==" in recipe
 
 
