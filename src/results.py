@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable
 
@@ -64,6 +65,22 @@ def load_records(name: str, path: Path | None = None):
         return pd.DataFrame()
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return pd.DataFrame(rows)
+
+
+class NotRecorded(ValueError):
+    """A recorded table was asked for a run (a tag, a version) that the records hold on no GPU of
+    that name: a GPU's records hold only the runs made on it."""
+
+
+@contextmanager
+def unless_recorded():
+    """For a notebook cell that shows recorded runs: a NotRecorded raised inside the block is
+    printed ("not recorded: ...") and the cell goes on after it, so that a notebook pointed at a
+    GPU with fewer recorded runs (recorded_gpu) shows what it has."""
+    try:
+        yield
+    except NotRecorded as e:
+        print(f"not recorded: {e}")
 
 
 def on_gpu(df, name: str):

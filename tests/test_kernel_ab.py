@@ -7,6 +7,7 @@ import pytest
 
 from sm120_workbook.kernels import ab
 from sm120_workbook.kernels.build import KERNEL_DIR, SOURCES
+from sm120_workbook.results import NotRecorded
 
 
 def _rec(variant, rnd, t, ctx=65536, diff=None):
@@ -86,8 +87,9 @@ def test_recorded_ab_table_takes_the_newest_run_of_a_pair():
     t = ab.recorded_ab_table("v27", "v25", df)
     assert t["ratio"].tolist() == [0.99] and t["rounds"].tolist() == [1]
     assert ab.recorded_ab_table("v27", "v25", df, gpu="RTX PRO 6000")["ratio"].tolist() == [0.02]
-    with pytest.raises(ValueError, match=r"^version, baseline: no A/B run of 'v26' against 'v25' on H200; recorded: "
-                                         r"\[\('v27', 'p25'\), \('v27', 'v25'\)\]"):
+    with pytest.raises(NotRecorded, match=r"^version, baseline: no A/B run of 'v26' against 'v25' on H200; "
+                                          r"recorded on any GPU: "
+                                          r"\[\('v27', 'p25'\), \('v27', 'v25'\)\]"):
         ab.recorded_ab_table("v26", "v25", df)
 
 
@@ -103,3 +105,21 @@ def test_the_ablation_tables_leave_ab_runs_out():
                 baseline="src_v25") for v in ("full", "src_v25")]
     t = recorded_table(pd.DataFrame([abl, *a_b]))
     assert t["variant"].tolist() == ["full"] and t["q16 h8"].tolist() == [90.0]
+
+
+def test_a_notebook_cell_says_which_run_is_not_recorded(capsys):
+    """unless_recorded (notebook 03, pointed at a GPU whose records lack a run) prints a NotRecorded
+    and goes on after the block; any other error still stops the cell."""
+    import pandas as pd
+
+    from sm120_workbook.results import unless_recorded
+
+    with unless_recorded():
+        ab.recorded_ab_table("v29", "v28", pd.DataFrame([{"kernel_version": "v29", "baseline": "src_v28",
+                                                          "gpu": "NVIDIA H200", "date": "d"}]), gpu="RTX PRO 6000")
+        print("never reached")
+    out = capsys.readouterr().out
+    assert out.startswith("not recorded: version, baseline: no A/B run of 'v29' against 'v28' on RTX PRO 6000")
+    assert "never reached" not in out
+    with pytest.raises(ValueError, match="plain"), unless_recorded():
+        raise ValueError("plain")

@@ -5,6 +5,7 @@ import pytest
 
 from sm120_workbook.kernels import splits
 from sm120_workbook.kernels.bench import Shape
+from sm120_workbook.results import NotRecorded
 
 
 def test_sweep_grid_puts_each_shapes_configurations_together():
@@ -58,7 +59,7 @@ def test_recorded_sweep_table_takes_the_newest_run_of_a_version():
     df = pd.DataFrame(recs)
     table = splits.recorded_sweep_table("v29", df)
     assert table["time_us"].tolist() == [100.0, 97.0] and table.iloc[1]["over_default"] == 0.97
-    with pytest.raises(ValueError, match="version: no split sweep of 'v30'"):
+    with pytest.raises(NotRecorded, match="version: no split sweep of 'v30' on H200 recorded; recorded on any GPU: \\['v29'\\]"):
         splits.recorded_sweep_table("v30", df)
     assert len(splits.recorded_sweep_table("v29")) > 0   # the recorded sweeps (data/results)
 

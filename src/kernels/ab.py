@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from ..results import add_record_args
+from ..results import NotRecorded, add_record_args
 from .bench import Inputs, Shape, build_sm120_mla, parse_shape, time_graph_us
 from .build import build_in_parallel, source_dir_of
 
@@ -101,13 +101,13 @@ def recorded_ab_table(version: str, baseline: str, df=None, gpu: str = "H200"):
     df = load_records("kernel_ablation") if df is None else df
     variant = "src_" + baseline
     if len(df) == 0 or "baseline" not in df:
-        raise ValueError("baseline: no A/B run recorded (kernel_ablation.jsonl has no baseline field)")
+        raise NotRecorded("baseline: no A/B run recorded (kernel_ablation.jsonl has no baseline field)")
     runs = df[(df["kernel_version"] == version) & (df["baseline"] == variant) & on_gpu(df, gpu)]
     if len(runs) == 0:
         recorded = sorted({(str(v), b.removeprefix("src_")) for v, b in zip(df["kernel_version"], df["baseline"])
                            if isinstance(b, str)})
-        raise ValueError(f"version, baseline: no A/B run of {version!r} against {baseline!r} on {gpu}; "
-                         f"recorded: {recorded}")
+        raise NotRecorded(f"version, baseline: no A/B run of {version!r} against {baseline!r} on {gpu}; "
+                          f"recorded on any GPU: {recorded}")
     newest = runs[runs["date"] == runs["date"].max()]   # one append, one date: the newest run
     return ab_table(newest.to_dict("records"), variant)
 

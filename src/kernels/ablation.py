@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..results import add_record_args
+from ..results import NotRecorded, add_record_args
 from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
 from .build import build_in_parallel
 
@@ -202,7 +202,7 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
         df = df[on_gpu(df, gpu)]
     if len(df) == 0:
         if version is not None:   # as the other readers: a named run that is not there is an error
-            raise ValueError(f"version: no ablation recorded as {version!r} on {gpu}")
+            raise NotRecorded(f"version: no ablation recorded as {version!r} on {gpu}")
         return df
     df = df[(df["ctx"] == ctx) & (df["batch"] == batch) & (short_ctx_of(df) == short_ctx)].sort_values("date").copy()
     if "kernel_version" in df:
@@ -213,7 +213,7 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
             wanted = [version] if isinstance(version, str) else list(version)
             missing = [v for v in wanted if v not in set(tags)]
             if missing:
-                raise ValueError(f"version: no ablation recorded as {missing[0]!r} on {gpu}; recorded: {sorted(set(tags))}")
+                raise NotRecorded(f"version: no ablation recorded as {missing[0]!r} on {gpu}; recorded: {sorted(set(tags))}")
             df = df[df["kernel_version"].isin(wanted)]
     if variants is not None:
         df = df[df["variant"].isin(variants)]
@@ -252,7 +252,7 @@ def recorded_tables_by_run(versions, df=None, gpu: str = "H200", **kw) -> list[t
     for tag in [versions] if isinstance(versions, str) else versions:
         runs = df[df["kernel_version"] == tag].sort_values("date")
         if runs.empty:
-            raise ValueError(f"versions: no ablation recorded as {tag!r} on {gpu}")
+            raise NotRecorded(f"versions: no ablation recorded as {tag!r} on {gpu}")
         for commit, run in runs.groupby("commit", sort=False):
             out.append((f"{tag} at {str(commit)[:7]}, {str(run['date'].iloc[0])[:16]}",
                         recorded_table(run, version=tag, gpu=gpu, **kw)))
@@ -273,7 +273,7 @@ def recorded_tables_by_context(versions, df=None, batch: int = 1, gpu: str = "H2
     for tag in [versions] if isinstance(versions, str) else versions:
         runs = df[(df["kernel_version"] == tag) & (df["batch"] == batch) & (short_ctx_of(df) == 0)]
         if runs.empty:
-            raise ValueError(f"versions: no ablation recorded as {tag!r} at batch {batch} on {gpu}")
+            raise NotRecorded(f"versions: no ablation recorded as {tag!r} at batch {batch} on {gpu}")
         commits = list(runs.sort_values("date")["commit"].unique())
         for commit in commits:   # a tag re-run at another commit: each run on its own
             run = runs[runs["commit"] == commit]

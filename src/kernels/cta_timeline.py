@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from ..results import add_record_args
+from ..results import NotRecorded, add_record_args
 
 TIMELINE_DEFINE = "CTA_TIMELINE"
 # Event slots (TimelineEvent in mla_verify.cuh) and what each kernel stamps in them.
@@ -132,7 +132,7 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
         versions = list(dict.fromkeys(df["kernel_version"]))
     missing = [v for v in versions if v not in set(df["kernel_version"])]
     if missing:
-        raise ValueError(f"versions: no {kind} timeline recorded as {missing[0]!r} for h{heads} q{q_len} ctx {ctx} on {gpu}")
+        raise NotRecorded(f"versions: no {kind} timeline recorded as {missing[0]!r} for h{heads} q{q_len} ctx {ctx} on {gpu}")
     newest = df[df["kernel_version"].isin(versions)].groupby(["kernel_version", "kernel", kind]).tail(1)
     # the kind column holds the milestone or span name; known ones in the order they fall
     known = ([(k, m) for k in KERNELS for m in MILESTONES[k].values()] if kind == "milestone"

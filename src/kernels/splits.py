@@ -19,7 +19,7 @@ import argparse
 import statistics
 import sys
 
-from ..results import add_record_args
+from ..results import NotRecorded, add_record_args
 from .bench import Shape, parse_shape
 
 DEFAULT = "default"   # the workspace's own split count and tile
@@ -92,7 +92,7 @@ def recorded_sweep_table(version: str, df=None, gpu: str = "H200"):
     runs = df[(df["kernel_version"] == version) & on_gpu(df, gpu)] if len(df) else df
     if len(runs) == 0:
         recorded = sorted({str(v) for v in df.get("kernel_version", [])})
-        raise ValueError(f"version: no split sweep of {version!r} on {gpu} recorded; recorded: {recorded}")
+        raise NotRecorded(f"version: no split sweep of {version!r} on {gpu} recorded; recorded on any GPU: {recorded}")
     newest = runs[runs["run_id"] == runs["run_id"].max()]   # one process, one run_id
     return sweep_table(newest.to_dict("records"))
 
