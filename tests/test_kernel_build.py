@@ -194,6 +194,9 @@ def _cpu_case(T=4, H=8, ctx=16):
                 ws=MlaVerifyWorkspace(T, H, "cpu"))
 
 
+_shared = torch.tensor([0, 4] + [0] * 32, dtype=torch.int32)   # qo_indptr [0, 4], then room for an lse over its end
+
+
 @pytest.mark.parametrize("arg,change", [
     ("q", lambda c: c.update(q=c["q"].float())),
     ("q", lambda c: c.update(q=c["q"][..., :512])),
@@ -207,6 +210,10 @@ def _cpu_case(T=4, H=8, ctx=16):
     ("workspace", lambda c: c.update(ws=MlaVerifyWorkspace(4, 16, "cpu"))),
     ("qo_indptr", lambda c: c.update(qo=c["qo"][:1])),
     ("q", lambda c: c.update(q=torch.empty(4 * 8 * 576 + 1).bfloat16()[1:].view(4, 8, 576))),  # misaligned
+    # outputs that share bytes with each other or with an input: the kernels would read what they wrote
+    ("out", lambda c: c.update(lse=c["out"].view(-1).view(torch.float32)[:32].view(4, 8))),
+    ("lse", lambda c: c.update(qo=_shared[:2], lse=_shared[1:33].view(torch.float32).view(4, 8))),
+    ("out", lambda c: c.update(out=c["q"].view(-1)[:4 * 8 * 512].view(4, 8, 512))),
     ("q", lambda c: None),   # everything else valid: a CPU q is refused last, by name
 ])
 def test_bad_arguments_name_themselves(arg, change):
@@ -222,6 +229,10 @@ def test_bad_arguments_name_themselves(arg, change):
     (dict(custom_mask=torch.ones(8, dtype=torch.bool)), "mask_indptr"),
     (dict(mask_indptr=torch.zeros(2, dtype=torch.int64)), "custom_mask"),
     (dict(k_extend=torch.randn(3, 576).bfloat16()), "k_extend"),
+    # an empty mask's null pointer would read as no mask (a causal chain), not as the tree meant
+    (dict(custom_mask=torch.ones(0, dtype=torch.bool), mask_indptr=torch.zeros(2, dtype=torch.int64)), "custom_mask"),
+    # the kernel's scale is sm_scale x log2(e) in float32: inf above ~2.4e38, 0 (or subnormal) below ~8e-39
+    (dict(sm_scale=1e39), "sm_scale"), (dict(sm_scale=1e-50), "sm_scale"), (dict(sm_scale=10 ** 400), "sm_scale"),
 ])
 def test_bad_options_name_themselves(kwargs, arg):
     c = _cpu_case()

@@ -69,6 +69,17 @@ def _check(arg: str, t, *, dtypes, dim=None, device=None, contiguous=True, align
         _fail(arg, f"data must start on a {align}-byte boundary (a view at offset {t.storage_offset()})")
 
 
+def _overlaps(a, b) -> bool:
+    """Whether two (contiguous) tensors share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+# sm_scale reaches the kernel as a float32 in the log2 domain (Params::scale_log2)
+_LOG2_E = math.log2(math.e)
+_F32 = torch.finfo(torch.float32)
+
+
 def kernel_available() -> tuple[bool, str]:
     """Whether the kernel can build and run here, and if not, why."""
     if not torch.cuda.is_available():
@@ -270,7 +281,7 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             count. Only the draft columns are read; the prefix is always visible. Without a
             mask the draft tokens form a causal chain (DFlash).
         out: [T, H, 512] bf16 and lse: [T, H] float32, written in full (lse is the natural
-            log of sum exp(sm_scale * q.k)). Tokens past qo_indptr[-1] (graph padding) get
+            log of sum exp(sm_scale * q.k)), sharing no memory with each other or an input. Tokens past qo_indptr[-1] (graph padding) get
             0 and -inf. Broken index values (see below) give NaN rows where the kernels can
             see them: tokens past max_q_len within a request, tokens before qo_indptr[0],
             every token of a request that runs past q's T rows (whose rows past T are still
@@ -335,6 +346,8 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
         _check("mask_indptr", mask_indptr, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
         if mask_indptr.numel() != batch + 1:
             _fail("mask_indptr", f"must be [B+1] = [{batch + 1}], got {mask_indptr.numel()}")
+        if custom_mask.numel() == 0:   # its null pointer would read as "no mask": a causal chain
+            _fail("custom_mask", "is empty; pass None for a causal chain without a mask")
         custom_mask = custom_mask.view(torch.uint8)
     _check("out", out, dtypes=(torch.bfloat16,), dim=3, device=dev, align=16)
     if tuple(out.shape) != (T, H, DIM_V):
@@ -342,6 +355,14 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     _check("lse", lse, dtypes=(torch.float32,), dim=2, device=dev)
     if tuple(lse.shape) != (T, H):
         _fail("lse", f"expected shape {(T, H)}, got {tuple(lse.shape)}")
+    # the kernels write out and lse while they read the rest: no byte may be shared
+    written = {"out": out, "lse": lse}
+    read = {"q": q, "kv_pool": kv_rows, "k_extend": ke_rows, "custom_mask": custom_mask, "qo_indptr": qo_indptr,
+            "kv_indptr": kv_indptr, "kv_indices": kv_indices, "mask_indptr": mask_indptr}
+    for name, w in written.items():
+        for other, t in {**written, **read}.items():
+            if t is not None and t is not w and _overlaps(w, t):
+                _fail(name, f"overlaps {other}'s memory")
     if not isinstance(workspace, MlaVerifyWorkspace):
         _fail("workspace", f"expected an MlaVerifyWorkspace, got {type(workspace).__name__}")
     if workspace.device != dev:
@@ -355,8 +376,14 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     # a tensor sm_scale would cost a sync here and break graph capture; a bool is no scale
     if isinstance(sm_scale, (bool, torch.Tensor)) or not isinstance(sm_scale, (int, float)):
         _fail("sm_scale", f"must be a Python float, got {type(sm_scale).__name__}")
+    try:
+        scale_log2 = float(sm_scale) * _LOG2_E
+    except OverflowError:
+        _fail("sm_scale", f"must be a positive finite float, got an int of {len(str(sm_scale))} digits")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         _fail("sm_scale", f"must be a positive finite float, got {sm_scale!r}")
+    if not _F32.tiny <= scale_log2 <= _F32.max:
+        _fail("sm_scale", f"{sm_scale!r} x log2(e) is no normal float32, the kernel's scale")
     if check_values:
         check_index_values(q, kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale, max_q_len=max_q_len,
                            k_extend=k_extend, custom_mask=custom_mask, mask_indptr=mask_indptr)
