@@ -172,6 +172,29 @@ def verify_batch(runner, prefix_lens, num_draft_tokens, gen, tree_mask):
     return fb, *_qkv(bs * n, heads, runner.dtype, device, gen)
 
 
+def dflash_verify_batch(runner, prefix_lens, num_draft_tokens, gen):
+    """DFlash's target verify: a causal chain of num_draft_tokens a request, with SGLang's own
+    DFlashVerifyInput, which carries no mask (DFlashWorkerV2 sends none)."""
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    fb, q, k, v = verify_batch(runner, prefix_lens, num_draft_tokens, gen, tree_mask=False)
+    fb.spec_info = DFlashVerifyInput(draft_token=None, positions=None, draft_token_num=num_draft_tokens)
+    return fb, q, k, v
+
+
+def dflash_capture_mask(backend, max_requests, num_draft_tokens):
+    """The mask SGLang's graph runner puts in a DFlash capture's spec_info for `backend`
+    (decode_cuda_graph_runner, 0.5.17): None where its list of backends with a causal path names
+    the class (resolve_dflash_verify_mask_policy; TritonAttnBackend is there), else all ones,
+    sized as its buffers.custom_mask (max_bs x seq_len_fill_value 1 + max tokens, times the
+    tokens a request). A replay's spec_info has none either way."""
+    from sglang.srt.speculative.dflash_utils import resolve_dflash_verify_mask_policy
+
+    _, builds_mask = resolve_dflash_verify_mask_policy(backend)
+    n = (max_requests + max_requests * num_draft_tokens) * num_draft_tokens
+    return torch.ones(n, dtype=torch.bool, device=backend.device) if builds_mask else None
+
+
 def extend_batch(runner, prefix_lens, extend_lens, gen):
     """A prefill/extend step (stays on Triton)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -304,6 +327,23 @@ def _cpu_wiring_checks() -> dict:
             graph="replay")
     out["graph_qo_indptr_dtype"] = str(sm120.qo_indptr.dtype)
 
+    # DFlash's verify through the graph path: the capture's spec_info carries the graph runner's
+    # all-ones mask (SGLang's list of causal backends names TritonAttnBackend, not this subclass),
+    # and no replay refills it. Triton, on that list, runs the chain causally: so must the kernel.
+    def compare_dflash(name, batch, capture):
+        fb, q, k, v = batch
+        calls = ops.calls
+        want = run_eager(triton, layer, fb, q, k, v)   # no mask: Triton's causal chain
+        fb.spec_info.custom_mask = dflash_capture_mask(sm120, max_requests, ndt) if capture else None
+        sm120.init_forward_metadata_out_graph(fb, in_capture=capture)
+        got = sm120.forward_extend(q.clone(), k.clone(), v.clone(), layer, fb)
+        out[name] = {"max_abs_diff": float((want - got).abs().max()),
+                     "kernel_calls": ops.calls - calls, "shape_ok": want.shape == got.shape}
+
+    out["dflash_capture_mask"] = dflash_capture_mask(sm120, max_requests, ndt) is not None
+    compare_dflash("graph_dflash_verify_capture", dflash_verify_batch(runner, [5, 17, 30], ndt, gen), True)
+    compare_dflash("graph_dflash_verify_replay", dflash_verify_batch(runner, [25, 1, 8], ndt, gen), False)
+
     # A replay padded to the captured batch: 3 requests on the graph of 4, the metadata from
     # SGLang's own replay view (build_replay_fb_view) over buffers whose tail is a pad request
     # (req_pool_indices 0, seq_len the runner's fill value 1). The real rows must match Triton.
@@ -418,13 +458,15 @@ def test_cpu_wiring_against_triton_in_interpreter():
     for name in ("decode", "verify_tree_mask", "verify_causal", "draft_extend", "graph_decode_capture",
                  "graph_decode_replay", "graph_verify_capture", "graph_verify_replay",
                  "graph_draft_extend_capture", "graph_draft_extend_replay",
-                 "graph_decode_padded", "graph_verify_padded"):
+                 "graph_decode_padded", "graph_verify_padded", "graph_dflash_verify_capture",
+                 "graph_dflash_verify_replay"):
         assert out[name]["shape_ok"], name
         assert out[name]["kernel_calls"] == 1, f"{name} did not reach the kernel: {out[name]}"
         assert out[name]["max_abs_diff"] < 1e-4, f"{name}: {out[name]}"
     for name in ("extend_stays_on_triton", "draft_extend_wide_on_triton"):
         assert out[name] == {"max_abs_diff": 0.0, "kernel_calls": 0, "shape_ok": True}, (name, out[name])
     assert out["graph_qo_indptr_dtype"] == "torch.int64"  # so the int32 copy was exercised
+    assert out["dflash_capture_mask"], "SGLang's DFlash capture no longer hands this backend a mask"
     # EAGLE's draft decode: two step backends on the kernel, each step one draft token longer a
     # branch; at topk 4 with 16 rows, eagerly and through the graph path's buffers
     assert out["draft_step_backends"] == ["Sm120MlaAttnBackend"] * 2
@@ -475,6 +517,8 @@ def _batches(runner, mode, gen, lens_list, tree_mask=True):
         return [decode_batch(runner, lens, gen) for lens in lens_list]
     if mode == "draft_extend":
         return [draft_extend_batch(runner, lens, GPU_NDT, gen) for lens in lens_list]
+    if mode == "dflash":
+        return [dflash_verify_batch(runner, lens, GPU_NDT, gen) for lens in lens_list]
     return [verify_batch(runner, lens, GPU_NDT, gen, tree_mask) for lens in lens_list]
 
 
@@ -490,8 +534,8 @@ def _triton_and_sm120(gpu_setup, mode, tree_mask, seed):
     return triton, sm120, layer, batches
 
 
-MODES = [("decode", True), ("verify", True), ("verify", False), ("draft_extend", False)]
-MODE_IDS = ["decode", "verify-tree", "verify-chain", "draft-extend"]
+MODES = [("decode", True), ("verify", True), ("verify", False), ("draft_extend", False), ("dflash", False)]
+MODE_IDS = ["decode", "verify-tree", "verify-chain", "draft-extend", "dflash-verify"]
 LENS = [[37, 300, 1029], [1500, 5, 777], [64, 1200, 2]]
 
 
@@ -508,10 +552,13 @@ def test_gpu_eager_matches_triton(gpu_setup, mode, tree_mask):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,tree_mask", MODES, ids=MODE_IDS)
 def test_gpu_cuda_graph_replay_matches_triton(gpu_setup, mode, tree_mask):
-    """Capture once, replay with new lengths, masks, KV locations and inputs."""
+    """Capture once, replay with new lengths, masks, KV locations and inputs. DFlash's capture
+    carries the mask SGLang's graph runner gives this backend, its replays none (as served)."""
     triton, sm120, layer, batches = _triton_and_sm120(gpu_setup, mode, tree_mask, seed=12)
     sm120.init_cuda_graph_state(GPU_MAX_REQUESTS, GPU_MAX_REQUESTS * GPU_NDT)
     fb0, q0, k0, v0 = batches[0]
+    if mode == "dflash":
+        fb0.spec_info.custom_mask = dflash_capture_mask(sm120, GPU_MAX_REQUESTS, GPU_NDT)
     q_buf, k_buf, v_buf = q0.clone(), k0.clone(), v0.clone()
     loc_buf = fb0.out_cache_loc.clone()
     fb0.out_cache_loc = loc_buf
@@ -525,6 +572,8 @@ def test_gpu_cuda_graph_replay_matches_triton(gpu_setup, mode, tree_mask):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = forward(q_buf, k_buf, v_buf, layer, fb0)
+    if mode == "dflash":
+        fb0.spec_info.custom_mask = None   # its replay below, as DFlash sends it
     for i, (fb, q, k, v) in enumerate(batches[1:] + batches[:1]):
         want = run_eager(triton, layer, fb, q, k, v)
         q_buf.copy_(q)

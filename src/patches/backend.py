@@ -42,6 +42,7 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, TritonMultiStepDraftBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.speculative.spec_info import SpecInputType
 
 from ..mla import DIM_QK, DIM_V
 from . import BACKEND_NAME
@@ -403,6 +404,12 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         if qo_indptr.dtype != torch.int32:  # the int32 copy made with the metadata, out of graph
             qo_indptr = self.verify_qo_indptr[: qo_indptr.numel()]
         custom_mask = meta.custom_mask   # None in draft extend: a causal chain, as the parent's
+        if getattr(forward_batch.spec_info, "spec_input_type", None) == SpecInputType.DFLASH_VERIFY:
+            # DFlash verifies a causal chain, and sends no mask. But SGLang's graph runner gives a
+            # capture an all-ones one for a backend its list of causal backends does not name (by
+            # class: this subclass of Triton's, or the hybrid around it), and no replay refills
+            # it: read, it would hide the drafts (the buffer's zeros) or show them all (its ones).
+            custom_mask = None
         return self._attend(q, layer, out, qo_indptr=qo_indptr, max_q_len=int(meta.max_extend_len),
                             k_extend=k.contiguous(), custom_mask=custom_mask,
                             mask_indptr=meta.mask_indptr if custom_mask is not None else None)
