@@ -280,21 +280,21 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             format: request b's [q_len, L_b] mask starts at mask_indptr[b], L_b = its key
             count. Only the draft columns are read; the prefix is always visible. Without a
             mask the draft tokens form a causal chain (DFlash).
-        out: [T, H, 512] bf16 and lse: [T, H] float32, written in full (lse is the natural
-            log of sum exp(sm_scale * q.k)), sharing no memory with each other or an input. Tokens past qo_indptr[-1] (graph padding) get
-            0 and -inf. Broken index values (see below) give NaN rows where the kernels can
-            see them: tokens past max_q_len within a request, tokens before qo_indptr[0],
-            every token of a request that runs past q's T rows (whose rows past T are still
-            read) or whose kv_indptr range is negative. The other requests are computed over
-            their ranges as given (a raised kv_indptr entry gives the request before it more
-            keys), except past 128 requests in the pooled layouts (below). A decreasing
-            qo_indptr gives NaN for every token before qo_indptr[-1] (those past it count as
-            padding), in every layout. So does a decreasing kv_indptr, or a negative
-            qo_indptr[0] or kv_indptr[0], past 128 requests in the pooled layouts (v19's pool
-            rule, and the POOL_MIN_MAX=0 build at any batch), which would place the requests'
-            CTAs out of order: the 32-row kernel on every
-            arch, the 64-row kernel's batches from sm_90 on. No workspace slot past the call's
-            own batch x max_q_len x H x splits rows is written, whatever the indptrs hold.
+        out: [T, H, 512] bf16 and lse: [T, H] float32, sharing no memory with each other or an
+            input, written in full (lse is the natural log of sum exp(sm_scale * q.k)). Tokens
+            past qo_indptr[-1] (graph padding) get 0 and -inf. Broken index values (see below)
+            give NaN rows where the kernels can see them: tokens past max_q_len within a
+            request, tokens before qo_indptr[0], every token of a request that runs past q's T
+            rows (whose rows past T are still read) or whose kv_indptr range is negative. The
+            other requests are computed over their ranges as given (a raised kv_indptr entry
+            gives the request before it more keys), except past 128 requests in the pooled
+            layouts (below). A decreasing qo_indptr gives NaN for every token before
+            qo_indptr[-1] (those past it count as padding), in every layout. So does a
+            decreasing kv_indptr, or a negative qo_indptr[0] or kv_indptr[0], past 128 requests
+            in the pooled layouts (v19's pool rule, and the POOL_MIN_MAX=0 build at any batch),
+            which would place the requests' CTAs out of order: the 32-row kernel on every arch,
+            the 64-row kernel's batches from sm_90 on. No workspace slot past the call's own
+            batch x max_q_len x H x splits rows is written, whatever the indptrs hold.
         workspace: an MlaVerifyWorkspace for this device and head count.
         max_q_len: an upper bound on every request's q_len (1..16); it sizes the grid.
         check_values: also check the index tensors' values first (`check_index_values`):
