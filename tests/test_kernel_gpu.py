@@ -314,9 +314,8 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
     request whose qo_indptr range runs past q's T rows, tokens before qo_indptr[0], a decreasing
     kv_indptr, a decreasing qo_indptr. The tokens they touch come out NaN, and a request whose
     ranges are intact keeps its values (a raised kv_indptr entry gives the request before it
-    more keys, which it attends over as given).
-    The attention kernels do not know T, so they read the rows past it: here q and k_extend are
-    views of longer tensors, so those reads stay inside an allocation."""
+    more keys, which it attends over as given). The request past T reads no row past it (v30:
+    test_rows_past_t_are_not_read)."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
 
     H, T = 8, 13
@@ -325,8 +324,7 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
     case = make_verify_case(batch=3, heads=H, q_len=[4, 6, 3], ctx_lens=[500, 70, 900], mask=None, seed=seed,
                             device="cuda")
     ws = MlaVerifyWorkspace(T, H, "cuda", cta_rows=cta_rows)
-    q = torch.cat([case["q"], torch.randn(2, H, 576, device="cuda").bfloat16()])[:T]
-    k_extend = torch.cat([case["k_extend"], torch.randn(2, 1, 576, device="cuda").bfloat16()])[:T]
+    q, k_extend = case["q"], case["k_extend"]
 
     def call(qo_indptr, kv_indptr):
         out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -362,6 +360,32 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
     out, lse = call(indptr([0, 4, 2, 8]), kv)   # request 2's tokens 2..7 overlap request 0's 0..3
     nan_rows(out, lse, slice(0, 8), "decreasing qo_indptr")
     assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
+
+
+@pytest.mark.parametrize("cta_rows", [32, 64])
+@pytest.mark.parametrize("q_len", [1, 6], ids=["decode", "verify"])
+def test_rows_past_t_are_not_read(cta_rows, q_len, seed):
+    """A request whose qo_indptr range runs past q's T rows computes nothing (v30: the kernels
+    know T, in Params' spare bits), so none of its CTAs reads q or k_extend and none writes a
+    workspace slot; the combine step gives its tokens NaN. Before v30 its CTAs read the rows past
+    T, out of bounds for an unpadded q, and wrote their slots. At batch 1 every slot would be the
+    request's, so the whole workspace must keep its fill. (The sanitizer case runs the same with
+    q and k_extend as allocations of their own, under memcheck.)"""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    H, T = 8, q_len
+    case = make_verify_case(batch=1, heads=H, q_len=q_len, ctx_lens=300, mask=None, seed=seed,
+                            with_k_extend=q_len > 1, device="cuda")
+    ws = MlaVerifyWorkspace(T + 2, H, "cuda", cta_rows=cta_rows)
+    ws.partial_lse.fill_(12345.0)
+    out = torch.full((T, H, 512), 7.0, device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((T, H), 7.0, device="cuda")
+    qo = torch.tensor([0, T + 2], dtype=torch.int32, device="cuda")   # two rows past q's T
+    mla_verify_attention(case["q"], case["kv_pool"], qo, case["kv_indptr"], case["kv_indices"], out=out, lse=lse,
+                         workspace=ws, sm_scale=case["sm_scale"], max_q_len=T + 2, k_extend=case["k_extend"])
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all() and torch.isnan(lse).all(), "the request past T: not NaN"
+    assert (ws.partial_lse == 12345.0).all(), "a CTA of the request past T computed (and read q past T)"
 
 
 BROKEN_BATCH = -1   # kBrokenBatch: the count POOL_TRACE records for a CTA of a broken batch
@@ -402,10 +426,7 @@ def test_broken_indptrs_stay_inside_the_workspace(batch, cta_rows, defines, seed
     if batch >= 130:   # request batch/2 - 1 gains 5,000 keys, request batch/2 goes negative
         kv[batch // 2] = kv[batch // 2 + 1] + 5000
         assert int(kv[batch // 2]) < case["kv_indices"].numel()
-    # q and k_extend rows past T are read (see the test above): views of longer tensors
-    q = torch.cat([case["q"], torch.randn(T, H, 576, device="cuda").bfloat16()])[:T]
-    k_extend = None if case["k_extend"] is None else torch.cat(
-        [case["k_extend"], torch.randn(T, 1, 576, device="cuda").bfloat16()])[:T]
+    q, k_extend = case["q"], case["k_extend"]   # no row past T is read (test_rows_past_t_are_not_read)
     out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"), device="cuda")
     module = load_kernel_module(defines=defines)

@@ -85,7 +85,7 @@ int64_t combine_ctas(int device) {
 // The most splits one request may have: num_splits, or in a pooled batch (BALANCED_SPLITS) its
 // own CTA plus every spare one, up to the kernels' bound.
 int most_splits_of_a_request(const sm120_mla::Params& prm) {
-  if (prm.balanced_splits == 0 || prm.batch == 1) return prm.num_splits;
+  if ((prm.balanced_splits & 3) == 0 || prm.batch == 1) return prm.num_splits;
   return static_cast<int>(std::min<int64_t>(sm120_mla::kMaxSplits, 1 + int64_t(prm.batch) * (prm.num_splits - 1)));
 }
 
@@ -215,7 +215,11 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   // the 64-row kernel pools only in its batched build (mla_verify_wide_kernel<true>), and only
   // from sm_90 on (kWidePool); 0 where it does not, so the combine step's launch reads it as is
   const bool wide_pool = B > 1 && compute_major() >= 9;
-  prm.balanced_splits = !BALANCED_SPLITS ? 0 : cta_rows != wide::kRows ? 1 : wide_pool ? 2 : 0;
+  const int pool_mode = !BALANCED_SPLITS ? 0 : cta_rows != wide::kRows ? 1 : wide_pool ? 2 : 0;
+  // T in the spare bits (Params): the attention kernels read no row of q or k_extend past it.
+  // T <= B * max_q_len <= 65535 * 16 (checked above), so T << 2 fits.
+  static_assert(int64_t(65535) * 16 < (int64_t(1) << 29), "T << 2 must fit an int");
+  prm.balanced_splits = pool_mode | static_cast<int>(T << 2);
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

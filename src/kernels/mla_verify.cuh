@@ -343,15 +343,19 @@ struct Params {
   int kv_indices_64;
   int mask_indptr_64;
   float scale_log2;                // sm_scale * log2(e)
-  // BALANCED_SPLITS (requests share each row tile's CTAs by keys): 0 off, 1 on with the split
-  // kernel, 2 on with the 64-row kernel (batches, from sm_90 on). One field, last, in what was
-  // padding: at 255 registers, a Params that grew or moved its fields changed what ptxas spilled
-  // in the 64-row kernel on sm_86/sm_89 (4 -> 12 bytes).
+  // Bits 0-1, the pool (pool_mode): BALANCED_SPLITS (requests share each row tile's CTAs by
+  // keys) 0 off, 1 on with the split kernel, 2 on with the 64-row kernel (batches, from sm_90 on).
+  // Bits 2 and up (v30): T, the rows of q and k_extend (q_tokens; T <= 65535 x 16 < 2^20). One
+  // field, last, in what was padding: at 255 registers, a Params that grew or moved its fields
+  // changed what ptxas spilled in the 64-row kernel on sm_86/sm_89 (4 -> 12 bytes).
   int balanced_splits;
   // No field more: a Params of 128 bytes instead of 120 moved ptxas's schedule of both attention
-  // kernels' loops on sm_90 and made a combine step spill on sm_120a (session 26). The combine
-  // step finds T, the rows of q and out, from its grid.
+  // kernels' loops on sm_90 and made a combine step spill on sm_120a (session 26). Hence T in the
+  // spare bits above; the combine step finds T from its grid.
 };
+static_assert(sizeof(Params) == 128, "Params: no field more (see above); spare bits are the way in");
+__device__ __forceinline__ int pool_mode(const Params& prm) { return prm.balanced_splits & 3; }
+__device__ __forceinline__ int q_tokens(const Params& prm) { return prm.balanced_splits >> 2; }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -518,7 +522,7 @@ constexpr bool kWidePool = false;
 constexpr bool kWidePool = true;
 #endif
 __device__ __forceinline__ bool pooled(const Params& prm) {
-  return prm.balanced_splits == 1 || (kWidePool && prm.balanced_splits == 2);
+  return pool_mode(prm) == 1 || (kWidePool && pool_mode(prm) == 2);
 }
 struct SplitPool {
   int spare;            // CTAs beyond one a request: shared out by keys
@@ -761,12 +765,21 @@ __device__ __forceinline__ SplitOf split_of_cta(const Params& prm, int c) {
 // The (token, head) rows of a request that the attention kernels compute: q_len * H, or fewer
 // where the caller broke the contract, which only check_values can see before a graph replay.
 // Tokens past max_q_len have no workspace slots (their rows would overwrite the next pool CTA's
-// slots, or run past the workspace), and a request starting before q is not read at all; the
-// combine step writes NaN for both, so it shows. A request running past q's T rows is read out
-// of bounds here (the kernels do not know T: see Params) and comes out NaN there.
+// slots, or run past the workspace), and a request starting before q is not read at all, nor
+// (q_rows_fit) one running past q's T rows; the combine step writes NaN for all three, so it shows.
 __device__ __forceinline__ int request_rows(const Params& prm, int q_start, int q_len) {
   // at least 0: a negative q_len (a decreasing qo_indptr) times H could wrap to a large count
   return q_start >= 0 ? max(min(q_len, prm.max_q_len), 0) * prm.heads : 0;
+}
+// Whether a request's tokens lie within q's T rows, the rows of q and k_extend that its CTAs
+// read (v30; before, a qo_indptr past T was read out of bounds). The attention kernels take it as
+// one more factor of their row count, beside unpooled_slots_fit; the combine step has its own
+// test (q1 <= T, T from its grid). No wrap for q_start >= 0 and q_len >= 0; elsewhere
+// request_rows is 0. The 64-row kernel spells it q_start <= T - q_len: with this spelling its
+// loop is rescheduled (sm_90 and sm_120a), with that one it stays v29's on both; the split
+// kernels' loops stay v29's on sm_120a with this one (NOTES.md, v30).
+__device__ __forceinline__ bool q_rows_fit(const Params& prm, int q_start, int q_len) {
+  return q_len <= q_tokens(prm) - q_start;
 }
 
 // Workspace slot of (token, head) row `gr` of a request (q_start: its first token) for its split
@@ -998,7 +1011,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
-  const int rows = request_rows(prm, q_start, q_len) * (BALANCED_SPLITS || unpooled_slots_fit(prm, q_start, q_len));
+  const int rows = request_rows(prm, q_start, q_len) *
+                   ((BALANCED_SPLITS || unpooled_slots_fit(prm, q_start, q_len)) && q_rows_fit(prm, q_start, q_len));
   // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look
   if (BALANCED_SPLITS ? work.count == kBrokenBatch : rows > row0 && qo_indptr_decreases(prm)) {
     poison_broken_batch<BALANCED_SPLITS>(prm, q_start, rows, row0, split, kRowsPerCta);

@@ -210,7 +210,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_start = prm.qo_indptr[b];
   const int q_len = prm.qo_indptr[b + 1] - q_start;
   const int row0 = blockIdx.x * kRows;
-  const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len));
+  // q_rows_fit, spelled so that the loop's SASS stays v29's (see there)
+  const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len)) *
+                   (q_start <= q_tokens(prm) - q_len);
   // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look
   if (kPool ? work.count == kBrokenBatch : kBatched && rows > row0 && qo_indptr_decreases(prm)) {
     poison_broken_batch<kPool>(prm, q_start, rows, row0, split, kRows);

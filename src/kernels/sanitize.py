@@ -9,7 +9,8 @@ in the 64-row wide kernel on 1 and 3 splits (35 rows: it also skips its empty m1
 splits of the 32-row kernel run the combine step that loads its partials beside the LSE pass
 (COMBINE_PRELOAD, 4 split groups). Broken index values run too: 130 requests (v19's pool
 rule) with a decreasing kv_indptr and a decreasing qo_indptr, and 3 requests whose tokens
-overlap, in both kernels (the `unbalanced` build runs them unpooled).
+overlap, in both kernels (the `unbalanced` build runs them unpooled), and requests that run past
+q's T rows, with q and k_extend allocations of their own (v30: those rows are not read).
 Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
 `group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
@@ -101,6 +102,17 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         "    q3 = qo[:4].clone(); q3[2] = 1  # 3 requests whose tokens overlap: the unpooled layouts' case\n"
         "    mla_verify_attention(g['q'][:6], g['kv_pool'], q3, g['kv_indptr'][:4], g['kv_indices'], out=o[:6],"
         " lse=l[:6], workspace=ws, sm_scale=g['sm_scale'], max_q_len=2, k_extend=g['k_extend'][:6])\n"
+        "h = make_verify_case(batch=2, heads=3, q_len=[3, 4], ctx_lens=[60, 20], mask=None, device='cuda')\n"
+        "o, l = torch.empty(7, 3, 512, device='cuda', dtype=torch.bfloat16), torch.empty(7, 3, device='cuda')\n"
+        "qo2 = h['qo_indptr'].clone(); qo2[2] += 2  # the last request runs 2 rows past q's T: not read (v30)\n"
+        "qo1 = torch.tensor([0, 5], dtype=torch.int32, device='cuda')\n"
+        "q1, ke1 = h['q'][:3].clone(), h['k_extend'][:3].clone()  # allocations of their own: 3 rows\n"
+        "for rows in (32, 64):\n"
+        "    ws = MlaVerifyWorkspace(12, 3, 'cuda', num_splits=2, cta_rows=rows,"
+        f" kernel_defines={tuple(defines)!r})\n"
+        "    for q_, ke_, qo_, kv_ in ((h['q'], h['k_extend'], qo2, h['kv_indptr']), (q1, ke1, qo1, h['kv_indptr'][:2])):\n"
+        "        mla_verify_attention(q_, h['kv_pool'], qo_, kv_, h['kv_indices'], out=o[:len(q_)], lse=l[:len(q_)],"
+        " workspace=ws, sm_scale=h['sm_scale'], max_q_len=6, k_extend=ke_)\n"
         "torch.cuda.synchronize(); print('ran')\n")
 
 
