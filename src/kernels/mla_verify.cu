@@ -85,7 +85,7 @@ int64_t combine_ctas(int device) {
 // The most splits one request may have: num_splits, or in a pooled batch (BALANCED_SPLITS) its
 // own CTA plus every spare one, up to the kernels' bound.
 int most_splits_of_a_request(const sm120_mla::Params& prm) {
-  if ((prm.balanced_splits & 3) == 0 || prm.batch == 1) return prm.num_splits;
+  if (prm.balanced_splits == 0 || prm.batch == 1) return prm.num_splits;   // the combine step's Params
   return static_cast<int>(std::min<int64_t>(sm120_mla::kMaxSplits, 1 + int64_t(prm.batch) * (prm.num_splits - 1)));
 }
 
@@ -239,10 +239,12 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
     launch_split<16>(prm, grid, stream, device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
+  Params combine_prm = prm;
+  combine_prm.balanced_splits = pool_mode;   // the pool mode alone (pool_mode<true>: kModeOnly)
   if (cta_rows == wide::kRows ? wide::kBf16Partials : kSplitBf16Partials)   // the partials are bf16
-    launch_combine_for<true>(prm, rows, device, stream);
+    launch_combine_for<true>(combine_prm, rows, device, stream);
   else
-    launch_combine_for<false>(prm, rows, device, stream);
+    launch_combine_for<false>(combine_prm, rows, device, stream);
 }
 
 // The wide kernel's phase stamps from the last call of a WIDE_TRACE build (mla_verify_wide.cuh):

@@ -354,7 +354,11 @@ struct Params {
   // spare bits above; the combine step finds T from its grid.
 };
 static_assert(sizeof(Params) == 128, "Params: no field more (see above); spare bits are the way in");
-__device__ __forceinline__ int pool_mode(const Params& prm) { return prm.balanced_splits & 3; }
+// kModeOnly: the combine step's Params, whose balanced_splits the launcher gives the pool mode
+// alone (the combine step finds T from its grid). Read as v29 read it there, the combine step's
+// SASS stays v29's: with the mask, b32 h16 q16 ran 1.1% slower (ab.py, session 46).
+template <bool kModeOnly = false>
+__device__ __forceinline__ int pool_mode(const Params& prm) { return kModeOnly ? prm.balanced_splits : prm.balanced_splits & 3; }
 __device__ __forceinline__ int q_tokens(const Params& prm) { return prm.balanced_splits >> 2; }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -521,8 +525,9 @@ constexpr bool kWidePool = false;
 #else
 constexpr bool kWidePool = true;
 #endif
+template <bool kModeOnly = false>
 __device__ __forceinline__ bool pooled(const Params& prm) {
-  return pool_mode(prm) == 1 || (kWidePool && pool_mode(prm) == 2);
+  return pool_mode<kModeOnly>(prm) == 1 || (kWidePool && pool_mode<kModeOnly>(prm) == 2);
 }
 struct SplitPool {
   int spare;            // CTAs beyond one a request: shared out by keys
@@ -537,8 +542,9 @@ __device__ __forceinline__ int64_t keys_before(const Params& prm, int r) {
 }
 // total_keys 0: every request num_splits CTAs. So at batch 1, where that is the whole pool
 // anyway, nothing is loaded: the indptr round trip and the division cost v19b 1.5-3 us there.
+template <bool kModeOnly = false>
 __device__ __forceinline__ SplitPool split_pool(const Params& prm) {
-  return {prm.batch * (prm.num_splits - 1), pooled(prm) && prm.batch > 1 ? keys_before(prm, prm.batch) : 0};
+  return {prm.batch * (prm.num_splits - 1), pooled<kModeOnly>(prm) && prm.batch > 1 ? keys_before(prm, prm.batch) : 0};
 }
 // The pool's first CTA for request r (r = batch: the pool's size).
 __device__ __forceinline__ int first_cta(const Params& prm, const SplitPool& pool, int r) {
@@ -600,8 +606,9 @@ constexpr int kPoolScanMax = 128;
 struct PoolSpan {
   int request, first, next;
 };
+template <bool kModeOnly = false>
 __device__ __forceinline__ bool pool_min_max(const Params& prm) {
-  return POOL_MIN_MAX && pooled(prm) && prm.batch > 1 && prm.batch <= kPoolScanMax;
+  return POOL_MIN_MAX && pooled<kModeOnly>(prm) && prm.batch > 1 && prm.batch <= kPoolScanMax;
 }
 __device__ __forceinline__ unsigned ceil_div(unsigned a, unsigned b) { return (a + b - 1) / b; }
 // A request's keys for the pool's balance: b - a, 0 where an indptr decreases (a broken contract:
@@ -699,9 +706,10 @@ __device__ __forceinline__ PoolSpan pool_span_min_max(const Params& prm, int at)
   return {span[0], span[1], span[2]};
 }
 // The span of request r (the combine step; block-wide).
+template <bool kModeOnly = false>
 __device__ __forceinline__ PoolSpan pool_span_of_request(const Params& prm, int r) {
-  if (pool_min_max(prm)) return pool_span_min_max<false>(prm, r);
-  const SplitPool pool = split_pool(prm);
+  if (pool_min_max<kModeOnly>(prm)) return pool_span_min_max<false>(prm, r);
+  const SplitPool pool = split_pool<kModeOnly>(prm);
   return {r, first_cta(prm, pool, r), first_cta(prm, pool, r + 1)};
 }
 
@@ -1675,8 +1683,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // before the wait. Block-wide, in a branch the whole CTA takes or skips.
   PoolSpan span{0, 0, 0};
   if (!unwritten) {
-    span = pool_span_of_request(prm, request);
-    if (pooled(prm) && (span.first < 0 || span.next <= span.first || span.next > prm.batch * prm.num_splits))
+    span = pool_span_of_request<true>(prm, request);
+    if (pooled<true>(prm) && (span.first < 0 || span.next <= span.first || span.next > prm.batch * prm.num_splits))
       unwritten = 2;
   }
   if (unwritten) {
@@ -1694,8 +1702,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const int first_split = span.first;
   const int S = min(span.next - first_split, kMaxSplits);
   pool_trace_row(row, first_split, S);
-  const int64_t split_stride = pooled(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
-  const int64_t slot0 = pooled(prm)
+  const int64_t split_stride = pooled<true>(prm) ? static_cast<int64_t>(prm.max_q_len) * prm.heads : 1;
+  const int64_t slot0 = pooled<true>(prm)
                             ? first_split * split_stride + (row - static_cast<int64_t>(prm.qo_indptr[request]) * prm.heads)
                             : row * prm.num_splits;
   wait_for_prerequisite_grid();   // the partials below are the attention kernel's
