@@ -17,7 +17,7 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
     # an RTX PRO 6000's records: the runs it lacks (every study so far ran on the H200) are said, not shown
     "03_benchmark_kernel.ipynb": {"run_live": False, "quick": True, "reps": 10, "record": False,
                                   "explore_heads": 16, "explore_ctx": 16384, "recorded_gpu": "RTX PRO 6000",
-                                  "split_sweep": "v29-rtx"},
+                                  "split_sweep": "v30-rtx"},
     "04_patch_sglang.ipynb": {"capacity_tokens": 8192, "num_requests": 80, "max_running": 12,
                               "prompt_len_range": [16, 1024], "output_len_range": [8, 256],
                               "tokens_per_step_list": [3], "probe_prompt_len": 512,
@@ -62,7 +62,7 @@ def test_notebook_runs_with_papermill(name, tmp_path):
     if name == "03_benchmark_kernel.ipynb":
         text = "".join("".join(o.get("text", "")) for c in json.loads((tmp_path / name).read_text())["cells"]
                        for o in c.get("outputs", []))
-        assert "not recorded: version: no split sweep of 'v29-rtx' on RTX PRO 6000 recorded" in text
+        assert "not recorded: version: no split sweep of 'v30-rtx' on RTX PRO 6000 recorded" in text
 
 
 @pytest.mark.parametrize("name", _notebooks())
