@@ -83,22 +83,38 @@ def combine_label(groups: int, bf16: bool, preload: bool) -> str:
     return f"mla_verify_combine_kernel<{groups}{', bf16' if bf16 else ''}{', preload' if preload else ''}>"
 
 
+def compile_kernels(arch: str, cubin: Path, kernel_dir: Path = KERNEL_DIR, defines: tuple[str, ...] = ()) -> str:
+    """Every kernel the launcher may run, from `kernel_dir`'s headers, into `cubin` for one arch;
+    returns ptxas's -v report."""
+    src = cubin.with_suffix(".cu")
+    src.write_text('#include "mla_verify_wide.cuh"\n' + ATTENTION_INSTANCES
+                   + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
+                             f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
+    proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
+                           f"-I{kernel_dir}", *(f"-D{d}" for d in defines), "-o", str(cubin), str(src)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-4000:]}")
+    return proc.stderr
+
+
 def ptxas_report(arch: str, loops: bool = False) -> dict[str, dict]:
     """Per-kernel registers, spill bytes and static shared memory for one arch; with `loops`,
     also each mma.sync loop's SASS counts (sass_loops.py, which needs nvdisasm)."""
     with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "resources.cu", Path(tmp) / "k.cubin"
-        src.write_text('#include "mla_verify_wide.cuh"\n' + ATTENTION_INSTANCES
-                       + "".join(f'template __global__ void sm120_mla::mla_verify_combine_kernel<{g}, {str(b).lower()}, '
-                                 f'{str(p).lower()}>(const sm120_mla::Params);\n' for g, b, p in COMBINE_INSTANCES))
-        proc = subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v",
-                               f"-I{KERNEL_DIR}", "-o", str(cubin), str(src)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-4000:]}")
+        cubin = Path(tmp) / "k.cubin"
+        report = parse_ptxas(compile_kernels(arch, cubin))
         sass = cubin_loops(cubin) if loops else {}
+    for mangled, stats in sass.items():
+        if stats and (name := _kernel_label(mangled)):
+            report[name]["loops"] = [asdict(st) for st in stats]
+    return report
+
+
+def parse_ptxas(stderr: str) -> dict[str, dict]:
+    """{kernel label: registers, spill and stack bytes, static shared memory} from ptxas -v."""
     report, current = {}, None
-    for line in proc.stderr.splitlines():
+    for line in stderr.splitlines():
         if m := _FUNC.search(line):
             current = _kernel_label(m.group(1))
             if current:
@@ -109,9 +125,6 @@ def ptxas_report(arch: str, loops: bool = False) -> dict[str, dict]:
             report[current]["registers"] = int(m[1])
             s = _SMEM.search(line)
             report[current]["static_smem_bytes"] = int(s[1]) if s else 0
-    for mangled, stats in sass.items():
-        if stats and (name := _kernel_label(mangled)):
-            report[name]["loops"] = [asdict(st) for st in stats]
     return report
 
 

@@ -178,15 +178,20 @@ def nvdisasm_version() -> str | None:
     return m[1] if m else "unknown"
 
 
-def cubin_loops(cubin: Path) -> dict[str, list[LoopStats]]:
-    """{mangled kernel name: stats of each mma.sync loop, in address order} for a cubin."""
+def cubin_sass(cubin: Path) -> dict[str, list[Instruction]]:
+    """{mangled kernel name: its instructions} for a cubin, from nvdisasm."""
     exe = nvdisasm()
     if not exe:
         raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the `test` extra has it)")
     proc = subprocess.run([exe, str(cubin)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvdisasm failed on {cubin}:\n{proc.stderr[-2000:]}")
-    return {name: [loop_stats(body) for body in mma_loops(instrs)] for name, instrs in parse_sass(proc.stdout).items()}
+    return parse_sass(proc.stdout)
+
+
+def cubin_loops(cubin: Path) -> dict[str, list[LoopStats]]:
+    """{mangled kernel name: stats of each mma.sync loop, in address order} for a cubin."""
+    return {name: [loop_stats(body) for body in mma_loops(instrs)] for name, instrs in cubin_sass(cubin).items()}
 
 
 def _warps(kernel: str, loop: dict) -> str:
