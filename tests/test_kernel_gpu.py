@@ -362,18 +362,19 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
     assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
 
 
-@pytest.mark.parametrize("cta_rows", [32, 64])
-@pytest.mark.parametrize("q_len", [1, 6], ids=["decode", "verify"])
-def test_rows_past_t_are_not_read(cta_rows, q_len, seed):
+@pytest.mark.parametrize("cta_rows, heads, q_len", [(32, 2, 1), (32, 5, 1), (32, 8, 6), (64, 8, 1), (64, 8, 6)],
+                         ids=["r32-decode-rows-as-n", "r32-decode-one-mtile", "r32-verify", "r64-decode", "r64-verify"])
+def test_rows_past_t_are_not_read(cta_rows, heads, q_len, seed):
     """A request whose qo_indptr range runs past q's T rows computes nothing (v30: the kernels
     know T, in Params' spare bits), so none of its CTAs reads q or k_extend and none writes a
     workspace slot; the combine step gives its tokens NaN. Before v30 its CTAs read the rows past
     T, out of bounds for an unpadded q, and wrote their slots. At batch 1 every slot would be the
-    request's, so the whole workspace must keep its fill. (The sanitizer case runs the same with
-    q and k_extend as allocations of their own, under memcheck.)"""
+    request's, so the whole workspace must keep its fill. Every split build runs: at 2 heads the
+    decode rows (max_q_len 3 x 2) are the mma's N, at 5 heads (15 rows) one m16 tile. (The
+    sanitizer case runs the same with q and k_extend as allocations of their own, under memcheck.)"""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
 
-    H, T = 8, q_len
+    H, T = heads, q_len
     case = make_verify_case(batch=1, heads=H, q_len=q_len, ctx_lens=300, mask=None, seed=seed,
                             with_k_extend=q_len > 1, device="cuda")
     ws = MlaVerifyWorkspace(T + 2, H, "cuda", cta_rows=cta_rows)
@@ -494,14 +495,17 @@ def test_broken_batches_give_nan_everywhere(batch, cta_rows, defines, broken, se
 
 
 @pytest.mark.parametrize("cta_rows, heads, qo_values",
-                         [(64, 8, [12, 12 - 268435457]), (64, 8, [2147483640, -100]), (32, 5, [12, 12 - 600000000])],
-                         ids=["r64-negative-q_len", "r64-wrapping-q_len", "r32-h5-negative-q_len"])
+                         [(64, 8, [12, 12 - 268435457]), (64, 8, [2147483640, -100]), (32, 5, [12, 12 - 600000000]),
+                          (32, 8, [2147483640, -100])],
+                         ids=["r64-negative-q_len", "r64-wrapping-q_len", "r32-h5-negative-q_len", "r32-wrapping-q_len"])
 def test_wrapping_indptrs_write_nothing(cta_rows, heads, qo_values, seed):
     """int32 index values whose arithmetic wraps (a review of v27 found both): a q_len of
     -268435457 made min(q_len, max_q_len) x 8 heads (and -600000000 x 5) wrap to a huge row count, so the kernels took
     rows they have no slots for (the unpooled layout's empty-split LSE past its rows, the pooled
     layout's padding rows past its pool); and q_start 2147483640 with qo_indptr[1] -100 wraps
-    q_len positive, which v27's q_start + q_len test let through (q read ~2^31 rows out). Both
+    q_len positive, which v27's q_start + q_len test let through (q read ~2^31 rows out), and
+    which the split kernel's T test (v30) let through on sm_120a as first compiled, where nvcc
+    folded it to qo_indptr[1] <= T (the H200's sm_90 code kept the subtraction). Both
     qo_indptr pairs end below 0, so every token counts as padding (0 and -inf) and no kernel
     writes a workspace slot."""
     from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention

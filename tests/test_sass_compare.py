@@ -36,6 +36,46 @@ def test_verdicts():
     assert verdict(base, _kernel(prologue + moved, [moved])) == ("loops differ", 1)
 
 
+def _listing(first_label: int) -> str:
+    """One kernel with a loop and a BSSY, its labels numbered from `first_label` (nvdisasm numbers
+    them across the cubin, so another kernel's change renumbers this one's)."""
+    a, b = f".L_x_{first_label}", f".L_x_{first_label + 1}"
+    return f"""
+.text._Z1kv:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   BSSY B0, `({b}) ;
+{a}:
+        /*0020*/                   HMMA.16816.F32.BF16 R20, R12, R16, R20 ;
+        /*0030*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0040*/              @!P0 BRA `({a}) ;
+        /*0050*/              @P1 BRA `({b}) ;
+{b}:
+        /*0060*/                   BSYNC B0 ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_labels_compare_by_position_not_number():
+    from sm120_workbook.kernels.sass_loops import mma_loops, parse_sass
+
+    one, other = parse_sass(_listing(3))["_Z1kv"], parse_sass(_listing(40))["_Z1kv"]
+    assert one[1].target == 0x60   # BSSY's label is resolved too
+    assert instruction_keys(one) == instruction_keys(other)
+    loop = instruction_keys(mma_loops(one)[0])
+    assert loop[-1][2] == ("-2",) and instruction_keys(one)[5][2] == ("+1",)
+    # inside a loop's body, a label past the loop is "outside"
+    body = one[2:6]
+    assert instruction_keys(body)[3][2] == ("outside",)
+
+
+def test_loop_boundaries_count():
+    """Loops [A, B], [C] and [A], [B, C] issue the same opcodes, but are not the same loops."""
+    mk = lambda ops: [("", op, ()) for op in ops]
+    first = KernelSass(1, 0, [("", "X", ())], [mk(["A", "B"]), mk(["C"])])
+    second = KernelSass(1, 0, [("", "Y", ())], [mk(["A"]), mk(["B", "C"])])
+    assert verdict(first, second)[0] == "loops differ"
+
+
 @pytest.mark.nvcc
 def test_a_copy_of_the_shipped_headers_compiles_identical(tmp_path):
     """The whole path, nvcc to verdicts, on sm_120a: the shipped headers in another folder give

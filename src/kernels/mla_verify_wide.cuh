@@ -208,7 +208,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int H = prm.heads;
 
   const int q_start = prm.qo_indptr[b];
-  const int q_len = prm.qo_indptr[b + 1] - q_start;
+  // wrapping (unsigned), not undefined: a garbage pair (2147483640, -100) must not let the
+  // compiler fold q_rows_fit's test to qo_indptr[b + 1] <= T, as nvcc did for sm_120a
+  const int q_len = static_cast<int>(static_cast<unsigned>(prm.qo_indptr[b + 1]) - static_cast<unsigned>(q_start));
   const int row0 = blockIdx.x * kRows;
   // q_rows_fit, spelled so that the loop's SASS stays v29's (see there)
   const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len)) *

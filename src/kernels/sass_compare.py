@@ -13,7 +13,8 @@ spill bytes and instruction counts, baseline -> shipped, and a verdict:
 
 - `identical`: the whole kernel, instruction for instruction (addresses aside);
 - `loops identical`: its mma.sync loops (sass_loops.mma_loops), registers and all;
-- `loops renamed`: the loops' opcodes in the same order, with other registers;
+- `loops renamed`: the loops' opcodes in the same order, loop by loop; registers, predicates or
+  constants differ;
 - `loops differ`: anything else; then `loop_lines` counts the lines of the loops' opcode diff.
 
 The H200 runs the sm_90 code and an RTX PRO 6000 the sm_120a code, so both are compared by
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,18 +34,23 @@ from .sass_loops import Instruction, cubin_sass, mma_loops
 
 ARCHS = ("sm_90", "sm_120a")
 
-# One instruction as compared: a branch's target as its distance in instructions, since labels and
-# addresses shift with any instruction added before it.
+# One instruction as compared. A label (a branch's target, BSSY's reconvergence point) becomes its
+# distance in instructions within the compared stretch, or "outside" it: nvdisasm numbers labels
+# across the whole cubin and addresses shift with any instruction added before them, so a kernel
+# that did not change would otherwise differ by a change in another.
 Key = tuple[str, str, tuple[str, ...]]
+_LABEL_TEXT = re.compile(r"`\(\.L_x_\d+\)|^0x[0-9a-f]+$")
 
 
 def instruction_keys(instrs: list[Instruction]) -> list[Key]:
+    """Keys of a stretch of instructions (a kernel, or one loop's body)."""
     index = {ins.address: i for i, ins in enumerate(instrs)}
     keys = []
     for i, ins in enumerate(instrs):
         ops = ins.operands
-        if ins.target is not None and ins.target in index:
-            ops = tuple(o for o in ops if "(.L_x_" not in o and not o.startswith("0x")) + (f"{index[ins.target] - i:+d}",)
+        if ins.target is not None:
+            where = f"{index[ins.target] - i:+d}" if ins.target in index else "outside"
+            ops = tuple(where if _LABEL_TEXT.search(o) else o for o in ops)
         keys.append((ins.predicate, ins.opcode, ops))
     return keys
 
@@ -79,7 +86,7 @@ def verdict(base: KernelSass, new: KernelSass) -> tuple[str, int]:
         return "identical", 0
     if base.loops == new.loops:
         return "loops identical", 0
-    opcodes = lambda loops: [op for loop in loops for _, op, _ in loop] + ["|"] * len(loops)
+    opcodes = lambda loops: [op for loop in loops for op in [k[1] for k in loop] + ["|"]]   # "|" ends a loop
     a, b = opcodes(base.loops), opcodes(new.loops)
     if a == b:
         return "loops renamed", 0

@@ -32,6 +32,7 @@ _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P[T\d]+)\s+)?([A-Z][A-
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _FUNCTION = re.compile(r"^\.text\.(\S+):|Function : (\S+)")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)|\b0x([0-9a-f]+)\b")
+_LABEL_OPERAND = re.compile(r"`\((\.L_x_\d+)\)")
 _REG = re.compile(r"\bR(\d+)\b")
 
 
@@ -41,7 +42,7 @@ class Instruction:
     predicate: str            # "" or a guard such as "@!P0"
     opcode: str               # "HMMA.16816.F32.BF16", "LDSM.16.M88.4", ...
     operands: tuple[str, ...]
-    target: int | None = None  # a branch's target address
+    target: int | None = None  # a branch's target address, or the label another instruction names (BSSY)
 
 
 def parse_sass(text: str) -> dict[str, list[Instruction]]:
@@ -70,6 +71,8 @@ def parse_sass(text: str) -> dict[str, list[Instruction]]:
             target = None
             if opcode.startswith(("BRA", "BRX")) and (t := _TARGET.search(ops)):
                 target = labels[name].get(t[1]) if t[1] else int(t[2], 16)
+            elif t := _LABEL_OPERAND.search(ops):   # BSSY, WARPSYNC.COLLECTIVE, ...: a label, never a constant
+                target = labels[name].get(t[1])
             instrs.append(Instruction(address, pred, opcode, tuple(o.strip() for o in ops.split(",") if o.strip()), target))
         out[name] = instrs
     return out
@@ -84,7 +87,8 @@ def mma_loops(instrs: list[Instruction]) -> list[list[Instruction]]:
     for i, ins in enumerate(instrs):
         # conditional: a guard (@P0 BRA) or a uniform predicate operand (BRA.U !UP0, target)
         conditional = ins.predicate or (ins.operands and re.fullmatch(r"!?U?P\d", ins.operands[0]))
-        if conditional and ins.target is not None and ins.target < ins.address and ins.target in index:
+        if (conditional and ins.opcode.startswith("BRA") and ins.target is not None and ins.target < ins.address
+                and ins.target in index):
             body = instrs[index[ins.target]:i + 1]
             if any(b.opcode.startswith("HMMA") for b in body):
                 loops.append(body)
