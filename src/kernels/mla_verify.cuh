@@ -356,7 +356,8 @@ struct Params {
 static_assert(sizeof(Params) == 128, "Params: no field more (see above); spare bits are the way in");
 // kModeOnly: the combine step's Params, whose balanced_splits the launcher gives the pool mode
 // alone (the combine step finds T from its grid). Read as v29 read it there, the combine step's
-// SASS stays v29's: with the mask, b32 h16 q16 ran 1.1% slower (ab.py, session 46).
+// SASS stays v29's; read through `& 3`, every combine build was rescheduled and b32 h16 q16 ran
+// 1.1% slower (ab.py, session 46).
 template <bool kModeOnly = false>
 __device__ __forceinline__ int pool_mode(const Params& prm) { return kModeOnly ? prm.balanced_splits : prm.balanced_splits & 3; }
 __device__ __forceinline__ int q_tokens(const Params& prm) { return prm.balanced_splits >> 2; }
@@ -788,7 +789,8 @@ __device__ __forceinline__ int request_rows(const Params& prm, int q_start, int 
 // qo_indptr[b + 1] <= T on sm_120a, which let the pair (2147483640, -100) through, q_len
 // wrapped positive and q read ~2^31 rows out (found by a review in session 46, in the PTX; the
 // SASS of every loop is the same either way). A q_len that wrapped positive exceeds T - q_start,
-// since T < 2^20. The 64-row kernel spells it q_start <= T - q_len: with this spelling its
+// since T < 2^20. The 64-row kernel spells it q_start <= T - q_len (which can wrap only for a
+// negative q_len, where request_rows is 0): with this spelling its
 // loop is rescheduled (sm_90 and sm_120a), with that one it stays v29's on both; the split
 // kernels' loops stay v29's on sm_120a with this one (NOTES.md, v30).
 __device__ __forceinline__ bool q_rows_fit(const Params& prm, int q_start, int q_len) {
