@@ -780,12 +780,18 @@ __device__ __forceinline__ int request_rows(const Params& prm, int q_start, int 
   // at least 0: a negative q_len (a decreasing qo_indptr) times H could wrap to a large count
   return q_start >= 0 ? max(min(q_len, prm.max_q_len), 0) * prm.heads : 0;
 }
+// Request b's q_len: the indptrs' difference as it wraps (unsigned), not undefined, so that a
+// garbage pair (2147483640, -100) cannot let the compiler fold q_rows_fit's test to
+// qo_indptr[b + 1] <= T, as nvcc did for sm_120a (see there).
+__device__ __forceinline__ int request_q_len(const Params& prm, int b, int q_start) {
+  return static_cast<int>(static_cast<unsigned>(prm.qo_indptr[b + 1]) - static_cast<unsigned>(q_start));
+}
 // Whether a request's tokens lie within q's T rows, the rows of q and k_extend that its CTAs
 // read (v30; before, a qo_indptr past T was read out of bounds). The attention kernels take it as
 // one more factor of their row count, beside unpooled_slots_fit; the combine step has its own
 // test (q1 <= T, T from its grid). T - q_start cannot wrap for q_start >= 0 (elsewhere
-// request_rows is 0), and q_len is the indptrs' difference as it wraps (the kernels compute it
-// in unsigned arithmetic): with a signed, undefined overflow nvcc folded this test to
+// request_rows is 0), and q_len is the indptrs' difference as it wraps (request_q_len): with
+// a signed, undefined overflow nvcc folded this test to
 // qo_indptr[b + 1] <= T on sm_120a, which let the pair (2147483640, -100) through, q_len
 // wrapped positive and q read ~2^31 rows out (found by a review in session 46, in the PTX; the
 // SASS of every loop is the same either way). A q_len that wrapped positive exceeds T - q_start,
@@ -1024,9 +1030,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int H = prm.heads;
 
   const int q_start = prm.qo_indptr[b];
-  // wrapping (unsigned), not undefined: a garbage pair (2147483640, -100) must not let the
-  // compiler fold q_rows_fit's test to qo_indptr[b + 1] <= T, as nvcc did for sm_120a
-  const int q_len = static_cast<int>(static_cast<unsigned>(prm.qo_indptr[b + 1]) - static_cast<unsigned>(q_start));
+  const int q_len = request_q_len(prm, b, q_start);
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
   const int rows = request_rows(prm, q_start, q_len) *
                    ((BALANCED_SPLITS || unpooled_slots_fit(prm, q_start, q_len)) && q_rows_fit(prm, q_start, q_len));

@@ -208,9 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int H = prm.heads;
 
   const int q_start = prm.qo_indptr[b];
-  // wrapping (unsigned), not undefined: a garbage pair (2147483640, -100) must not let the
-  // compiler fold the T test below, as nvcc folded the split kernel's for sm_120a (q_rows_fit)
-  const int q_len = static_cast<int>(static_cast<unsigned>(prm.qo_indptr[b + 1]) - static_cast<unsigned>(q_start));
+  const int q_len = request_q_len(prm, b, q_start);
   const int row0 = blockIdx.x * kRows;
   // q_rows_fit, spelled so that the loop's SASS stays v29's (see there)
   const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len)) *
