@@ -31,6 +31,25 @@ def test_ab_table_pairs_each_round():
     assert row["ratio_max"] == 1.05 and row["max_abs_diff"] == 0.0
 
 
+def test_ab_table_keeps_masked_shapes_apart():
+    """A shape timed with SGLang's custom mask (--masked-shape) is its own row, labelled "mask";
+    records from before the field (NaN in a loaded table) count as unmasked."""
+    import numpy as np
+
+    recs = [_rec("full", 0, 100.0), _rec("src_v30", 0, 100.0),
+            dict(_rec("full", 0, 110.0), custom_mask=np.bool_(True)), dict(_rec("src_v30", 0, 100.0), custom_mask=True),
+            dict(_rec("full", 1, 100.0), custom_mask=float("nan")), dict(_rec("src_v30", 1, 100.0), custom_mask=False)]
+    t = ab.ab_table(recs, "src_v30")
+    assert t["shape"].tolist() == ["b1 h8 q16 64k", "b1 h8 q16 64k mask"]
+    assert t["rounds"].tolist() == [2, 1] and t["ratio"].tolist() == [1.0, 1.1]
+
+
+def test_ab_refuses_a_masked_decode_shape(capsys):
+    with pytest.raises(SystemExit):
+        ab.main(["--baseline", str(KERNEL_DIR), "--baseline-name", "x", "--tag", "v9", "--masked-shape", "1,8,1,4096"])
+    assert "--masked-shape: decode" in capsys.readouterr().err
+
+
 def test_ab_refuses_a_baseline_that_is_not_another_revision(tmp_path, capsys):
     """--baseline must hold every kernel source, and must not be the shipped folder itself (the
     A/B would time one build twice)."""

@@ -389,6 +389,62 @@ def test_rows_past_t_are_not_read(cta_rows, heads, q_len, seed):
     assert (ws.partial_lse == 12345.0).all(), "a CTA of the request past T computed (and read q past T)"
 
 
+@pytest.mark.parametrize("cta_rows, batch, q_len, defines",
+                         [(32, 3, 4, ()), (32, 1, 1, ()), (64, 3, 8, ()), (64, 1, 8, ()),
+                          (32, 3, 4, ("BALANCED_SPLITS=0",)), (64, 3, 8, ("BALANCED_SPLITS=0",))],
+                         ids=["r32-pooled", "r32-decode-rows-as-n", "r64-pooled", "r64-b1",
+                              "r32-unpooled", "r64-unpooled"])
+def test_reads_past_the_index_tensors_give_nan_rows(cta_rows, batch, q_len, defines, seed):
+    """A request whose kv_indptr range passes len(kv_indices), whose mask rows (mask_indptr[b] +
+    q_len x its keys) pass len(custom_mask), or whose kv_indptr starts below 0, reads neither
+    tensor (v31: the kernels take both lengths as a second argument), and its tokens come out NaN;
+    every other request keeps its values. Before v31 its CTAs read past the tensors. Here the last
+    request's reads pass kv_indices or the mask, each one entry short, and the first request's
+    range starts one key before kv_indices. Every layout runs: the pooled split kernel, its decode
+    build (8 rows, the mma's N), the 64-row kernel's batches (pooled from sm_90 on) and batch 1,
+    and both kernels unpooled (BALANCED_SPLITS=0). (The sanitizer case runs the short tensors as
+    allocations of their own, under memcheck.)"""
+    from sm120_workbook.kernels import MlaVerifyWorkspace, mla_verify_attention
+
+    H = 8
+    ctx = [300 + 41 * b for b in range(batch)]
+    decode = q_len == 1
+    case = make_verify_case(batch=batch, heads=H, q_len=q_len, ctx_lens=ctx, mask="causal" if decode else "tree",
+                            seed=seed, with_k_extend=not decode, device="cuda")
+    T = batch * q_len
+    ws = MlaVerifyWorkspace(T, H, "cuda", cta_rows=cta_rows, kernel_defines=defines)
+
+    def call(kv_indptr, kv_indices, custom_mask):
+        out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((T, H), float("nan"), device="cuda")
+        mla_verify_attention(case["q"], case["kv_pool"], case["qo_indptr"], kv_indptr, kv_indices, out=out, lse=lse,
+                             workspace=ws, sm_scale=case["sm_scale"], max_q_len=q_len, k_extend=case["k_extend"],
+                             custom_mask=custom_mask, mask_indptr=case["mask_indptr"])
+        torch.cuda.synchronize()
+        return out, lse
+
+    kv, kv_indices, mask = case["kv_indptr"], case["kv_indices"], case["custom_mask"]
+    assert int(kv[-1]) == kv_indices.numel() and int(case["mask_indptr"][-1]) == mask.numel()   # no slack to pass
+    good_out, good_lse = call(kv, kv_indices, mask)
+    assert_matches_reference(case, good_out, good_lse, "valid indices")
+    good_out = good_out.float()
+    last, first = T - q_len, q_len   # the last request's first token; the first request's end
+    for label, args in (("kv_indices one short", (kv, kv_indices[:-1].clone(), mask)),
+                        ("the mask one short", (kv, kv_indices, mask[:-1].clone()))):
+        out, lse = call(*args)
+        assert torch.isnan(out[last:].float()).all() and torch.isnan(lse[last:]).all(), f"{label}: not NaN"
+        if batch > 1:
+            assert_same_rows(out[:last], lse[:last], good_out[:last], good_lse[:last], f"{label}: the other requests")
+    kv_before = kv.clone()
+    kv_before[0] = -1   # the first request's range starts one key before kv_indices
+    out, lse = call(kv_before, kv_indices, mask)
+    assert torch.isnan(out[:first].float()).all() and torch.isnan(lse[:first]).all(), "a range before 0: not NaN"
+    if batch > 1:
+        assert_same_rows(out[first:], lse[first:], good_out[first:], good_lse[first:], "beside a range before 0")
+    out, lse = call(kv, kv_indices, mask)   # the next valid call is whole again
+    assert_same_rows(out, lse, good_out, good_lse, "a valid call after the broken ones")
+
+
 BROKEN_BATCH = -1   # kBrokenBatch: the count POOL_TRACE records for a CTA of a broken batch
 
 

@@ -18,7 +18,9 @@ and `src_<name>` (the baseline), both under the run's --tag and with a `baseline
     python -m sm120_workbook.kernels.ab --baseline .ab/REV/src/kernels --baseline-name v25 --tag v26
 
 `--shape batch,heads,q_len,ctx` (repeatable) times more shapes after the targets' own, for
-a change whose cost lies elsewhere (a batch past 128 requests takes v19's pool rule).
+a change whose cost lies elsewhere (a batch past 128 requests takes v19's pool rule), and
+`--masked-shape` (repeatable) a verify shape with SGLang's custom mask passed (the causal chain
+written out, the path a tree verify takes), for a change to that path (v31's mask bound).
 """
 from __future__ import annotations
 
@@ -42,24 +44,28 @@ def target_shapes() -> list[Shape]:
     return [s for impl, s, _ in target_grid() if impl == "sm120_mla"]
 
 
-def run_ab(shapes, baseline: str, baseline_variant: str, rounds: int = 5, reps: int = 50) -> list[dict]:
-    """Time each shape with the shipped build and the baseline's, `rounds` times over."""
+def run_ab(shapes, baseline: str, baseline_variant: str, rounds: int = 5, reps: int = 50,
+           masked_shapes=()) -> list[dict]:
+    """Time each shape with the shipped build and the baseline's, `rounds` times over; the
+    masked shapes with SGLang's custom mask (records with `custom_mask` true)."""
     from tqdm.auto import tqdm
 
-    inputs = {s: Inputs(s) for s in shapes}
+    cases = [(s, False) for s in shapes] + [(s, True) for s in masked_shapes]
+    inputs = {s: Inputs(s) for s, _ in cases}
     builds = {SHIPPED: None, baseline_variant: baseline}
     records = []
-    with tqdm(total=rounds * len(shapes) * 2, desc="A/B") as bar:
+    with tqdm(total=rounds * len(cases) * 2, desc="A/B") as bar:
         for r in range(rounds):
-            for i, s in enumerate(shapes):
+            for i, (s, masked) in enumerate(cases):
                 order = list(builds) if (r + i) % 2 == 0 else list(builds)[::-1]
                 outs = {}
                 for name in order:
-                    fn = build_sm120_mla(inputs[s], kernel_source=builds[name])
+                    fn = build_sm120_mla(inputs[s], kernel_source=builds[name], custom_mask=masked)
                     if r == 0:
                         outs[name] = fn().float()   # a copy: the next build has its own buffers
                     t = time_graph_us(fn, reps=reps)
                     records.append({"impl": "sm120_mla", "variant": name, "defines": [], **s.__dict__,
+                                    "custom_mask": masked,
                                     "tile_keys": fn.tile_keys, "cta_rows": fn.cta_rows,
                                     "num_splits": fn.num_splits, "round": r, **t})
                     bar.update()
@@ -77,14 +83,16 @@ def ab_table(records, baseline_variant: str):
     rows = []
     shape_keys = ("batch", "heads", "q_len", "ctx", "short_ctx")
     by_shape: dict[tuple, dict] = {}
-    for rec in records:
-        by_shape.setdefault(tuple(rec[k] for k in shape_keys), {}).setdefault(rec["round"], {})[rec["variant"]] = rec
+    for rec in records:   # custom_mask: NaN in a table beside older records, bool or numpy's bool
+        masked = rec.get("custom_mask") in (True,)
+        key = (*(rec[k] for k in shape_keys), masked)
+        by_shape.setdefault(key, {}).setdefault(rec["round"], {})[rec["variant"]] = rec
     for key, by_round in by_shape.items():
         pairs = [v for v in by_round.values() if SHIPPED in v and baseline_variant in v]
         if not pairs:
             continue
         ratios = [p[SHIPPED]["time_us"] / p[baseline_variant]["time_us"] for p in pairs]
-        rows.append({"shape": Shape(*(int(v) for v in key)).label,
+        rows.append({"shape": Shape(*(int(v) for v in key[:-1])).label + (" mask" if key[-1] else ""),
                      "shipped_us": statistics.median(p[SHIPPED]["time_us"] for p in pairs),
                      "baseline_us": statistics.median(p[baseline_variant]["time_us"] for p in pairs),
                      "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
@@ -121,11 +129,16 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50, help="graph replays a timing")
     ap.add_argument("--shape", action="append", default=[], metavar="B,H,Q,CTX",
                     help="a shape to time after the targets' (repeatable): batch,heads,q_len,ctx")
+    ap.add_argument("--masked-shape", action="append", default=[], metavar="B,H,Q,CTX",
+                    help="a verify shape (q_len > 1) to time with SGLang's custom mask passed (repeatable)")
     args = ap.parse_args(argv)
     try:
         extra = [parse_shape(t) for t in args.shape]
+        masked = [parse_shape(t) for t in args.masked_shape]
     except ValueError as e:
         ap.error(str(e))
+    if any(s.q_len == 1 for s in masked):
+        ap.error("--masked-shape: decode (q_len 1) takes no mask; give a verify shape")
     try:
         baseline = str(source_dir_of(args.baseline, "--baseline"))
     except ValueError as e:
@@ -141,7 +154,8 @@ def main(argv=None):
     variant = "src_" + args.baseline_name
     build_in_parallel([()], source_dirs=(None, baseline))
     records = [dict(r, kernel_version=args.tag, baseline=variant)
-               for r in run_ab(target_shapes() + extra, baseline, variant, rounds=args.rounds, reps=args.reps)]
+               for r in run_ab(target_shapes() + extra, baseline, variant, rounds=args.rounds, reps=args.reps,
+                               masked_shapes=masked)]
     print(ab_table(records, variant).to_string(index=False))
     if not args.no_record:
         from ..results import append_cli_records

@@ -132,8 +132,13 @@ class Inputs:
 # returns its output [T, heads, 512] (check_against_reference reads it).
 
 def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | None = None,
-                    kernel_defines: tuple[str, ...] = (), cta_rows: int | None = None, kernel_source=None):
+                    kernel_defines: tuple[str, ...] = (), cta_rows: int | None = None, kernel_source=None,
+                    custom_mask: bool = False):
+    """custom_mask: pass SGLang's mask (the causal chain written out, as a tree verify passes its
+    tree) instead of the implicit chain; verify shapes only."""
     s = x.shape
+    if custom_mask and s.q_len == 1:
+        raise ValueError("custom_mask: decode (q_len 1) takes no mask")
     T = s.batch * s.q_len
     out = torch.empty(T, s.heads, DIM_V, device=x.q.device, dtype=torch.bfloat16)
     lse = torch.empty(T, s.heads, device=x.q.device, dtype=torch.float32)
@@ -146,6 +151,8 @@ def build_sm120_mla(x: Inputs, num_splits: int | None = None, tile_keys: int | N
     else:
         args = (x.q, x.pool, x.qo_indptr, x.kv_indptr, x.prefix_indices)
         kw = {"k_extend": x.k_extend}
+        if custom_mask:
+            kw.update(custom_mask=x.custom_mask, mask_indptr=x.mask_indptr)
     fn = lambda: mla_verify_attention(*args, out=out, lse=lse, workspace=ws, sm_scale=SM_SCALE,
                                       max_q_len=s.q_len, **kw)
     fn.num_splits = ws.num_splits_for(s.batch, s.q_len)

@@ -20,7 +20,8 @@
 namespace {
 
 template <int KEYS, int MT = 2, bool ROWS_AS_N = false>
-void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
+void launch_split(const sm120_mla::Params& prm, const sm120_mla::Bounds& bounds, dim3 grid, cudaStream_t stream,
+                  int device) {
   using Cfg = sm120_mla::TileConfig<KEYS>;
   // Above 48 KB a kernel must opt in to its dynamic shared memory, once per device.
   static std::once_flag flags[64];
@@ -28,18 +29,19 @@ void launch_split(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, 
     C10_CUDA_CHECK(cudaFuncSetAttribute(sm120_mla::mla_verify_split_kernel<KEYS, MT, ROWS_AS_N>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   });
-  sm120_mla::mla_verify_split_kernel<KEYS, MT, ROWS_AS_N><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm);
+  sm120_mla::mla_verify_split_kernel<KEYS, MT, ROWS_AS_N><<<grid, sm120_mla::kThreads, Cfg::kSmemBytes, stream>>>(prm, bounds);
 }
 
 template <bool kBatched>
-void launch_wide(const sm120_mla::Params& prm, dim3 grid, cudaStream_t stream, int device) {
+void launch_wide(const sm120_mla::Params& prm, const sm120_mla::Bounds& bounds, dim3 grid, cudaStream_t stream,
+                 int device) {
   namespace wide = sm120_mla::wide;
   static std::once_flag flags[64];
   std::call_once(flags[device % 64], [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(wide::mla_verify_wide_kernel<kBatched>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, wide::kSmemBytes));
   });
-  wide::mla_verify_wide_kernel<kBatched><<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm);
+  wide::mla_verify_wide_kernel<kBatched><<<grid, wide::kThreads, wide::kSmemBytes, stream>>>(prm, bounds);
 }
 
 // The current device's compute capability major (PDL and the wide kernel's pool from sm_90 on).
@@ -222,21 +224,24 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.balanced_splits = pool_mode | static_cast<int>(T << 2);
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
+  // the index tensors' lengths: a request whose indptrs pass them reads nothing there (request_reads_fit)
+  const Bounds bounds{kv_indices.numel(), custom_mask.has_value() ? custom_mask->numel() : 0};
+
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((max_q_len * H + cta_rows - 1) / cta_rows),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(B));
   if (cta_rows == wide::kRows && B > 1)
-    launch_wide<true>(prm, grid, stream, device);
+    launch_wide<true>(prm, bounds, grid, stream, device);
   else if (cta_rows == wide::kRows)
-    launch_wide<false>(prm, grid, stream, device);
+    launch_wide<false>(prm, bounds, grid, stream, device);
   else if (tile_keys == 32)
-    launch_split<32>(prm, grid, stream, device);
+    launch_split<32>(prm, bounds, grid, stream, device);
   else if (DECODE_ONE_MTILE && DECODE_ROWS_AS_N && max_q_len * H <= 8)   // rows as the mma's N
-    launch_split<16, 1, true>(prm, grid, stream, device);
+    launch_split<16, 1, true>(prm, bounds, grid, stream, device);
   else if (DECODE_ONE_MTILE && max_q_len * H <= 16)   // every CTA's rows 16-31 are padding
-    launch_split<16, 1>(prm, grid, stream, device);
+    launch_split<16, 1>(prm, bounds, grid, stream, device);
   else
-    launch_split<16>(prm, grid, stream, device);
+    launch_split<16>(prm, bounds, grid, stream, device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t rows = T * H;
   Params combine_prm = prm;

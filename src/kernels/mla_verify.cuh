@@ -354,6 +354,13 @@ struct Params {
   // spare bits above; the combine step finds T from its grid.
 };
 static_assert(sizeof(Params) == 128, "Params: no field more (see above); spare bits are the way in");
+// The lengths of the index tensors that the attention kernels read through indptrs (v31): a
+// second kernel argument, since Params has no room. A second argument left the loops' SASS alone
+// where a larger Params did not (NOTES.md, v19). The combine step reads neither tensor.
+struct Bounds {
+  int64_t kv_indices_len;          // len(kv_indices)
+  int64_t mask_len;                // len(custom_mask); 0 without a mask
+};
 // kModeOnly: the combine step's Params, whose balanced_splits the launcher gives the pool mode
 // alone (the combine step finds T from its grid). Read as v29 read it there, the combine step's
 // SASS stays v29's; read through `& 3`, every combine build was rescheduled and b32 h16 q16 ran
@@ -826,6 +833,39 @@ __device__ __forceinline__ bool unpooled_slots_fit(const Params& prm, int q_star
   return q_start <= prm.batch * prm.max_q_len - min(q_len, prm.max_q_len);
 }
 
+// Loads that ptxas keeps apart from the kernel's own loads of the same words (asm volatile):
+// request_reads_fit's. With plain loads ptxas kept the indptrs it had read for the check live
+// into the main loop, and the batched 64-row kernel spilled 52 bytes on sm_90 (v31).
+__device__ __forceinline__ int load_apart(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int64_t load_apart(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.global.s64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+// Whether request b's reads stay inside kv_indices and custom_mask (v31; before, a kv_indptr past
+// len(kv_indices), a negative kv_indptr in the unpooled layouts, or a mask_indptr past the mask
+// was read out of bounds). Its prefix indices are kv_indices[kv_indptr[b], kv_indptr[b + 1]); its
+// mask, SGLang's layout, q_rows rows of num_keys bytes from mask_indptr[b], of which the kernels
+// read the draft keys' bytes. From the indptrs alone: q_len wraps as request_q_len's does, and the
+// mask's test is in 64 bits, where nothing wraps (q_rows * num_keys stays below 2^37 in
+// magnitude). Wherever the kernels read the mask, their 32-bit num_keys is this one.
+__device__ __forceinline__ bool request_reads_fit(const Params& prm, const Bounds& bounds, int b, int q_len) {
+  const int kv0 = load_apart(prm.kv_indptr + b), kv1 = load_apart(prm.kv_indptr + b + 1);
+  // (mask_indptr[b] is loaded under the mask's branch: loaded beside the others, unconditionally,
+  // it made the batched 64-row kernel spill 52 bytes on sm_90)
+  int64_t mask_start = 0;
+  if (prm.custom_mask)
+    mask_start = prm.mask_indptr_64 ? load_apart(static_cast<const int64_t*>(prm.mask_indptr) + b)
+                                    : load_apart(static_cast<const int32_t*>(prm.mask_indptr) + b);
+  const int64_t num_keys = int64_t(kv1) - kv0 + (prm.k_extend ? q_len : 0);
+  const int q_rows = max(min(q_len, prm.max_q_len), 0);
+  return kv0 >= 0 && kv1 <= bounds.kv_indices_len &&
+         (!prm.custom_mask || (mask_start >= 0 && mask_start <= bounds.mask_len - q_rows * num_keys));
+}
 // A broken batch that the layout cannot keep apart (v29): every CTA gives the LSE slots of its
 // rows +inf and computes nothing, so every combine row that reads them weighs its splits by
 // exp2(inf - inf): NaN, in its output and its lse. Pooled: past kPoolScanMax requests (and in
@@ -1011,7 +1051,7 @@ __device__ __forceinline__ void load_q_fragments_staged(uint32_t (&qf)[MT][kQkSt
 // ROWS_AS_N: the rows are the mma's N and the keys (QK) or output columns (P.V) its M, where no
 // CTA has more than 8 rows (DECODE_ROWS_AS_N; see there). One m16 tile's registers and buffers.
 template <int KEYS, int MT = 2, bool ROWS_AS_N = false>
-__global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm) {
+__global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Params prm, const Bounds bounds) {
   static_assert(MT == 1 || MT == 2, "MT: one or two m16 row tiles");
   static_assert(!ROWS_AS_N || MT == 1, "ROWS_AS_N: at most 8 rows, within one m16 tile's buffers");
   constexpr int kComputedRows = ROWS_AS_N ? 8 : MT * 16;   // rows past it are padding
@@ -1032,10 +1072,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
   const int q_start = prm.qo_indptr[b];
   const int q_len = request_q_len(prm, b, q_start);
   const int row0 = blockIdx.x * kRowsPerCta;       // first (token*H + head) row of this CTA
+  const bool reads_fit = request_reads_fit(prm, bounds, b, q_len);   // tested with the broken batches, below
   const int rows = request_rows(prm, q_start, q_len) *
                    ((BALANCED_SPLITS || unpooled_slots_fit(prm, q_start, q_len)) && q_rows_fit(prm, q_start, q_len));
-  // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look
-  if (BALANCED_SPLITS ? work.count == kBrokenBatch : rows > row0 && qo_indptr_decreases(prm)) {
+  // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look;
+  // and a request whose reads would leave kv_indices or the mask (v31) poisons its slots alike
+  if (!reads_fit || (BALANCED_SPLITS ? work.count == kBrokenBatch : rows > row0 && qo_indptr_decreases(prm))) {
     poison_broken_batch<BALANCED_SPLITS>(prm, q_start, rows, row0, split, kRowsPerCta);
     timeline_stamp(0, kEvExit);
     return;
@@ -1674,7 +1716,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   // (its tokens leave [0, T)) or whose prefix is negative, or whose pool span left the workspace
   // or is empty (a decreasing qo_indptr: see pool_span_min_max). The test is uniform across the CTA.
   // A broken batch that the layout cannot keep apart gives NaN further down: its LSE slots hold
-  // +inf (poison_broken_batch).
+  // +inf (poison_broken_batch), as do a request's whose reads would leave kv_indices or the mask
+  // (request_reads_fit, v31).
   const int64_t token = row / prm.heads;
   int request = 0;   // the request holding token: last b with qo_indptr[b] <= token
   int unwritten = token >= prm.qo_indptr[prm.batch] ? 1 : 0;

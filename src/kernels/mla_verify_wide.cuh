@@ -191,7 +191,7 @@ __device__ __forceinline__ int fresh_thread_index() {
 // in one kernel for both, batch 1 took 0.7-1.7 us longer (v19c, NOTES.md session 15), since the
 // pool's prologue and its uniform registers changed how ptxas laid out the main loop.
 template <bool kBatched>
-__global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm) {
+__global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Params prm, const Bounds bounds) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Shared& sm = *reinterpret_cast<Shared*>(smem_raw);
   timeline_stamp(0, kEvEntry);
@@ -210,11 +210,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_start = prm.qo_indptr[b];
   const int q_len = request_q_len(prm, b, q_start);
   const int row0 = blockIdx.x * kRows;
+  const bool reads_fit = request_reads_fit(prm, bounds, b, q_len);   // tested with the broken batches, below
   // q_rows_fit, spelled so that the loop's SASS stays v29's (see there)
   const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len)) *
                    (q_start <= q_tokens(prm) - q_len);
-  // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look
-  if (kPool ? work.count == kBrokenBatch : kBatched && rows > row0 && qo_indptr_decreases(prm)) {
+  // a broken batch (poison_broken_batch): the pool's count says so; the unpooled batches look;
+  // and a request whose reads would leave kv_indices or the mask (v31) poisons its slots alike
+  if (!reads_fit || (kPool ? work.count == kBrokenBatch : kBatched && rows > row0 && qo_indptr_decreases(prm))) {
     poison_broken_batch<kPool>(prm, q_start, rows, row0, split, kRows);
     timeline_stamp(0, kEvExit);
     return;

@@ -51,12 +51,14 @@ COMBINE_INSTANCES = ((1, True, False), (4, True, False), (16, True, False),
 _COMBINE = re.compile(r"mla_verify_combine_kernelILi(\d+)ELb(\d)ELb(\d)E")
 
 
-# Every attention kernel the launcher (mla_verify.cu) may run, as explicit instantiations.
-ATTENTION_INSTANCES = "".join(
-    f"template __global__ void sm120_mla::{kernel}(const sm120_mla::Params);\n"
-    for kernel in ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16, 1>",
-                   "mla_verify_split_kernel<16, 1, true>", "mla_verify_split_kernel<32>",
-                   "wide::mla_verify_wide_kernel<false>", "wide::mla_verify_wide_kernel<true>"))
+# Every attention kernel the launcher (mla_verify.cu) may run.
+ATTENTION_KERNELS = ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16, 1>",
+                     "mla_verify_split_kernel<16, 1, true>", "mla_verify_split_kernel<32>",
+                     "wide::mla_verify_wide_kernel<false>", "wide::mla_verify_wide_kernel<true>")
+# ... instantiated by taking their addresses, which names no signature: sass_compare builds older
+# revisions too (v31 gave the attention kernels a second argument).
+ATTENTION_INSTANCES = "static const void* const kAttentionKernels[] = {\n" + "".join(
+    f"    reinterpret_cast<const void*>(&sm120_mla::{kernel}),\n" for kernel in ATTENTION_KERNELS) + "};\n"
 
 
 def _kernel_label(mangled: str) -> str | None:

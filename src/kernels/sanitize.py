@@ -9,8 +9,10 @@ in the 64-row wide kernel on 1 and 3 splits (35 rows: it also skips its empty m1
 splits of the 32-row kernel run the combine step that loads its partials beside the LSE pass
 (COMBINE_PRELOAD, 4 split groups). Broken index values run too: 130 requests (v19's pool
 rule) with a decreasing kv_indptr and a decreasing qo_indptr, and 3 requests whose tokens
-overlap, in both kernels (the `unbalanced` build runs them unpooled), and requests that run past
-q's T rows, with q and k_extend allocations of their own (v30: those rows are not read).
+overlap, in both kernels (the `unbalanced` build runs them unpooled), requests that run past
+q's T rows, with q and k_extend allocations of their own (v30: those rows are not read), and a
+request whose kv_indptr or mask_indptr range passes kv_indices or the mask, each one entry short
+in an allocation of its own (v31: not read either).
 Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
 `group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
@@ -113,6 +115,17 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         "    for q_, ke_, qo_, kv_ in ((h['q'], h['k_extend'], qo2, h['kv_indptr']), (q1, ke1, qo1, h['kv_indptr'][:2])):\n"
         "        mla_verify_attention(q_, h['kv_pool'], qo_, kv_, h['kv_indices'], out=o[:len(q_)], lse=l[:len(q_)],"
         " workspace=ws, sm_scale=h['sm_scale'], max_q_len=6, k_extend=ke_)\n"
+        "m = make_verify_case(batch=2, heads=3, q_len=3, ctx_lens=[50, 30], mask='tree', device='cuda')\n"
+        "o, l = torch.empty(6, 3, 512, device='cuda', dtype=torch.bfloat16), torch.empty(6, 3, device='cuda')\n"
+        "short_kv, short_mask = m['kv_indices'][:-1].clone(), m['custom_mask'][:-1].clone()"
+        "  # allocations of their own, one entry short: the last request's reads would pass them (v31: not read)\n"
+        "for rows in (32, 64):\n"
+        "    ws = MlaVerifyWorkspace(6, 3, 'cuda', num_splits=2, cta_rows=rows,"
+        f" kernel_defines={tuple(defines)!r})\n"
+        "    for kvi, mask in ((short_kv, m['custom_mask']), (m['kv_indices'], short_mask)):\n"
+        "        mla_verify_attention(m['q'], m['kv_pool'], m['qo_indptr'], m['kv_indptr'], kvi, out=o, lse=l,"
+        " workspace=ws, sm_scale=m['sm_scale'], max_q_len=3, k_extend=m['k_extend'], custom_mask=mask,"
+        " mask_indptr=m['mask_indptr'])\n"
         "torch.cuda.synchronize(); print('ran')\n")
 
 

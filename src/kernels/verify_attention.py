@@ -285,7 +285,9 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             past qo_indptr[-1] (graph padding) get 0 and -inf. Broken index values (see below)
             give NaN rows where the kernels can see them: tokens past max_q_len within a
             request, tokens before qo_indptr[0], every token of a request that runs past q's T
-            rows (none of whose rows is read) or whose kv_indptr range is negative. The
+            rows (none of whose rows is read), whose kv_indptr range is negative, or whose
+            kv_indptr range or mask rows pass len(kv_indices) or len(custom_mask) (v31; the
+            kernels then read neither tensor, nor a kv_indptr range that starts below 0). The
             other requests are computed over their ranges as given (a raised kv_indptr entry
             gives the request before it more keys), except past 128 requests in the pooled
             layouts (below). A decreasing qo_indptr gives NaN for every token before
@@ -304,9 +306,10 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     Preconditions that only check_values checks (the host cannot read index values without
     a sync, so a graph replay trusts them): every q_len <= max_q_len (contained: NaN rows);
     qo_indptr[0] >= 0 and monotone indptrs (contained: NaN rows, as above); qo_indptr[-1] <= T
-    (contained since v30: NaN rows, and no row of q or k_extend past T is read); and, not
-    contained, kv_indices inside the pool, kv_indptr[-1] <= len(kv_indices) and the mask's
-    length: values outside those are read out of bounds.
+    (contained since v30: NaN rows, and no row of q or k_extend past T is read);
+    kv_indptr[-1] <= len(kv_indices) and the mask's length (contained since v31: NaN rows, and
+    neither tensor is read past its end); and, not contained, kv_indices inside the pool: an
+    index outside it is read out of bounds (a check a key would cost the gather).
     """
     if isinstance(q, torch.Tensor) and not q.is_cuda and any(
             isinstance(t, torch.Tensor) and t.is_cuda for t in (kv_pool, qo_indptr, kv_indptr, kv_indices, out, lse)):
