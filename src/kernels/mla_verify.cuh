@@ -846,6 +846,19 @@ __device__ __forceinline__ int64_t load_apart(const int64_t* p) {
   asm volatile("ld.global.s64 %0, [%1];" : "=l"(v) : "l"(p));
   return v;
 }
+// index[i] of an int32 or int64 index tensor, loaded apart as above, and only where `issue`
+// holds (0 elsewhere): predicated, not branched around, so that it is in flight beside the loads
+// before it.
+__device__ __forceinline__ int64_t load_index_apart_if(const void* index, int64_t i, int is64, bool issue) {
+  int64_t v64 = 0;
+  int v32 = 0;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.b32 p, %4, 0;\n setp.ne.and.b32 q, %5, 0, p;\n"
+               " @q ld.global.s64 %0, [%2];\n setp.eq.and.b32 q, %5, 0, p;\n @q ld.global.s32 %1, [%3];\n}\n"
+               : "+l"(v64), "+r"(v32)
+               : "l"(static_cast<const int64_t*>(index) + i), "l"(static_cast<const int32_t*>(index) + i),
+                 "r"(static_cast<int>(issue)), "r"(is64));
+  return is64 ? v64 : v32;
+}
 // Whether request b's reads stay inside kv_indices and custom_mask (v31; before, a kv_indptr past
 // len(kv_indices), a negative kv_indptr in the unpooled layouts, or a mask_indptr past the mask
 // was read out of bounds). Its prefix indices are kv_indices[kv_indptr[b], kv_indptr[b + 1]); its
@@ -855,12 +868,7 @@ __device__ __forceinline__ int64_t load_apart(const int64_t* p) {
 // magnitude). Wherever the kernels read the mask, their 32-bit num_keys is this one.
 __device__ __forceinline__ bool request_reads_fit(const Params& prm, const Bounds& bounds, int b, int q_len) {
   const int kv0 = load_apart(prm.kv_indptr + b), kv1 = load_apart(prm.kv_indptr + b + 1);
-  // (mask_indptr[b] is loaded under the mask's branch: loaded beside the others, unconditionally,
-  // it made the batched 64-row kernel spill 52 bytes on sm_90)
-  int64_t mask_start = 0;
-  if (prm.custom_mask)
-    mask_start = prm.mask_indptr_64 ? load_apart(static_cast<const int64_t*>(prm.mask_indptr) + b)
-                                    : load_apart(static_cast<const int32_t*>(prm.mask_indptr) + b);
+  const int64_t mask_start = load_index_apart_if(prm.mask_indptr, b, prm.mask_indptr_64, prm.custom_mask != nullptr);
   const int64_t num_keys = int64_t(kv1) - kv0 + (prm.k_extend ? q_len : 0);
   const int q_rows = max(min(q_len, prm.max_q_len), 0);
   return kv0 >= 0 && kv1 <= bounds.kv_indices_len &&
