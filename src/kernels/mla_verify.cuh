@@ -866,9 +866,19 @@ __device__ __forceinline__ int64_t load_index_apart_if(const void* index, int64_
 // read the draft keys' bytes. From the indptrs alone: q_len wraps as request_q_len's does, and the
 // mask's test is in 64 bits, where nothing wraps (q_rows * num_keys stays below 2^37 in
 // magnitude). Wherever the kernels read the mask, their 32-bit num_keys is this one.
+// kMaskBeside: mask_indptr[b] loaded predicated, in flight beside the kv_indptr loads; else under
+// the mask's branch, after compares that wait on them, one L2 round trip later (+0.33 us at q16
+// h8 4k with a mask). The batched 64-row kernel takes the branch: with the predicated load its
+// loop ran 1.0-1.1% slower at b32 q16 16k (ab.py, session 47), and there a round trip is 0.05%.
+template <bool kMaskBeside = true>
 __device__ __forceinline__ bool request_reads_fit(const Params& prm, const Bounds& bounds, int b, int q_len) {
   const int kv0 = load_apart(prm.kv_indptr + b), kv1 = load_apart(prm.kv_indptr + b + 1);
-  const int64_t mask_start = load_index_apart_if(prm.mask_indptr, b, prm.mask_indptr_64, prm.custom_mask != nullptr);
+  int64_t mask_start = 0;
+  if (kMaskBeside)
+    mask_start = load_index_apart_if(prm.mask_indptr, b, prm.mask_indptr_64, prm.custom_mask != nullptr);
+  else if (prm.custom_mask)
+    mask_start = prm.mask_indptr_64 ? load_apart(static_cast<const int64_t*>(prm.mask_indptr) + b)
+                                    : load_apart(static_cast<const int32_t*>(prm.mask_indptr) + b);
   const int64_t num_keys = int64_t(kv1) - kv0 + (prm.k_extend ? q_len : 0);
   const int q_rows = max(min(q_len, prm.max_q_len), 0);
   return kv0 >= 0 && kv1 <= bounds.kv_indices_len &&

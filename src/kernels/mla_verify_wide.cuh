@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_wide_kernel(const Para
   const int q_start = prm.qo_indptr[b];
   const int q_len = request_q_len(prm, b, q_start);
   const int row0 = blockIdx.x * kRows;
-  const bool reads_fit = request_reads_fit(prm, bounds, b, q_len);   // tested with the broken batches, below
+  const bool reads_fit = request_reads_fit<!kBatched>(prm, bounds, b, q_len);   // tested with the broken batches, below
   // q_rows_fit, spelled so that the loop's SASS stays v29's (see there)
   const int rows = request_rows(prm, q_start, q_len) * (kPool || unpooled_slots_fit(prm, q_start, q_len)) *
                    (q_start <= q_tokens(prm) - q_len);
