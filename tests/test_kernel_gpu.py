@@ -396,11 +396,13 @@ def test_rows_past_t_are_not_read(cta_rows, heads, q_len, seed):
                               "r32-unpooled", "r64-unpooled"])
 def test_reads_past_the_index_tensors_give_nan_rows(cta_rows, batch, q_len, defines, seed):
     """A request whose kv_indptr range passes len(kv_indices), whose mask rows (mask_indptr[b] +
-    q_len x its keys) pass len(custom_mask), or whose kv_indptr starts below 0, reads neither
-    tensor (v31: the kernels take both lengths as a second argument), and its tokens come out NaN;
-    every other request keeps its values. Before v31 its CTAs read past the tensors. Here the last
-    request's reads pass kv_indices or the mask, each one entry short, and the first request's
-    range starts one key before kv_indices. Every layout runs: the pooled split kernel, its decode
+    q_len x its keys) pass len(custom_mask) or start before it, or whose kv_indptr has an entry
+    below 0, reads neither tensor (v31: the kernels take both lengths as a second argument), and
+    its tokens come out NaN; every other request keeps its values. Before v31 its CTAs read past
+    the tensors. Here the last request's reads pass kv_indices or the mask (each one entry short;
+    the mask with an int32 mask_indptr too), its kv_indptr end is INT_MIN (its 32-bit key count
+    would wrap to ~2^31), or its mask_indptr is -1 or 2^32 + 5; and the first request's range
+    starts one key before kv_indices. Every layout runs: the pooled split kernel, its decode
     build (8 rows, the mma's N), the 64-row kernel's batches (pooled from sm_90 on) and batch 1,
     and both kernels unpooled (BALANCED_SPLITS=0). (The sanitizer case runs the short tensors as
     allocations of their own, under memcheck.)"""
@@ -414,23 +416,32 @@ def test_reads_past_the_index_tensors_give_nan_rows(cta_rows, batch, q_len, defi
     T = batch * q_len
     ws = MlaVerifyWorkspace(T, H, "cuda", cta_rows=cta_rows, kernel_defines=defines)
 
-    def call(kv_indptr, kv_indices, custom_mask):
+    def call(kv_indptr, kv_indices, custom_mask, mask_indptr=case["mask_indptr"]):
         out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
         lse = torch.full((T, H), float("nan"), device="cuda")
         mla_verify_attention(case["q"], case["kv_pool"], case["qo_indptr"], kv_indptr, kv_indices, out=out, lse=lse,
                              workspace=ws, sm_scale=case["sm_scale"], max_q_len=q_len, k_extend=case["k_extend"],
-                             custom_mask=custom_mask, mask_indptr=case["mask_indptr"])
+                             custom_mask=custom_mask, mask_indptr=mask_indptr)
         torch.cuda.synchronize()
         return out, lse
 
-    kv, kv_indices, mask = case["kv_indptr"], case["kv_indices"], case["custom_mask"]
-    assert int(kv[-1]) == kv_indices.numel() and int(case["mask_indptr"][-1]) == mask.numel()   # no slack to pass
+    kv, kv_indices, mask, mask_indptr = case["kv_indptr"], case["kv_indices"], case["custom_mask"], case["mask_indptr"]
+    assert int(kv[-1]) == kv_indices.numel() and int(mask_indptr[-1]) == mask.numel()   # no slack to pass
     good_out, good_lse = call(kv, kv_indices, mask)
     assert_matches_reference(case, good_out, good_lse, "valid indices")
     good_out = good_out.float()
     last, first = T - q_len, q_len   # the last request's first token; the first request's end
+    kv_wraps, mask_before, mask_far = kv.clone(), mask_indptr.clone(), mask_indptr.clone()
+    kv_wraps[-1] = -2**31      # the last request's prefix_len would wrap to ~2^31 in 32 bits (a review, session 47)
+    mask_before[-2] = -1       # the last request's mask rows start one byte before the mask
+    mask_far[-2] = 2**32 + 5   # past the mask, and past any int32 truncation of the value
     for label, args in (("kv_indices one short", (kv, kv_indices[:-1].clone(), mask)),
-                        ("the mask one short", (kv, kv_indices, mask[:-1].clone()))):
+                        ("the mask one short", (kv, kv_indices, mask[:-1].clone())),
+                        ("the mask one short, int32 mask_indptr",
+                         (kv, kv_indices, mask[:-1].clone(), mask_indptr.to(torch.int32))),
+                        ("a wrapping kv_indptr", (kv_wraps, kv_indices, mask)),
+                        ("mask rows before the mask", (kv, kv_indices, mask, mask_before)),
+                        ("mask rows 2^32 past the mask", (kv, kv_indices, mask, mask_far))):
         out, lse = call(*args)
         assert torch.isnan(out[last:].float()).all() and torch.isnan(lse[last:]).all(), f"{label}: not NaN"
         if batch > 1:

@@ -33,8 +33,9 @@ def test_case_script_passes_every_host_check(monkeypatch):
     src = sanitize.case_script().replace("'cuda'", "'cpu'").replace("torch.cuda.synchronize(); ", "")
     exec(compile(src, "sanitizer case", "exec"), {"__name__": "sanitizer_case"})
     # 13 valid calls, then 4 a kernel at 130 and 3 requests (valid, kv and qo broken, overlap), then
-    # 2 a kernel past T (2 requests, 1 request), then 2 a kernel past kv_indices and the mask
-    assert len(calls) == 29
+    # 2 a kernel past T (2 requests, 1 request), then 3 a kernel past kv_indices, the mask, and a
+    # wrapping kv_indptr
+    assert len(calls) == 31
 
 
 def test_parse_racecheck_report():

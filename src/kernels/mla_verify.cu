@@ -172,6 +172,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
                                         k_extend->is_contiguous() && k_extend->numel() == q.size(0) * kDimQK),
               "k_extend must be contiguous bf16 [T, 576] on q's device");
   TORCH_CHECK(custom_mask.has_value() == mask_indptr.has_value(), "custom_mask and mask_indptr go together");
+  // an empty mask's null data pointer would read as no mask: a causal chain, silently
+  TORCH_CHECK(!custom_mask.has_value() || custom_mask->numel() > 0, "custom_mask is empty");
   TORCH_CHECK(!custom_mask.has_value() ||
                   (on_dev(*custom_mask) && on_dev(*mask_indptr) && custom_mask->element_size() == 1 &&
                    (mask_indptr->scalar_type() == at::kInt || mask_indptr->scalar_type() == at::kLong) &&
@@ -224,8 +226,11 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   prm.balanced_splits = pool_mode | static_cast<int>(T << 2);
   prm.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
 
-  // the index tensors' lengths: a request whose indptrs pass them reads nothing there (request_reads_fit)
-  const Bounds bounds{kv_indices.numel(), custom_mask.has_value() ? custom_mask->numel() : 0};
+  // the index tensors' lengths: a request whose indptrs pass them reads nothing there
+  // (request_reads_fit); kv_indptr entries past 2^30 count as past kv_indices, which keeps the
+  // kernels' 32-bit key counts from wrapping (a batch's keys are far fewer)
+  const Bounds bounds{std::min<int64_t>(kv_indices.numel(), int64_t(1) << 30),
+                      custom_mask.has_value() ? custom_mask->numel() : 0};
 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((max_q_len * H + cta_rows - 1) / cta_rows),

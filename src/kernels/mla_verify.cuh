@@ -865,7 +865,10 @@ __device__ __forceinline__ int64_t load_index_apart_if(const void* index, int64_
 // mask, SGLang's layout, q_rows rows of num_keys bytes from mask_indptr[b], of which the kernels
 // read the draft keys' bytes. From the indptrs alone: q_len wraps as request_q_len's does, and the
 // mask's test is in 64 bits, where nothing wraps (q_rows * num_keys stays below 2^37 in
-// magnitude). Wherever the kernels read the mask, their 32-bit num_keys is this one.
+// magnitude). Both kv_indptr entries must be >= 0: then the kernels' 32-bit prefix_len cannot
+// wrap (kv_indptr [1, INT_MIN] passed kv0 >= 0 and kv1 <= len, and wrapped it to INT_MAX: found
+// by a review in session 47), and wherever the kernels read the mask, their num_keys is this
+// one; the launcher caps kv_indices_len at 2^30, so that num_keys + a split count cannot wrap.
 // kMaskBeside: mask_indptr[b] loaded predicated, in flight beside the kv_indptr loads; else under
 // the mask's branch, after compares that wait on them, one L2 round trip later (+0.33 us at q16
 // h8 4k with a mask). The batched 64-row kernel takes the branch: with the predicated load its
@@ -881,7 +884,7 @@ __device__ __forceinline__ bool request_reads_fit(const Params& prm, const Bound
                                     : load_apart(static_cast<const int32_t*>(prm.mask_indptr) + b);
   const int64_t num_keys = int64_t(kv1) - kv0 + (prm.k_extend ? q_len : 0);
   const int q_rows = max(min(q_len, prm.max_q_len), 0);
-  return kv0 >= 0 && kv1 <= bounds.kv_indices_len &&
+  return (kv0 | kv1) >= 0 && kv1 <= bounds.kv_indices_len &&
          (!prm.custom_mask || (mask_start >= 0 && mask_start <= bounds.mask_len - q_rows * num_keys));
 }
 // A broken batch that the layout cannot keep apart (v29): every CTA gives the LSE slots of its

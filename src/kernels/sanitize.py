@@ -12,7 +12,7 @@ rule) with a decreasing kv_indptr and a decreasing qo_indptr, and 3 requests who
 overlap, in both kernels (the `unbalanced` build runs them unpooled), requests that run past
 q's T rows, with q and k_extend allocations of their own (v30: those rows are not read), and a
 request whose kv_indptr or mask_indptr range passes kv_indices or the mask, each one entry short
-in an allocation of its own (v31: not read either).
+in an allocation of its own, or whose kv_indptr ends at INT_MIN (v31: not read either).
 Each build is compiled first, outside the sanitizer (nvcc under it would take minutes).
 `group_barriers` (mla_verify.cuh: GROUP_BARRIERS=1) is v14's schedule, where each warp group
 waits on its own 128-thread named barrier inside a tile. racecheck reports its P hand-over,
@@ -122,8 +122,10 @@ def case_script(defines: tuple[str, ...] = ()) -> str:
         "for rows in (32, 64):\n"
         "    ws = MlaVerifyWorkspace(6, 3, 'cuda', num_splits=2, cta_rows=rows,"
         f" kernel_defines={tuple(defines)!r})\n"
-        "    for kvi, mask in ((short_kv, m['custom_mask']), (m['kv_indices'], short_mask)):\n"
-        "        mla_verify_attention(m['q'], m['kv_pool'], m['qo_indptr'], m['kv_indptr'], kvi, out=o, lse=l,"
+        "    kv_wraps = m['kv_indptr'].clone(); kv_wraps[-1] = -2**31  # a 32-bit key count that would wrap\n"
+        "    for kv_, kvi, mask in ((m['kv_indptr'], short_kv, m['custom_mask']), (m['kv_indptr'], m['kv_indices'],"
+        " short_mask), (kv_wraps, m['kv_indices'], m['custom_mask'])):\n"
+        "        mla_verify_attention(m['q'], m['kv_pool'], m['qo_indptr'], kv_, kvi, out=o, lse=l,"
         " workspace=ws, sm_scale=m['sm_scale'], max_q_len=3, k_extend=m['k_extend'], custom_mask=mask,"
         " mask_indptr=m['mask_indptr'])\n"
         "torch.cuda.synchronize(); print('ran')\n")

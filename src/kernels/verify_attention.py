@@ -287,7 +287,8 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
             request, tokens before qo_indptr[0], every token of a request that runs past q's T
             rows (none of whose rows is read), whose kv_indptr range is negative, or whose
             kv_indptr range or mask rows pass len(kv_indices) or len(custom_mask) (v31; the
-            kernels then read neither tensor, nor a kv_indptr range that starts below 0). The
+            kernels then read neither tensor, nor a kv_indptr range with an entry below 0;
+            kv_indptr entries past 2^30 count as past kv_indices). The
             other requests are computed over their ranges as given (a raised kv_indptr entry
             gives the request before it more keys), except past 128 requests in the pooled
             layouts (below). A decreasing qo_indptr gives NaN for every token before
