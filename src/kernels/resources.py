@@ -57,7 +57,7 @@ ATTENTION_KERNELS = ("mla_verify_split_kernel<16>", "mla_verify_split_kernel<16,
                      "wide::mla_verify_wide_kernel<false>", "wide::mla_verify_wide_kernel<true>")
 # ... instantiated by taking their addresses, which names no signature: sass_compare builds older
 # revisions too (v31 gave the attention kernels a second argument).
-ATTENTION_INSTANCES = "static const void* const kAttentionKernels[] = {\n" + "".join(
+ATTENTION_INSTANCES = "[[maybe_unused]] static const void* const kAttentionKernels[] = {\n" + "".join(
     f"    reinterpret_cast<const void*>(&sm120_mla::{kernel}),\n" for kernel in ATTENTION_KERNELS) + "};\n"
 
 
