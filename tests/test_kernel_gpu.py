@@ -308,6 +308,11 @@ def assert_same_rows(out, lse, good_out, good_lse, label):
     assert (lse - good_lse).abs().max() <= 1e-3, f"{label}: lse moved"
 
 
+def assert_nan_rows(out, lse, rows, label):
+    """Rows of a call that a broken index contract must leave NaN, in the output and the LSE."""
+    assert torch.isnan(out[rows].float()).all() and torch.isnan(lse[rows]).all(), f"{label}: not NaN"
+
+
 @pytest.mark.parametrize("cta_rows", [32, 64])
 def test_broken_index_values_give_nan_rows(cta_rows, seed):
     """Index values that a graph replay cannot check on the host (check_values does, eagerly): a
@@ -335,9 +340,6 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
         torch.cuda.synchronize()
         return out, lse
 
-    def nan_rows(out, lse, rows, label):
-        assert torch.isnan(out[rows].float()).all() and torch.isnan(lse[rows]).all(), f"{label}: not NaN"
-
     qo, kv = case["qo_indptr"], case["kv_indptr"]
     good_out, good_lse = call(qo, kv)
     assert_matches_reference(case, good_out, good_lse, "valid indices")
@@ -346,19 +348,19 @@ def test_broken_index_values_give_nan_rows(cta_rows, seed):
         return torch.tensor(values, dtype=torch.int32, device="cuda")
 
     out, lse = call(indptr([0, 4, 10, 15]), kv)           # request 2 runs past q's 13 rows
-    nan_rows(out, lse, slice(10, 13), "request past T")
+    assert_nan_rows(out, lse, slice(10, 13), "request past T")
     assert_same_rows(out[:10], lse[:10], good_out[:10], good_lse[:10], "requests inside q")
     out, lse = call(indptr([1, 4, 10, 13]), kv)           # token 0 belongs to no request
-    nan_rows(out, lse, slice(0, 1), "token before qo_indptr[0]")
+    assert_nan_rows(out, lse, slice(0, 1), "token before qo_indptr[0]")
     assert_same_rows(out[4:], lse[4:], good_out[4:], good_lse[4:], "requests 1 and 2")
     k = kv.tolist()
     out, lse = call(qo, indptr([k[0], k[2] + 100, k[2], k[3]]))   # request 1's prefix is -100 keys
-    nan_rows(out, lse, slice(4, 10), "negative prefix")
+    assert_nan_rows(out, lse, slice(4, 10), "negative prefix")
     # request 0 now reads request 1's keys and 100 more; request 2 keeps its range, and its values:
     # the pool counts a negative prefix as no keys, so the CTAs' spans stay apart (v26)
     assert_same_rows(out[10:], lse[10:], good_out[10:], good_lse[10:], "request 2 beside a negative prefix")
     out, lse = call(indptr([0, 4, 2, 8]), kv)   # request 2's tokens 2..7 overlap request 0's 0..3
-    nan_rows(out, lse, slice(0, 8), "decreasing qo_indptr")
+    assert_nan_rows(out, lse, slice(0, 8), "decreasing qo_indptr")
     assert (out[8:].float() == 0).all() and (lse[8:] == -math.inf).all(), "tokens past qo_indptr[-1]"
 
 
@@ -443,13 +445,13 @@ def test_reads_past_the_index_tensors_give_nan_rows(cta_rows, batch, q_len, defi
                         ("mask rows before the mask", (kv, kv_indices, mask, mask_before)),
                         ("mask rows 2^32 past the mask", (kv, kv_indices, mask, mask_far))):
         out, lse = call(*args)
-        assert torch.isnan(out[last:].float()).all() and torch.isnan(lse[last:]).all(), f"{label}: not NaN"
+        assert_nan_rows(out, lse, slice(last, None), label)
         if batch > 1:
             assert_same_rows(out[:last], lse[:last], good_out[:last], good_lse[:last], f"{label}: the other requests")
     kv_before = kv.clone()
     kv_before[0] = -1   # the first request's range starts one key before kv_indices
     out, lse = call(kv_before, kv_indices, mask)
-    assert torch.isnan(out[:first].float()).all() and torch.isnan(lse[:first]).all(), "a range before 0: not NaN"
+    assert_nan_rows(out, lse, slice(None, first), "a range before 0")
     if batch > 1:
         assert_same_rows(out[first:], lse[first:], good_out[first:], good_lse[first:], "beside a range before 0")
     out, lse = call(kv, kv_indices, mask)   # the next valid call is whole again
