@@ -6,6 +6,7 @@ import functools
 import math
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -428,14 +429,23 @@ def test_gpu_check_profile_job_is_timed_and_reads_its_own_export(tmp_path):
     assert "regex:wide_kernel" in script and "--kernel wide_kernel" in script   # the headline shape's kernel
 
 
-def test_gpu_check_prebuilds_every_variant_the_tests_and_the_ablation_build():
+def test_gpu_check_prebuilds_the_variants_of_the_jobs_named():
     from sm120_workbook.kernels.ablation import VARIANTS
     from sm120_workbook.kernels.checks import SCHEDULE_VARIANTS
-    from sm120_workbook.kernels.gpu_check import prebuild_defines
+    from sm120_workbook.kernels.gpu_check import TEST_BUILDS, prebuild_defines
 
-    builds = prebuild_defines()
-    assert len(builds) == len(set(builds)) and () in builds
-    assert {tuple(sorted(d)) for d, _ in SCHEDULE_VARIANTS} | {tuple(sorted(v.defines)) for v in VARIANTS.values()} == set(builds)
+    schedule = {tuple(sorted(d)) for d, _ in SCHEDULE_VARIANTS}
+    ablation = {tuple(sorted(v.defines)) for v in VARIANTS.values()}
+    for names, expected in ((["tests"], schedule | set(TEST_BUILDS)), (["ablation"], ablation),
+                            (["tests", "bench", "ablation"], schedule | set(TEST_BUILDS) | ablation),
+                            (["bench", "targets"], set())):
+        builds = prebuild_defines(names)
+        assert builds == sorted(expected), names
+    assert len(prebuild_defines(["tests"])) < len(prebuild_defines(["tests", "ablation"]))   # the point of it
+    # every define set the GPU tests build is prebuilt for them (a new one added there must be added here)
+    gpu_tests = (Path(__file__).parent / "test_kernel_gpu.py").read_text()
+    in_tests = set(re.findall(r"\(\"([A-Z_0-9]+=?[0-9]*)\",\)", gpu_tests))
+    assert in_tests and {(d,) for d in in_tests} <= set(prebuild_defines(["tests"]))
 
 
 def test_build_in_parallel_names_the_builds_that_failed(monkeypatch):
@@ -510,7 +520,7 @@ def test_gpu_check_runs_the_queues_and_merges_the_logs(tmp_path, monkeypatch):
     monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(gc, "load_kernel_module", lambda: None)
-    monkeypatch.setattr(gc, "start_prebuild", lambda: subprocess.Popen(["true"]))
+    monkeypatch.setattr(gc, "start_prebuild", lambda defines: subprocess.Popen(["true"]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
     monkeypatch.setattr(gc, "jobs", lambda out, tag, ncu=None: [
         ("ok", ["bash", "-c", "echo gpu $CUDA_VISIBLE_DEVICES; echo fine"], True),
@@ -532,7 +542,7 @@ def test_gpu_check_runs_only_the_jobs_named(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(gc, "load_kernel_module", lambda: None)
     prebuilds = []
-    monkeypatch.setattr(gc, "start_prebuild", lambda: prebuilds.append(1) or subprocess.Popen(["true"]))
+    monkeypatch.setattr(gc, "start_prebuild", lambda defines: prebuilds.append(defines) or subprocess.Popen(["true"]))
     monkeypatch.setattr(gc, "jobs", lambda out, tag, ncu=None: [
         (name, ["bash", "-c", f"echo {name} ran"], timed)
         for name, timed in (("tests", False), ("bench", True), ("targets", True))])
@@ -540,7 +550,7 @@ def test_gpu_check_runs_only_the_jobs_named(tmp_path, monkeypatch, capsys):
     log = (tmp_path / "a" / "gpu_check.log").read_text()
     assert "PASS targets" in log and "tests" not in log and "bench" not in log and not prebuilds
     assert gc.main(["--out", str(tmp_path / "b"), "--jobs", "targets", "tests"]) == 0
-    assert prebuilds == [1]   # the tests build the schedule variants
+    assert prebuilds == [gc.prebuild_defines(["tests"])]   # the tests' builds, not the ablation's
     with pytest.raises(SystemExit):   # a misspelt name: an error naming it, before anything is built
         gc.main(["--out", str(tmp_path / "c"), "--jobs", "target"])
     assert "no job named target here (jobs: tests, bench, targets)" in capsys.readouterr().err

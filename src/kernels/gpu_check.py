@@ -90,18 +90,23 @@ def assign(job_list, num_gpus: int) -> list[list[tuple[str, list[str], bool]]]:
     return queues
 
 
-def prebuild_defines() -> list[tuple[str, ...]]:
-    """The builds the jobs would otherwise make one at a time: the ablation's variants and the
-    tests' schedule variants."""
+# the builds test_kernel_gpu.py makes besides the shipped one and checks.SCHEDULE_VARIANTS
+TEST_BUILDS = (("BALANCED_SPLITS=0",), ("COMBINE_PDL=0",), ("POOL_TRACE",))
+
+
+def prebuild_defines(names) -> list[tuple[str, ...]]:
+    """The variant builds that the jobs named would otherwise make one at a time: the tests' (the
+    schedule variants and TEST_BUILDS) and the ablation's. Only those jobs': the ablation's own ~30
+    builds, made for `--jobs tests` too, pushed it past a 10-minute call on one fresh H200."""
     from .ablation import VARIANTS
     from .checks import SCHEDULE_VARIANTS
 
-    return sorted({tuple(sorted(v.defines)) for v in VARIANTS.values()}
-                  | {tuple(sorted(d)) for d, _ in SCHEDULE_VARIANTS})
-
-
-# the jobs that build the variants prebuild_defines lists
-NEEDS_PREBUILD = {"tests", "ablation"}
+    builds = set()
+    if "tests" in names:
+        builds |= {tuple(sorted(d)) for d, _ in SCHEDULE_VARIANTS} | set(TEST_BUILDS)
+    if "ablation" in names:
+        builds |= {tuple(sorted(v.defines)) for v in VARIANTS.values()}
+    return sorted(builds)
 
 
 def select(job_list, names: list[str] | None):
@@ -115,10 +120,10 @@ def select(job_list, names: list[str] | None):
     return [j for j in job_list if j[0] in names]
 
 
-def start_prebuild() -> subprocess.Popen:
+def start_prebuild(defines: list[tuple[str, ...]]) -> subprocess.Popen:
     """The variant builds (CPU only, a few minutes in parallel) overlap the jobs that need none
     instead of delaying those that do, which then find them cached."""
-    code = f"from sm120_workbook.kernels.build import build_in_parallel; build_in_parallel({prebuild_defines()!r})"
+    code = f"from sm120_workbook.kernels.build import build_in_parallel; build_in_parallel({defines!r})"
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -144,7 +149,8 @@ def main(argv=None) -> int:
     logs = a.out / "logs"   # one per job while they run; merged into gpu_check.log at the end
     logs.mkdir(exist_ok=True)
     load_kernel_module()   # build once here, so the jobs find it cached instead of queueing on the lock
-    prebuild = start_prebuild() if NEEDS_PREBUILD & {j[0] for j in job_list} else None
+    defines = prebuild_defines([j[0] for j in job_list])
+    prebuild = start_prebuild(defines) if defines else None
     queues = assign(job_list, torch.cuda.device_count())
     # GPU i of this process is the i-th entry of an existing CUDA_VISIBLE_DEVICES, if any
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
