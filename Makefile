@@ -109,6 +109,7 @@ device-wheel: $(STAMP)
 	  (cd "$$tmp" && $(PYTHON) -c "import sys; sys.path.insert(0, 'src'); import wheel_folders as w; sys.stdout.write(w.INSTALL_SH)") > .whlp/install.sh && \
 	  echo "$$commit" > .whlp/COMMIT
 	@echo "made .whlp ($$(ls .whlp/*.whl | xargs -n1 basename), commit $$(cut -c1-7 .whlp/COMMIT))"
+	@$(PY) -m sm120_workbook.wheel_folders --check || echo "warning: a call carrying that folder would be refused (64 MiB)"
 
 # On a GPU machine: tests, sanitizers, backend tests, benchmark and ablation side by side over
 # the visible GPUs, into $(OUT). The project's .venv where it has one; python3 on the lent GPU

@@ -17,6 +17,7 @@ fitting a call once the tree passes ~21 MiB. (wheelhouse.sh strips sgl_kernel's 
 the same way.)
 
     python -m sm120_workbook.wheel_folders            # from the project root (make wheelhouse runs it)
+    python -m sm120_workbook.wheel_folders --check    # whether they still fit (make device-wheel runs it)
 """
 from __future__ import annotations
 
@@ -178,13 +179,33 @@ def repack(root: Path, limit: int) -> list[Path]:
     return folders
 
 
+def folders_over_a_call(root: Path) -> list[tuple[str, int]]:
+    """(folder, bytes over) for each root/.whlN/ that no longer fits one call beside the tracked
+    tree and .whlp (which a working call carries too): the tree grows with every session's records,
+    and a call over 64 MiB is refused before it starts."""
+    def size(d: Path) -> int:
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+    base = tracked_tree_bytes(root) + (size(root / ".whlp") if (root / ".whlp").is_dir() else 0)
+    folders = sorted(p for p in root.glob(".whl*") if p.is_dir() and p.name[4:].isdigit())
+    return [(d.name, over) for d in folders if (over := base + size(d) - CALL_LIMIT_BYTES) > 0]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path("."), help="the project root (holds .whl1 ...)")
     ap.add_argument("--limit-mib", type=float, default=None,
                     help="bytes a folder may hold, in MiB (default: 64 MiB less the tracked tree and a 2 MiB margin)")
+    ap.add_argument("--check", action="store_true",
+                    help="only say whether each folder still fits a call beside the tree and .whlp (exit 1 if not)")
     a = ap.parse_args(argv)
     root = a.root.resolve()
+    if a.check:
+        over = folders_over_a_call(root)
+        for name, extra in over:
+            print(f"{name} no longer fits a device call beside the tracked tree and .whlp "
+                  f"({extra / 2**20:.2f} MiB over 64 MiB): run `python -m sm120_workbook.wheel_folders` to repack")
+        return 1 if over else 0
     if a.limit_mib is not None:
         if a.limit_mib <= 0:
             ap.error(f"--limit-mib: must be positive, got {a.limit_mib}")

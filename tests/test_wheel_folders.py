@@ -211,3 +211,23 @@ def test_a_given_limit_needs_no_git_and_must_be_positive(tmp_path, capsys):
     with pytest.raises(SystemExit):
         wf.main(["--root", str(tmp_path), "--limit-mib", "0"])
     assert "--limit-mib: must be positive" in capsys.readouterr().err
+
+
+def test_check_names_the_folders_that_no_longer_fit_beside_the_tree_and_whlp(tmp_path, capsys, monkeypatch):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "tracked.bin").write_bytes(os.urandom(100 * KIB))
+    subprocess.run(["git", "add", "tracked.bin"], cwd=tmp_path, check=True)
+    _wheel(tmp_path / ".whl1", "a", "a", 40)
+    _wheel(tmp_path / ".whl2", "b", "b", 10)
+    _wheel(tmp_path / ".whlp", "sm120_workbook", "sm120_workbook", 10)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob(".whl*/*.whl"))
+    # a 64 MiB call shrunk to 145 KiB: the tree (100), .whlp (10) and .whl2 (10) fit; with .whl1 (40) they do not
+    monkeypatch.setattr(wf, "CALL_LIMIT_BYTES", 145 * KIB)
+    over = wf.folders_over_a_call(tmp_path)
+    assert [name for name, _ in over] == [".whl1"] and 0 < over[0][1] < 10 * KIB
+    assert wf.main(["--root", str(tmp_path), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert ".whl1 no longer fits" in out and ".whl2" not in out and "python -m sm120_workbook.wheel_folders" in out
+    monkeypatch.setattr(wf, "CALL_LIMIT_BYTES", 400 * KIB)
+    assert wf.main(["--root", str(tmp_path), "--check"]) == 0 and capsys.readouterr().out == ""
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob(".whl*/*.whl")) == before   # nothing moved
