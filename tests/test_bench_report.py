@@ -51,6 +51,20 @@ def test_baselines_missing_from_the_latest_run_come_from_the_newest_run_that_has
     assert br.baselines_from(latest) == {}
     t = br.targets_table(table).set_index("target")
     assert t.loc["q16 h8 64k: >= 100x Triton verify", "met"]   # 12238.2 / 107.8 = 113.5
+    # an older run asked for by id takes a baseline it lacks from the newest run not newer than it,
+    # and from the oldest newer run only where no older run has it
+    df = pd.concat([df, pd.DataFrame([_rec("20261129T110000Z", "v8", "flashmla", 58.0),
+                                      _rec("20261129T140000Z", "v15", "triton_verify", 12000.0),
+                                      _rec("20261129T150000Z", "v16", "triton_verify", 11000.0)])])
+    v9 = br.with_missing_baselines(df[df.run_id == "20261129T120000Z"], df)
+    assert br.baselines_from(v9) == {"flashmla": "20261129T110000Z"}
+    v14 = br.with_missing_baselines(df[df.run_id == "20261129T130000Z"], df)
+    assert br.baselines_from(v14) == {"triton_verify": "20261129T120000Z"}
+    first = br.with_missing_baselines(df[df.run_id == "20261129T110000Z"], df)
+    assert br.baselines_from(first) == {}   # a flashmla-only run: no sm120_mla rows to compare against
+    early = pd.DataFrame([_rec("20261129T100000Z", "v7", "sm120_mla", 130.0)])
+    assert br.baselines_from(br.with_missing_baselines(early, pd.concat([early, df]))) == {
+        "flashmla": "20261129T110000Z", "triton_verify": "20261129T120000Z"}
 
 
 H200, RTX_GPU = "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
@@ -208,6 +222,12 @@ def test_flashmla_reach_splits_fixed_and_per_key_time_and_bounds_any_mma_sync_ke
 def test_flashmla_reach_when_flashmla_is_slower_per_key_than_the_ceiling():
     r = br.flashmla_reach(_linear_run(fm=(40.0, 40.0)), efficiencies=(1.0,)).iloc[0]
     assert r["at 100% of the ceiling, matches FlashMLA up to"] == "every context"
+    # slower per key than the ceiling but with the smaller fixed part: a kernel at the ceiling with
+    # our larger fixed part catches up only from a context on: 40 + 30x = 20 + 70x -> x = 0.5 (32k)
+    r = br.flashmla_reach(_linear_run(ours=(40.0, 30.0), fm=(20.0, 70.0)), efficiencies=(1.0,)).iloc[0]
+    assert r["at 100% of the ceiling, matches FlashMLA up to"] == "from 32k on"
+    r = br.flashmla_reach(_linear_run(ours=(40.0, 30.0), fm=(20.0, 30.0)), efficiencies=(1.0,)).iloc[0]
+    assert r["at 100% of the ceiling, matches FlashMLA up to"] == "no context"   # parallel lines, ours above
 
 
 def test_flashmla_reach_needs_three_contexts_and_the_mma_sync_rate():
@@ -398,12 +418,14 @@ def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
     assert t.loc["q16 h8 64k: <= FlashMLA", "verdict"] == "missed in every round"
     assert t.loc["q16 h8 16k: <= FlashMLA", "verdict"] == "met in every round"
     assert br.targets_over_rounds(df.drop(columns="run_id")).equals(br.targets_over_rounds(df))   # one unnamed run
-    assert "q16 h8 64k: >= 100x Triton verify" not in t.index   # not timed: no verdict, not "missed"
+    # not timed in any round: kept, as "not measured", never "missed" (and never dropped)
+    untimed = t.loc["q16 h8 64k: >= 100x Triton verify"]
+    assert (untimed["rounds"], untimed["verdict"]) == (0, "not measured") and untimed["ratio"] != untimed["ratio"]
     # two processes (runs) pool their rounds; round numbers repeat from run to run
     second = pd.DataFrame(_round_records([50.2, 49.5], ctx=32768)).assign(run_id="r2")
     row = br.targets_over_rounds(pd.concat([df, second])).set_index("target").loc["q16 h8 32k: <= FlashMLA"]
     assert (row["runs"], row["rounds"], row["verdict"]) == (2, 5, "mixed: met in 3 of 5 rounds")
-    assert br.targets_over_rounds(pd.DataFrame()).empty
+    assert br.targets_over_rounds(pd.DataFrame()).empty and br.targets_table(pd.DataFrame()).empty
     with pytest.raises(ValueError, match="df: records without a `round`"):
         br.targets_over_rounds(pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0)]))
 

@@ -5,6 +5,8 @@ the measured results, and on the records of a live `bench.run` alike.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -84,7 +86,8 @@ def comparison_run(df: pd.DataFrame, run_id: str = "") -> pd.DataFrame:
 
 def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
     """`run` plus, for each baseline impl it lacks (e.g. a run made without SGLang's Triton
-    kernels installed), that impl's rows from the newest run on the same GPU that has it.
+    kernels installed), that impl's rows from the newest run on the same GPU that has it and is
+    not newer than `run` (a newer one where none is older: an older `run` asked for by id).
     Their `run_id` says where they come from; ratios against them are across runs
     (baselines_from). An impl that cannot run on that GPU (FlashMLA on an RTX PRO 6000) stays
     missing: another GPU's times are no baseline."""
@@ -96,9 +99,12 @@ def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.Data
     for impl in IMPL_ORDER:
         if impl == "sm120_mla" or (run["impl"] == impl).any():
             continue
-        older = all_runs[all_runs["impl"] == impl]
+        other = all_runs[all_runs["impl"] == impl]
+        older = other[other["run_id"] <= run["run_id"].max()] if "run_id" in other and "run_id" in run else other
         if len(older):
             parts.append(latest_run(older))
+        elif len(other):
+            parts.append(other[other["run_id"] == other["run_id"].min()].copy())
     return pd.concat(parts, ignore_index=True)
 
 
@@ -352,6 +358,8 @@ def _mma_share_note(df: pd.DataFrame, baseline_us: float, **shape) -> str:
 def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     """The kernel issue's targets, each with the measured value and whether it is met (and,
     for the batch-32 target, what it asks of the mma.sync ceiling)."""
+    if df.empty:
+        return pd.DataFrame(columns=["target", "measured", "ratio", "met", "note"])
     rows = []
 
     def t(impl, **shape):
@@ -430,6 +438,12 @@ def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
     out["verdict"] = [("met in every round" if met == n else "missed in every round" if met == 0
                        else f"mixed: met in {met} of {n} rounds")
                       for met, n in zip(out["met_rounds"], out["rounds"])]
+    # a target no round could measure (its baseline failed or was not timed) stays in the table
+    unmeasured = [{"target": t, "runs": g["run_id"].nunique(), "rounds": 0, "verdict": "not measured",
+                   "note": g["note"].iloc[0]}
+                  for t, g in per_round[~per_round["target"].isin(out["target"])].groupby("target", sort=False)]
+    if unmeasured:
+        out = pd.concat([out, pd.DataFrame(unmeasured)], ignore_index=True)
     return out[cols]
 
 
@@ -476,10 +490,17 @@ def flashmla_reach(df: pd.DataFrame, batch: int = 1, q_len: int = 16, min_ctx: i
                "sm120_mla per-key rate / ceiling": round(k_mma / k_ours, 2),
                "FlashMLA per-key rate / ceiling": round(k_mma / k_fm, 2)}
         for e in efficiencies:
-            gap = k_mma / e - k_fm
-            reach = float("inf") if gap <= 0 else 65536 * (f_fm - f_ours) / gap
-            row[f"at {e:.0%} of the ceiling, matches FlashMLA up to"] = (
-                "every context" if reach == float("inf") else "no context" if reach <= 0 else f"{reach / 1024:.0f}k")
+            # at share e, ours minus FlashMLA's time is (f_ours - f_fm) + x gap, x = ctx / 64k: it is
+            # <= 0 up to some context where gap > 0, and from some context on where gap < 0
+            gap = 0.0 if math.isclose(k_mma / e, k_fm, rel_tol=1e-9) else k_mma / e - k_fm   # a fit's rounding
+            if gap > 0:
+                reach = 65536 * (f_fm - f_ours) / gap
+                text = "no context" if reach <= 0 else f"{reach / 1024:.0f}k"
+            elif f_ours <= f_fm:
+                text = "every context"
+            else:
+                text = "no context" if gap == 0 else f"from {65536 * (f_ours - f_fm) / -gap / 1024:.0f}k on"
+            row[f"at {e:.0%} of the ceiling, matches FlashMLA up to"] = text
         # the share e of the ceiling at which a kernel with our fixed part ties FlashMLA at the
         # longest context: fixed_ours + x k_mma / e = fixed_fm + x k_fm, x = ctx / 64k
         x = ours["ctx"].max() / 65536
