@@ -68,6 +68,7 @@ from .dummy_models import (EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, mate
 from .notebook_params import check_list_params
 from .patches import dflash_host_plan as dflash_host_plan_patch
 from .patches import kv_sort
+from .provenance import git_commit
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
@@ -483,8 +484,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                   "kv_sort": kv_sort.requested(),
                   "gpu": gpu, "model": model, "layers": layers, "heads_per_rank": heads,
                   "weights": weight_format(model_cfg), "decode_tokens": decode_tokens, "batch": 1}
-        if os.environ.get("SM120_COMMIT"):  # a checkout copied without .git (the GPU machine) names its commit
-            common["commit"] = os.environ["SM120_COMMIT"]
+        # the commit the run starts from, as every record names it: $SM120_COMMIT on the GPU machine (a
+        # tree without .git), unless the installed package was archived from another (git_commit warns)
+        common["commit"] = git_commit()
         if not isinstance(profile_steps, int) or profile_steps < 0:
             raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
         if profile_steps:

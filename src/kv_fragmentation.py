@@ -502,7 +502,7 @@ def main(argv=None) -> int:
     """
     import argparse
 
-    from .results import append_records
+    from .results import append_records, cli_command
 
     ap = argparse.ArgumentParser(description="KV layout cost on the sm120 kernel (GPU)")
     ap.add_argument("--batch", type=int, default=8)
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
     print(times.round(1).to_string(index=False))
     rows = [{"kind": "kernel_layout", "scenario": config.scenario, **r} for r in times.to_dict("records")]
     print("appended to", append_records("kv_fragmentation", rows,
-                                        command="python -m sm120_workbook.kv_fragmentation"))
+                                        command=cli_command("sm120_workbook.kv_fragmentation", argv)))
     return 0
 
 

@@ -93,20 +93,32 @@ def on_gpu(df, name: str):
     return df["gpu"].fillna("").astype(str).str.contains(name, regex=False)
 
 
+def _short_commit(commit: str) -> str:
+    """12 characters of a commit, keeping its "+dirty" mark."""
+    base = commit.removesuffix("+dirty")
+    return base[:12] + ("+dirty" if base != commit else "")
+
+
 def describe_provenance(df) -> str:
     """One line naming where recorded results came from, for a notebook to print."""
     if df is None or len(df) == 0:
         return "no recorded results"
+    import pandas as pd
+
     parts = []
     for key in ("gpu", "driver", "torch", "sglang", "triton", "commit"):
         if key in df:
             vals = sorted({str(v) for v in df[key].dropna()})
-            if key == "commit" and len(vals) > 3:   # many runs: their count and the newest
-                newest = str(df.sort_values("date")["commit"].dropna().iloc[-1]) if "date" in df else vals[-1]
-                parts.append(f"commits={len(vals)} (newest {newest[:12]})")
+            if key == "commit" and len(vals) > 3:   # many runs: their count, the newest, and any from a dirty tree
+                dated = df.assign(_at=pd.to_datetime(df["date"], utc=True, errors="coerce")) if "date" in df else None
+                newest = (str(dated.sort_values("_at", na_position="first")["commit"].dropna().iloc[-1])
+                          if dated is not None else vals[-1])
+                dirty = sum(v.endswith("+dirty") for v in vals)
+                parts.append(f"commits={len(vals)} (newest {_short_commit(newest)}"
+                             + (f"; {dirty} from a dirty tree" if dirty else "") + ")")
             elif vals:
                 parts.append(f"{key}={','.join(vals)}")
-    dates = sorted(str(v)[:10] for v in df.get("date", []))
+    dates = sorted(str(v)[:10] for v in df["date"].dropna()) if "date" in df else []
     if dates:
         parts.append(f"dates={dates[0]}..{dates[-1]}")
     return "recorded results: " + "; ".join(parts)

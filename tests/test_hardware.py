@@ -108,6 +108,13 @@ def test_describe_provenance_counts_many_commits():
     line = describe_provenance(df)
     assert "commits=5 (newest bbbbbbbbbbbb)" in line and "dates=2026-11-25..2026-11-29" in line
     assert f"commit={'a' * 40},{'b' * 40};" in describe_provenance(df.iloc[:2])
+    # a commit from a dirty tree keeps its mark, and is counted; a record without a date is no date
+    df.loc[1, "commit"] = "4d14ecc+dirty"
+    df.loc[2, "date"] = None
+    line = describe_provenance(df)
+    assert "commits=5 (newest 4d14ecc+dirty; 1 from a dirty tree)" in line and "nan" not in line
+    df.loc[1, "commit"] = "b" * 12 + "+dirty"
+    assert f"(newest {'b' * 12}+dirty;" in describe_provenance(df)
 
 
 def test_live_gpu_is_off_under_nbval(monkeypatch):

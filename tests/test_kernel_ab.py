@@ -142,3 +142,17 @@ def test_a_notebook_cell_says_which_run_is_not_recorded(capsys):
     assert "never reached" not in out
     with pytest.raises(ValueError, match="plain"), unless_recorded():
         raise ValueError("plain")
+
+
+def test_a_baselines_sources_digest_names_its_revision(tmp_path):
+    """An A/B record names its baseline by the digest of its sources, since the folder (.ab/REV) is
+    not in git: a copy of a revision's files (as `git archive` leaves them) gives its digest."""
+    import shutil
+
+    from sm120_workbook.kernels.build import KERNEL_DIR, SOURCES, sources_sha256
+
+    copy = tmp_path / "src" / "kernels"
+    shutil.copytree(KERNEL_DIR, copy)
+    assert sources_sha256(copy) == sources_sha256() and len(sources_sha256()) == 64
+    (copy / SOURCES[0]).write_text((copy / SOURCES[0]).read_text() + "\n// another revision\n")
+    assert sources_sha256(copy) != sources_sha256()

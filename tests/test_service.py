@@ -682,6 +682,27 @@ def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):
     assert (tmp_path / "traces" / r["trace_file"]).is_file()   # beside results/, as data/traces
 
 
+def test_run_matrix_records_the_commit_of_the_code_that_ran(fake, tmp_path, monkeypatch):
+    """$SM120_COMMIT names the commit on the GPU machine (a tree without .git), but an installed
+    package archived from another commit is the code that ran: its commit goes in the records."""
+    from sm120_workbook import build_commit
+
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    monkeypatch.setenv("SM120_COMMIT", "b" * 12)
+    monkeypatch.setattr(build_commit, "ARCHIVED_FROM", "a" * 40)
+
+    def commits():
+        decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["sm120_mla"], contexts=[64], spec=["none"],
+                                decode_tokens=8, tp=1, nvml=False, expert=False, record=True,
+                                results_dir=tmp_path / "results", progress=False, launcher=fake,
+                                log_dir=tmp_path / "logs", log=lambda s: None)
+        return list(load_records("service_decode", path=tmp_path / "results" / "service_decode.jsonl")["commit"])
+
+    assert commits() == ["a" * 40]
+    monkeypatch.setattr(build_commit, "ARCHIVED_FROM", "b" * 40)   # the claim agrees with the package
+    assert commits() == ["a" * 40, "b" * 12]
+
+
 def test_run_matrix_skips_a_backend_with_no_kernel_for_the_gpu(fake, tmp_path, monkeypatch):
     """On an RTX PRO 6000 (12.0) the FlashMLA servers are not started (nor DFlash's NGRAM
     fallback): each plan is recorded as skipped, with the reason; the other backends run."""

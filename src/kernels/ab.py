@@ -32,7 +32,7 @@ import torch
 
 from ..results import NotRecorded, add_record_args
 from .bench import Inputs, Shape, build_sm120_mla, parse_shape, time_graph_us
-from .build import build_in_parallel, source_dir_of
+from .build import build_in_parallel, source_dir_of, sources_sha256
 
 SHIPPED = "full"
 
@@ -153,7 +153,9 @@ def main(argv=None):
         sys.exit("the A/B run needs a CUDA GPU; none is visible to torch")
     variant = "src_" + args.baseline_name
     build_in_parallel([()], source_dirs=(None, baseline))
-    records = [dict(r, kernel_version=args.tag, baseline=variant)
+    # the baseline's folder is outside git (.ab/REV): its sources' digest names the revision it holds
+    sources = {"sources_sha256": sources_sha256(), "baseline_sources_sha256": sources_sha256(baseline)}
+    records = [dict(r, kernel_version=args.tag, baseline=variant, **sources)
                for r in run_ab(target_shapes() + extra, baseline, variant, rounds=args.rounds, reps=args.reps,
                                masked_shapes=masked)]
     print(ab_table(records, variant).to_string(index=False))

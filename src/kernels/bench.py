@@ -507,15 +507,16 @@ def main(argv=None):
     if not args.no_record:
         from pathlib import Path
 
-        from ..results import append_cli_records, append_records
+        from ..results import append_cli_records, append_records, cli_command
 
         ok = [dict(r, kernel_version=args.tag) for r in records if r["status"] == "ok"]
         path = append_cli_records("kernel_bench", ok, "sm120_workbook.kernels.bench", argv, args.out)
         append_records("ceilings", [{"copy_gbps": ceil["copy_gbps"], "bf16_tflops": ceil["matmul_tflops"],
                                      "mma_sync_tflops": ceil["mma_sync_tflops"],
                                      "mma_sync_tflops_8warps": ceil["mma_sync_tflops_8warps"],
-                                     "matmul_n": 8192, "copy_nbytes": 1 << 30}],
-                       command="python -m sm120_workbook.kernels.bench (ceilings measured in the same run)",
+                                     "matmul_n": 8192, "copy_nbytes": 1 << 30,
+                                     "run_id": records[0]["run_id"] if records else None}],   # the run they served
+                       command=cli_command("sm120_workbook.kernels.bench", argv),
                        path=Path(args.out).with_name("ceilings.jsonl") if args.out else None)
         print(f"appended to {path}")
 

@@ -95,6 +95,16 @@ def source_dir_of(source_dir=None, arg: str = "source_dir") -> Path:
     return d
 
 
+def sources_sha256(source_dir=None) -> str:
+    """A digest of the kernel sources in `source_dir` (the shipped ones by default): what names
+    an A/B baseline made from a folder outside git (`git show REV:src/kernels/F` gives the same)."""
+    src = source_dir_of(source_dir)
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update(name.encode() + b"\0" + (src / name).read_bytes())
+    return h.hexdigest()
+
+
 def build_key(capability: tuple[int, int], defines: tuple[str, ...] = (), source_dir=None) -> str:
     src = source_dir_of(source_dir)
     h = hashlib.sha256()

@@ -219,11 +219,11 @@ def main(argv=None):
         print("no nvdisasm, so no loop counts: pip install nvidia-cuda-nvdisasm (the `test` extra)")
     if args.write:
         from ..provenance import provenance
-        from ..results import results_dir
+        from ..results import cli_command, results_dir
 
         path = results_dir() / "kernel_resources.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**rep, "provenance": provenance()}, indent=2, sort_keys=True) + "\n")
+        path.write_text(json.dumps({**rep, "provenance": provenance(cli_command("sm120_workbook.kernels.resources", argv))}, indent=2, sort_keys=True) + "\n")
         print(f"wrote {path}")
 
 
