@@ -223,7 +223,8 @@ def main(argv=None):
 
         path = results_dir() / "kernel_resources.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**rep, "provenance": provenance(cli_command("sm120_workbook.kernels.resources", argv))}, indent=2, sort_keys=True) + "\n")
+        prov = provenance(cli_command("sm120_workbook.kernels.resources", argv))
+        path.write_text(json.dumps({**rep, "provenance": prov}, indent=2, sort_keys=True) + "\n")
         print(f"wrote {path}")
 
 
