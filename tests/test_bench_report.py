@@ -450,6 +450,8 @@ def test_latest_rounds_are_the_newest_commits_runs_on_its_gpu():
                        rec("20261130T5", "bbb", "NVIDIA H200")])
     assert list(br.latest_rounds(df)["run_id"]) == ["20261130T2", "20261130T3", "20261130T5"]
     assert br.latest_rounds(pd.DataFrame()).empty
+    dirty = pd.DataFrame([rec("20261130T6", "ccc+dirty", "NVIDIA H200"), rec("20261130T7", "ccc+dirty", "NVIDIA H200")])
+    assert list(br.latest_rounds(pd.concat([df, dirty]))["run_id"]) == ["20261130T7"]   # maybe other code: alone
 
 
 def test_latest_rounds_pool_a_kernel_version_across_commits():

@@ -405,11 +405,14 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
 def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     """Of the records of `python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl), the
     runs of the newest run's kernel on its GPU, pooled: the same kernel version (its `--tag`;
-    commits that change no device code keep it), else, untagged, the same commit."""
+    commits that change no device code keep it), else, untagged, the same commit. An untagged
+    run from a dirty tree stands alone: two such runs of one commit may have timed different code."""
     if df.empty:
         return df
     newest = df[df["run_id"] == df["run_id"].max()].iloc[0]
     tagged = "kernel_version" in df and pd.notna(newest["kernel_version"])
+    if not tagged and str(newest["commit"]).endswith("+dirty"):
+        return df[df["run_id"] == newest["run_id"]].copy()
     key = "kernel_version" if tagged else "commit"
     return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"])].copy()
 
