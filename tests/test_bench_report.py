@@ -404,8 +404,8 @@ def test_the_target_grid_measures_every_target_once_a_round():
     df = pd.DataFrame([{"impl": impl, **s.__dict__, "time_us": 1.0 if impl == "sm120_mla" else 2.0,
                         "roofline_us": 1.0, "run_id": "r", "round": 0} for impl, s, _ in grid])
     t = br.targets_table(df)
-    # per head count: 4 contexts against FlashMLA, Triton verify, 2 rooflines, batch 32; decode at 7 contexts
-    assert len(t) == 2 * (4 + 1 + 2 + 1) + 2 * 7 and t["met"].notna().all()
+    # per head count: 4 contexts against FlashMLA, Triton verify, 2 rooflines, batch 32; decode at 8 contexts
+    assert len(t) == 2 * (4 + 1 + 2 + 1) + 2 * 8 and t["met"].notna().all()
 
 
 def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():

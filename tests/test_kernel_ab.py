@@ -72,7 +72,7 @@ def test_ab_refuses_a_baseline_that_is_not_another_revision(tmp_path, capsys):
 
 def test_ab_times_the_target_shapes():
     shapes = ab.target_shapes()
-    assert len(shapes) == len(set(shapes)) == 24   # 2 head counts x (4 verify + b32 + 7 decode)
+    assert len(shapes) == len(set(shapes)) == 26   # 2 head counts x (4 verify + b32 + 8 decode)
     assert {s.q_len for s in shapes} == {1, 16} and {s.batch for s in shapes} == {1, 32}
 
 

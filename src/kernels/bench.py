@@ -355,7 +355,7 @@ def step_cost(x: Inputs) -> dict:
 def default_grid(quick: bool = False, num_sms: int | None = None) -> list[tuple[str, Shape, dict]]:
     """(impl, shape, builder kwargs) for one run. Contexts span 1k (a short chat turn) to 128k.
     num_sms (default: this GPU's, else the H200's 132) places the NSPLIT sweep's one-wave counts."""
-    ctxs = [4096, 16384, 65536] if quick else [1024, 2048, 4096, 16384, 32768, 65536, 131072]
+    ctxs = [4096, 16384, 65536] if quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
     grid = []
     for heads in (8, 16):
         for ctx in ctxs:

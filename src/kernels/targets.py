@@ -26,7 +26,7 @@ from .bench import Shape
 
 VERIFY_CTXS = (16384, 32768, 65536, 131072)   # "at least as fast as FlashMLA at every context from 16k to 128k"
 TRITON_VERIFY_CTX = 65536                     # "at least 100x faster than SGLang's Triton verify path at 65k"
-DECODE_CTXS = (1024, 2048, 4096, 16384, 32768, 65536, 131072)   # "never slower at any context"
+DECODE_CTXS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)   # "never slower at any context"
 
 
 def target_grid() -> list[tuple[str, Shape, dict]]:
