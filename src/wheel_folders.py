@@ -130,13 +130,18 @@ def pack(sizes: list[int], limit: int) -> list[list[int]]:
     return bins
 
 
+def numbered_folders(root: Path) -> list[Path]:
+    """root/.whl1, .whl2, ...: the SGLang wheel folders (not .whlp, the project's own, nor .whl-pool)."""
+    return sorted(p for p in root.glob(".whl*") if p.is_dir() and p.name[4:].isdigit())
+
+
 def repack(root: Path, limit: int) -> list[Path]:
     """Move every wheel of root/.whl*/ into root/.whl1, .whl2, ... of at most `limit` bytes each
     (install groups kept whole), write install.sh in each, remove the rest; return the folders.
     Nothing moves until the packing is known to fit. The wheels then pass through
     root/.whl-pool, so a rerun after an interruption finds them all."""
     pool = root / ".whl-pool"
-    old = sorted(p for p in root.glob(".whl*") if p.is_dir() and p.name[4:].isdigit())
+    old = numbered_folders(root)
     found = sorted({w.name: w for w in [*pool.glob("*.whl"), *(w for d in old for w in d.glob("*.whl"))]}.values())
     if not found:
         raise FileNotFoundError(f"no wheels in {root}/.whl*/: run ../shared/device/wheelhouse.sh first")
@@ -187,8 +192,7 @@ def folders_over_a_call(root: Path) -> list[tuple[str, int]]:
         return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
     base = tracked_tree_bytes(root) + (size(root / ".whlp") if (root / ".whlp").is_dir() else 0)
-    folders = sorted(p for p in root.glob(".whl*") if p.is_dir() and p.name[4:].isdigit())
-    return [(d.name, over) for d in folders if (over := base + size(d) - CALL_LIMIT_BYTES) > 0]
+    return [(d.name, over) for d in numbered_folders(root) if (over := base + size(d) - CALL_LIMIT_BYTES) > 0]
 
 
 def main(argv=None) -> int:
