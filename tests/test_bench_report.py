@@ -425,6 +425,13 @@ def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
     second = pd.DataFrame(_round_records([50.2, 49.5], ctx=32768)).assign(run_id="r2")
     row = br.targets_over_rounds(pd.concat([df, second])).set_index("target").loc["q16 h8 32k: <= FlashMLA"]
     assert (row["runs"], row["rounds"], row["verdict"]) == (2, 5, "mixed: met in 3 of 5 rounds")
+    # a target only the newer run times sits in that run's order, by its neighbours, not last
+    older = pd.DataFrame(_round_records([43.0, 43.5], ours=33.5, ctx=16384)
+                         + _round_records([57.0, 57.5], ours=85.0, ctx=65536)).assign(run_id="20261201T000000Z")
+    newer = pd.DataFrame(_round_records([43.0], ours=33.5, ctx=16384) + _round_records([49.0], ctx=32768)
+                         + _round_records([57.0], ours=85.0, ctx=65536)).assign(run_id="20261203T000000Z")
+    assert list(br.targets_over_rounds(pd.concat([older, newer]))["target"][:3]) == [
+        f"q16 h8 {k}: <= FlashMLA" for k in ("16k", "32k", "64k")]
     assert br.targets_over_rounds(pd.DataFrame()).empty and br.targets_table(pd.DataFrame()).empty
     with pytest.raises(ValueError, match="df: records without a `round`"):
         br.targets_over_rounds(pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0)]))

@@ -447,7 +447,10 @@ def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
                   for t, g in per_round[~per_round["target"].isin(out["target"])].groupby("target", sort=False)]
     if unmeasured:
         out = pd.concat([out, pd.DataFrame(unmeasured)], ignore_index=True)
-    return out[cols]
+    # in the newest run's order (a target added since, such as decode at 8k, sits by its
+    # neighbours, not after every target the older runs had); a target only older runs had follows
+    order = list(dict.fromkeys(per_round.sort_values("run_id", ascending=False, kind="stable")["target"]))
+    return out.set_index("target").loc[order].reset_index()[cols]
 
 
 def _fixed_and_per_key(sel: pd.DataFrame, col: str = "time_us") -> tuple[float, float, float]:
