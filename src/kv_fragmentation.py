@@ -2,17 +2,26 @@
 
 A serving loop is replayed on SGLang 0.5.17's `TokenToKVPoolAllocator` (page size 1, as the
 sm120_mla backend uses; CPU tensors, the real class with no kvcache attached, since
-allocation never touches the KV data): requests of mixed lengths arrive, get their prompt
-slots in one `alloc`, then one slot per decode step (or `tokens_per_step` slots per
-speculative verify step, of which the accepted ones are kept and the rest freed at once, as
-EAGLE does), and at the end of a step the finished requests are freed together inside
-`free_group_begin` / `free_group_end`, as the scheduler does. There is no radix cache: a
-finished request's slots are freed at once (the radix cache delays, but does not reorder,
-the same frees). The same seed gives the same arrivals, lengths and acceptances with
+allocation never touches the KV data): requests of mixed lengths arrive and get their prompt
+slots in one `alloc`. Each step then allocates for the whole batch in one `alloc`, as the
+scheduler does:
+- plain decode (`tokens_per_step` 1): one slot a request (`alloc_for_decode`);
+- speculative verify of `tokens_per_step` tokens: SGLang 0.5.17's v2 workers (EAGLE, DFlash)
+  keep each request's slots allocated ahead, up to its committed length plus twice the step's
+  tokens (`eagle_prepare_for_decode`, `get_alloc_reserve_per_decode`), and top them up each
+  step (`alloc_for_spec_decode`). A rejected draft's slot is not freed: the next step writes
+  over it. 1 to `tokens_per_step` tokens are accepted a step.
+At the end of a step the finished requests are freed together inside `free_group_begin` /
+`free_group_end`, as the scheduler does: the committed row, then the slots allocated past it
+(`release_kv_cache`: `cache_finished_req`, then `_release_overallocated_kv_indices`). That is
+a server without the radix cache (`--disable-radix-cache`, SGLang's ChunkCache); the radix
+cache keeps finished requests' slots and frees them later, on eviction, in LRU order, which
+this model does not replay. The same seed gives the same arrivals, lengths and acceptances with
 need_sort False and True, so the two runs differ only in the allocator's free-list order.
+One seed is one schedule: `seed_spread` gives the spread over several.
 
 When a probe request, admitted late into the churn, finishes, its KV index row (prompt
-slots, then its decode slots) is measured:
+slots, then its committed decode slots: what the attention kernel gathers) is measured:
 - runs of consecutive slot indices and their mean length (the kernel gathers one 1152-byte
   row per key; a run is a stretch it could fetch as one contiguous block);
 - distinct memory pages touched in one layer's KV buffer: row r occupies bytes
@@ -28,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -68,11 +77,21 @@ class ChurnConfig:
                 raise ValueError(f"{name}: need 1 <= low <= high, got {(low, high)}")
         if not 0.0 <= self.probe_arrival <= 1.0:
             raise ValueError(f"probe_arrival: must be in [0, 1], got {self.probe_arrival}")
-        largest = max(self.prompt_len_range[1] + self.output_len_range[1] * self.tokens_per_step,
-                      self.probe_prompt_len + self.probe_output_len * self.tokens_per_step)
+        largest = max(self.prompt_len_range[1] + self.decode_slots(self.output_len_range[1]),
+                      self.probe_prompt_len + self.decode_slots(self.probe_output_len))
         if largest > self.capacity_tokens:
             raise ValueError(f"capacity_tokens: {self.capacity_tokens} cannot hold the largest "
                              f"request ({largest} slots with its decode reservation)")
+
+    @property
+    def ahead(self) -> int:
+        """Slots a verify step keeps allocated past the committed length: SGLang 0.5.17's
+        get_alloc_reserve_per_decode, 2 x the draft tokens (a chain's tokens_per_step)."""
+        return 0 if self.tokens_per_step == 1 else 2 * self.tokens_per_step
+
+    def decode_slots(self, output_len: int) -> int:
+        """The most slots a request of `output_len` tokens allocates after its prompt."""
+        return output_len if self.tokens_per_step == 1 else output_len - 1 + self.ahead
 
     @property
     def scenario(self) -> str:
@@ -100,10 +119,18 @@ class ChurnRun:
 
 @dataclass
 class _Request:
-    rows: list
-    remaining: int
-    reserve: int
+    slots: list       # tensors of slot indices, in the order of the request's KV row
+    prompt: int
+    committed: int    # row length the kernel reads (prompt + accepted tokens)
+    allocated: int    # row length allocated (committed + the slots kept ahead)
+    remaining: int    # output tokens still to accept
+    reserve: int      # slots promised at admission and not yet allocated
     probe: bool
+
+    def row(self, start: int = 0, end: int | None = None):
+        import torch
+
+        return torch.cat(self.slots)[start:end]
 
 
 def index_layout(indices, row_bytes: int = KV_BYTES_PER_TOKEN, page_bytes: int = 4096) -> dict:
@@ -165,53 +192,53 @@ def simulate_churn(config: ChurnConfig, need_sort: bool) -> ChurnRun:
         return got
 
     running: list[_Request] = []
-    reserved = 0  # decode slots promised to running requests
+    reserved = 0  # slots promised to running requests and not yet allocated
     steps = 0
     while True:
         while queue and len(running) < config.max_running:
             prompt, out_len, probe = queue[0]
-            future = out_len * tps
+            future = config.decode_slots(out_len)
             if allocator.available_size() - reserved < prompt + future:
                 break
             queue.popleft()
-            running.append(_Request([alloc(prompt)], out_len, future, probe))
+            running.append(_Request([alloc(prompt)], prompt, prompt, prompt, out_len, future, probe))
             reserved += future
         if not running:
             raise RuntimeError("no request fits the pool")  # ruled out by ChurnConfig
         steps += 1
-        fresh = alloc(len(running) * tps)
-        rejected = []
-        for i, req in enumerate(running):
-            chunk = fresh[i * tps:(i + 1) * tps]
+        # one alloc for the batch, split in request order (alloc_for_decode / alloc_for_spec_decode)
+        window = config.ahead or 1
+        needs = [max(r.allocated, r.committed + window) - r.allocated for r in running]
+        fresh = alloc(sum(needs)) if sum(needs) else None
+        offset = 0
+        for req, need in zip(running, needs):
+            if need:
+                req.slots.append(fresh[offset:offset + need])
+                offset += need
+                req.allocated += need
+                req.reserve -= need
+                reserved -= need
             keep = 1 if tps == 1 else int(rng.integers(1, tps + 1))
             keep = min(keep, req.remaining)
-            req.rows.append(chunk[:keep])
-            rejected.append(chunk[keep:])
+            req.committed += keep
             req.remaining -= keep
-            req.reserve -= tps
-            reserved -= tps
-        if tps > 1:
-            dropped = torch.cat(rejected)
-            if dropped.numel():
-                t0 = time.perf_counter()
-                allocator.free(dropped)
-                ops.append(("free", int(dropped.numel()), time.perf_counter() - t0))
         finished = [r for r in running if r.remaining <= 0]
         probe = next((r for r in finished if r.probe), None)
         if probe is not None:
             return ChurnRun(config, bool(need_sort),
-                            probe.rows[0].numpy().copy(),
-                            np.concatenate([r.numpy() for r in probe.rows[1:]]),
+                            probe.row(0, probe.prompt).numpy().copy(),
+                            probe.row(probe.prompt, probe.committed).numpy().copy(),
                             steps, merges, ops)
         if finished:
             t0 = time.perf_counter()
             allocator.free_group_begin()
             for r in finished:
-                allocator.free(torch.cat(r.rows))
+                allocator.free(r.row(0, r.committed))
+                if r.allocated > r.committed:   # the slots allocated ahead and never committed
+                    allocator.free_segment(r.row(r.committed), start_pos=r.committed)
                 reserved -= r.reserve
             allocator.free_group_end()
-            ops.append(("free_group", sum(int(sum(x.numel() for x in r.rows)) for r in finished),
-                        time.perf_counter() - t0))
+            ops.append(("free_group", sum(r.allocated for r in finished), time.perf_counter() - t0))
             running = [r for r in running if r.remaining > 0]
 
 
@@ -269,6 +296,35 @@ def churn_study(configs: list[ChurnConfig], progress: bool = False):
         iterator = tqdm(configs, desc="churn scenarios")
     runs = [run for c in iterator for run in compare_need_sort(c)]
     return layout_frame(runs), timing_frame(runs), run_summary(runs)
+
+
+def seed_spread(config: ChurnConfig, seeds: int = 10, part: str = "row") -> pd.DataFrame:
+    """One seed is one schedule, and the probe's layout swings with it. Seeds `config.seed` ..
+    `config.seed + seeds - 1`, need_sort False and True: per (scenario, need_sort), the probe's
+    runs (median, min, max), median mean run length and pages touched, and in how many seeds
+    need_sort gave fewer runs than the same schedule without it."""
+    if not isinstance(seeds, (int, np.integer)) or seeds < 1:
+        raise ValueError(f"seeds: must be a positive int, got {seeds!r}")
+    if part not in PARTS:
+        raise ValueError(f"part: one of {PARTS}, got {part!r}")
+    rows = []
+    for s in range(config.seed, config.seed + seeds):
+        for run in compare_need_sort(replace(config, seed=s)):
+            idx = {"prompt": run.probe_prompt, "decode": run.probe_decode, "row": run.probe_row}[part]
+            rows.append(dict(seed=s, need_sort=run.need_sort,
+                             **index_layout(idx, config.row_bytes, config.page_bytes)))
+    per_seed = pd.DataFrame(rows)
+    runs = per_seed.pivot(index="seed", columns="need_sort", values="runs")
+    fewer = int((runs[True] < runs[False]).sum())
+    g = per_seed.groupby("need_sort")
+    out = pd.DataFrame({"runs_median": g["runs"].median(), "runs_min": g["runs"].min(),
+                        "runs_max": g["runs"].max(), "mean_run_tokens": g["mean_run_tokens"].median(),
+                        "pages_touched": g["pages_touched"].median()}).reset_index()
+    out.insert(0, "scenario", config.scenario)
+    out["seeds"] = seeds
+    out["sorted_fewer_runs"] = pd.array([pd.NA if not sort else fewer for sort in out["need_sort"]],
+                                        dtype="Int64")
+    return out
 
 
 def layout_table(layout: pd.DataFrame, part: str = "row") -> pd.DataFrame:
@@ -364,7 +420,7 @@ def sort_cost_chart(summary: pd.DataFrame):
 
     data = _sort_label(summary)
     return alt.Chart(data).mark_bar().encode(
-        x=alt.X("op:N", title=None, sort=["alloc", "alloc+sort", "free", "free_group"]),
+        x=alt.X("op:N", title=None, sort=["alloc", "alloc+sort", "free_group"]),
         xOffset="need_sort:N",
         y=alt.Y("median_us:Q", title="median µs per call (CPU)"),
         color=_color("allocator"),
@@ -456,15 +512,21 @@ KERNEL_LAYOUT_COLUMNS = ["layout", "batch", "heads", "q_len", "keys_per_request"
 
 
 def recorded_kernel_layout(records: pd.DataFrame) -> pd.DataFrame:
-    """The kernel-layout timings of one recorded run (kind "kernel_layout"), the newest: the
-    layouts are compared within one run, never across GPUs or commits. Empty where none."""
+    """The kernel-layout timings (kind "kernel_layout"): for each shape timed (batch, heads,
+    q_len, keys a request), its newest recorded run. The layouts are compared within one run,
+    never across GPUs or commits; shapes are rows of their own, shortest context first.
+    Empty where none."""
     d = records[records["kind"] == "kernel_layout"] if "kind" in records else records[:0]
     if len(d) == 0:
         return pd.DataFrame(columns=KERNEL_LAYOUT_COLUMNS)
     # one append is one run: its records share the GPU, the commit and the date
     run = [k for k in ("gpu", "commit", "date") if k in d]
-    newest = d.sort_values("date").iloc[-1] if "date" in d else d.iloc[-1]
-    return d[(d[run] == newest[run]).all(axis=1)].reset_index(drop=True)
+    shape = [k for k in ("batch", "heads", "q_len", "keys_per_request") if k in d]
+    picked = []
+    for _, g in d.groupby(shape, sort=True) if shape else [(None, d)]:
+        newest = g.sort_values("date").iloc[-1] if "date" in g else g.iloc[-1]
+        picked.append(g[(g[run] == newest[run]).all(axis=1)])
+    return pd.concat(picked).sort_values("keys_per_request", kind="stable").reset_index(drop=True)
 
 
 def kernel_layout_table(timings: pd.DataFrame) -> pd.DataFrame:
@@ -477,45 +539,76 @@ def kernel_layout_table(timings: pd.DataFrame) -> pd.DataFrame:
     return t
 
 
+def layout_shape(timings: pd.DataFrame) -> pd.Series:
+    """A label per timed shape: "b8 h16 q4, 2,176 keys"."""
+    return (("b" + timings["batch"].astype(int).astype(str) + " h" + timings["heads"].astype(int).astype(str)
+             + " q" + timings["q_len"].astype(int).astype(str) + ", ")
+            + timings["keys_per_request"].map(lambda k: f"{int(k):,} keys"))
+
+
 def kernel_layout_chart(timings: pd.DataFrame, source: str = ""):
-    """Kernel time per layout of the same request (one verify step); `source`
-    (service_charts.source_label) says whether it shows recorded or live timings."""
+    """Kernel time per layout of the same request (one step), a panel per shape timed (each on
+    its own scale); `source` (service_charts.source_label) says whether it shows recorded or
+    live timings."""
     import altair as alt
 
     from .service_charts import chart_title
 
-    return alt.Chart(timings).mark_bar().encode(
-        y=alt.Y("layout:N", title=None, sort=list(timings["layout"])),
-        x=alt.X("time_us:Q", title="µs per verify step (CUDA-graph replay, median)"),
-        color=alt.Color("layout:N", legend=None),
-        tooltip=["layout", "runs", "pages_touched", alt.Tooltip("time_us:Q", format=".1f"),
+    data = timings.assign(shape=layout_shape(timings))
+    layouts = list(dict.fromkeys(data["layout"]))
+    bars = alt.Chart(data).mark_bar().encode(
+        y=alt.Y("layout:N", title=None, sort=layouts),
+        x=alt.X("time_us:Q", title="µs per step (CUDA-graph replay, median)"),
+        color=alt.Color("layout:N", legend=None, sort=layouts),
+        tooltip=["shape", "layout", "runs", "pages_touched", alt.Tooltip("time_us:Q", format=".1f"),
                  alt.Tooltip("kv_gb_per_s:Q", format=".0f")],
-    ).properties(width=360, height=30 * max(1, len(timings)),
-                 title=chart_title("sm120_mla kernel: same request, different KV slot layouts", source))
+    ).properties(width=360, height=30 * max(1, len(layouts)))
+    title = chart_title("sm120_mla kernel: same request, different KV slot layouts", source)
+    shapes = list(dict.fromkeys(data["shape"]))
+    if len(shapes) == 1:
+        return bars.properties(title=title)
+    return bars.facet(row=alt.Row("shape:N", title=None, sort=shapes)) \
+        .resolve_scale(x="independent").properties(title=title)
 
 
 def main(argv=None) -> int:
-    """GPU machine entry point (no Jupyter there): time the kernel on the churned layouts of
-    notebook 04's default study and append them to data/results/kv_fragmentation.jsonl.
+    """GPU machine entry point (no Jupyter there): time the kernel on the churned layouts of a
+    probe request and append them to data/results/kv_fragmentation.jsonl. The defaults are
+    notebook 04's study (a verify of 4 tokens, 8 requests of 2,176 keys, 16 heads); a long
+    context, where a step is bound by its KV traffic, for example:
 
-        python -m sm120_workbook.kv_fragmentation [--batch 8 --heads 16 --q-len 4]
+        python -m sm120_workbook.kv_fragmentation --capacity-tokens 524288 \
+            --prompt-len-range 256 32768 --probe-prompt-len 65408 --batch 1 --heads 8 --q-len 1
     """
     import argparse
 
     from .results import append_records, cli_command
 
+    defaults = ChurnConfig()
     ap = argparse.ArgumentParser(description="KV layout cost on the sm120 kernel (GPU)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--q-len", type=int, default=4)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tokens-per-step", type=int, default=4, help="churn scenario of the probe")
+    ap.add_argument("--capacity-tokens", type=int, default=defaults.capacity_tokens)
+    ap.add_argument("--prompt-len-range", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                    default=defaults.prompt_len_range)
+    ap.add_argument("--probe-prompt-len", type=int, default=defaults.probe_prompt_len)
+    ap.add_argument("--probe-output-len", type=int, default=defaults.probe_output_len)
+    ap.add_argument("--seed", type=int, default=defaults.seed)
     args = ap.parse_args(argv)
-    config = ChurnConfig(tokens_per_step=args.tokens_per_step)
+    try:
+        config = ChurnConfig(tokens_per_step=args.tokens_per_step, capacity_tokens=args.capacity_tokens,
+                             prompt_len_range=tuple(args.prompt_len_range), probe_prompt_len=args.probe_prompt_len,
+                             probe_output_len=args.probe_output_len, seed=args.seed)
+    except ValueError as e:
+        ap.error(str(e))
     times = kernel_layout_timing(probe_layouts(config), batch=args.batch, heads=args.heads,
                                  q_len=args.q_len, reps=args.reps)
     print(times.round(1).to_string(index=False))
-    rows = [{"kind": "kernel_layout", "scenario": config.scenario, **r} for r in times.to_dict("records")]
+    rows = [{"kind": "kernel_layout", "scenario": config.scenario, "config": asdict(config), **r}
+            for r in times.to_dict("records")]
     print("appended to", append_records("kv_fragmentation", rows,
                                         command=cli_command("sm120_workbook.kv_fragmentation", argv)))
     return 0

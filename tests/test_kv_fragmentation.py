@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 pytest.importorskip("sglang")
@@ -125,14 +126,14 @@ def test_kernel_layout_timing_names_why_it_cannot_run():
         kf.kernel_layout_timing({"contiguous": np.arange(1, 9)})
 
 
-def test_recorded_kernel_layout_keeps_one_run():
+def test_recorded_kernel_layout_keeps_one_run_per_shape():
     """Layouts are compared within one recorded run: a newer run on another GPU or commit
-    replaces the older one whole, never mixes with it."""
+    replaces the older one whole, never mixes with it. Each shape timed keeps its own newest run."""
     import pandas as pd
 
-    def run(gpu, commit, date, us):
+    def run(gpu, commit, date, us, keys=2176, batch=8):
         return [{"kind": "kernel_layout", "gpu": gpu, "commit": commit, "date": date, "layout": name,
-                 "batch": 8, "heads": 16, "q_len": 4, "keys_per_request": 2176, "runs": runs,
+                 "batch": batch, "heads": 16, "q_len": 4, "keys_per_request": keys, "runs": runs,
                  "pages_touched": 600 + runs, "time_us": us + i, "kv_gb_per_s": 400.0 - i}
                 for i, (name, runs) in enumerate((("contiguous", 1), ("random", 2176)))]
 
@@ -150,3 +151,45 @@ def test_recorded_kernel_layout_keeps_one_run():
         kf.kernel_layout_table(got.drop(columns="kv_gb_per_s"))
     chart = kf.kernel_layout_chart(got, source="recorded: RTX PRO 6000").to_dict()
     assert chart["title"]["subtitle"] == "recorded: RTX PRO 6000"
+    # a long-context shape recorded earlier stays beside the newest short one, after it
+    long = run("H200", "aaa", "2026-11-28", 90.0, keys=65536, batch=1)
+    both = kf.recorded_kernel_layout(pd.DataFrame(long + old + new))
+    assert list(both["keys_per_request"]) == [2176, 2176, 65536, 65536]
+    assert list(both["commit"]) == ["bbb", "bbb", "aaa", "aaa"]
+    assert list(kf.layout_shape(both).unique()) == ["b8 h16 q4, 2,176 keys", "b1 h16 q4, 65,536 keys"]
+    facet = kf.kernel_layout_chart(both).to_dict()
+    assert facet["facet"]["row"]["sort"] == ["b8 h16 q4, 2,176 keys", "b1 h16 q4, 65,536 keys"]
+
+
+def test_seed_spread_counts_the_seeds_where_sorting_helps():
+    config = kf.ChurnConfig(**SMALL, tokens_per_step=4)
+    t = kf.seed_spread(config, seeds=3, part="prompt").set_index("need_sort")
+    assert (t["seeds"] == 3).all() and t.loc[False, "sorted_fewer_runs"] is pd.NA
+    assert 0 <= t.loc[True, "sorted_fewer_runs"] <= 3
+    per_seed = [kf.index_layout(r.probe_prompt)["runs"] for s in range(3)
+                for r in kf.compare_need_sort(kf.ChurnConfig(**SMALL, tokens_per_step=4, seed=s))]
+    unsorted, sorted_ = per_seed[0::2], per_seed[1::2]
+    assert t.loc[False, "runs_median"] == np.median(unsorted) and t.loc[True, "runs_max"] == max(sorted_)
+    assert t.loc[True, "sorted_fewer_runs"] == sum(b < a for a, b in zip(unsorted, sorted_))
+    with pytest.raises(ValueError, match="seeds"):
+        kf.seed_spread(config, seeds=0)
+    with pytest.raises(ValueError, match="part"):
+        kf.seed_spread(config, part="tail")
+
+
+def test_verify_keeps_slots_ahead_and_frees_them_at_finish():
+    """SGLang 0.5.17's v2 speculative workers: a request's slots run ahead of its committed
+    length by 2 x the step's tokens and no rejected draft is freed mid-request; the probe's row
+    is its committed slots only."""
+    config = kf.ChurnConfig(**SMALL, tokens_per_step=4)
+    assert config.ahead == 8 and kf.ChurnConfig(**SMALL).ahead == 0
+    assert config.decode_slots(32) == 31 + 8 and kf.ChurnConfig(**SMALL).decode_slots(32) == 32
+    run = kf.simulate_churn(config, need_sort=True)
+    assert {op for op, _, _ in run.ops} <= {"alloc", "alloc+sort", "free_group"}   # no mid-request free
+    assert run.probe_decode.size == config.probe_output_len
+
+
+def test_cli_names_a_bad_churn_argument(capsys):
+    with pytest.raises(SystemExit) as e:
+        kf.main(["--capacity-tokens", "100"])
+    assert e.value.code == 2 and "capacity_tokens: 100 cannot hold" in capsys.readouterr().err
