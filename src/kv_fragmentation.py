@@ -298,32 +298,31 @@ def churn_study(configs: list[ChurnConfig], progress: bool = False):
     return layout_frame(runs), timing_frame(runs), run_summary(runs)
 
 
-def seed_spread(config: ChurnConfig, seeds: int = 10, part: str = "row") -> pd.DataFrame:
+def seed_spread(config: ChurnConfig, seeds: int = 10) -> pd.DataFrame:
     """One seed is one schedule, and the probe's layout swings with it. Seeds `config.seed` ..
-    `config.seed + seeds - 1`, need_sort False and True: per (scenario, need_sort), the probe's
-    runs (median, min, max), median mean run length and pages touched, and in how many seeds
-    need_sort gave fewer runs than the same schedule without it."""
+    `config.seed + seeds - 1`, need_sort False and True: per (scenario, part of the probe's
+    row, need_sort), its runs (median, min, max), median mean run length and pages touched,
+    and in how many seeds need_sort gave fewer runs than the same schedule without it."""
     if not isinstance(seeds, (int, np.integer)) or seeds < 1:
         raise ValueError(f"seeds: must be a positive int, got {seeds!r}")
-    if part not in PARTS:
-        raise ValueError(f"part: one of {PARTS}, got {part!r}")
     rows = []
     for s in range(config.seed, config.seed + seeds):
         for run in compare_need_sort(replace(config, seed=s)):
-            idx = {"prompt": run.probe_prompt, "decode": run.probe_decode, "row": run.probe_row}[part]
-            rows.append(dict(seed=s, need_sort=run.need_sort,
-                             **index_layout(idx, config.row_bytes, config.page_bytes)))
+            parts = {"prompt": run.probe_prompt, "decode": run.probe_decode, "row": run.probe_row}
+            rows += [dict(seed=s, part=part, need_sort=run.need_sort,
+                          **index_layout(idx, config.row_bytes, config.page_bytes))
+                     for part, idx in parts.items()]
     per_seed = pd.DataFrame(rows)
-    runs = per_seed.pivot(index="seed", columns="need_sort", values="runs")
-    fewer = int((runs[True] < runs[False]).sum())
-    g = per_seed.groupby("need_sort")
+    g = per_seed.groupby(["part", "need_sort"], sort=False)
     out = pd.DataFrame({"runs_median": g["runs"].median(), "runs_min": g["runs"].min(),
                         "runs_max": g["runs"].max(), "mean_run_tokens": g["mean_run_tokens"].median(),
                         "pages_touched": g["pages_touched"].median()}).reset_index()
+    runs = per_seed.pivot(index=["part", "seed"], columns="need_sort", values="runs")
+    fewer = (runs[True] < runs[False]).groupby(level="part").sum()
+    out["sorted_fewer_runs"] = pd.array([int(fewer[part]) if sort else pd.NA
+                                         for part, sort in zip(out["part"], out["need_sort"])], dtype="Int64")
     out.insert(0, "scenario", config.scenario)
     out["seeds"] = seeds
-    out["sorted_fewer_runs"] = pd.array([pd.NA if not sort else fewer for sort in out["need_sort"]],
-                                        dtype="Int64")
     return out
 
 

@@ -163,9 +163,10 @@ def test_recorded_kernel_layout_keeps_one_run_per_shape():
 
 def test_seed_spread_counts_the_seeds_where_sorting_helps():
     config = kf.ChurnConfig(**SMALL, tokens_per_step=4)
-    t = kf.seed_spread(config, seeds=3, part="prompt").set_index("need_sort")
-    assert (t["seeds"] == 3).all() and t.loc[False, "sorted_fewer_runs"] is pd.NA
-    assert 0 <= t.loc[True, "sorted_fewer_runs"] <= 3
+    spread = kf.seed_spread(config, seeds=3)
+    assert list(spread["part"].unique()) == list(kf.PARTS) and (spread["seeds"] == 3).all()
+    t = spread[spread["part"] == "prompt"].set_index("need_sort")
+    assert t.loc[False, "sorted_fewer_runs"] is pd.NA and 0 <= t.loc[True, "sorted_fewer_runs"] <= 3
     per_seed = [kf.index_layout(r.probe_prompt)["runs"] for s in range(3)
                 for r in kf.compare_need_sort(kf.ChurnConfig(**SMALL, tokens_per_step=4, seed=s))]
     unsorted, sorted_ = per_seed[0::2], per_seed[1::2]
@@ -173,8 +174,6 @@ def test_seed_spread_counts_the_seeds_where_sorting_helps():
     assert t.loc[True, "sorted_fewer_runs"] == sum(b < a for a, b in zip(unsorted, sorted_))
     with pytest.raises(ValueError, match="seeds"):
         kf.seed_spread(config, seeds=0)
-    with pytest.raises(ValueError, match="part"):
-        kf.seed_spread(config, part="tail")
 
 
 def test_verify_keeps_slots_ahead_and_frees_them_at_finish():

@@ -21,7 +21,7 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
     "04_patch_sglang.ipynb": {"capacity_tokens": 8192, "num_requests": 80, "max_running": 12,
                               "prompt_len_range": [16, 1024], "output_len_range": [8, 256],
                               "tokens_per_step_list": [3], "probe_prompt_len": 512,
-                              "probe_output_len": 32, "page_bytes": 2048, "seed": 5,
+                              "probe_output_len": 32, "page_bytes": 2048, "seed": 5, "spread_seeds": 3,
                               "gpu_batch": 2, "gpu_heads": 8, "gpu_q_len": 3, "gpu_reps": 5,
                               "record": False},
     "05_live_service.ipynb": {"tp": 1, "layers": 3, "backends": ["triton", "sm120_mla"], "contexts": [2048, 65536],
