@@ -157,7 +157,8 @@ def expert_load_frame(counts, layers: list[int] | None = None):
 
 def gpu_load_frame(counts, num_gpus: int = EP_GPUS, ep_size: int = 1, layers: list[int] | None = None):
     """Tidy (layer, gpu, tokens, relative_load, balancedness, placement) for the MoE layers; the
-    run's `ep_size` says whether the placement was the run's or simulated (placement_label)."""
+    run's `ep_size` says whether the placement was the run's or simulated (placement_label).
+    A listed layer that routed no token has relative_load 0 and balancedness NaN."""
     import pandas as pd
 
     c = _check_counts(counts)
@@ -169,9 +170,13 @@ def gpu_load_frame(counts, num_gpus: int = EP_GPUS, ep_size: int = 1, layers: li
     label = placement_label(ep_size, num_gpus)
     rows = []
     for i, l in enumerate(layers):
-        mean = load[i].mean()
+        # A layer asked for by name that routed nothing: load 0 (as in expert_load_frame) and
+        # balancedness NaN, not the formula's (0 + 1e-5) / (0 + 1e-5) = 1.0, which reads as even.
+        empty = not load[i].any()
+        mean = 1.0 if empty else load[i].mean()
         for g in range(num_gpus):
-            rows.append((l, g, int(load[i, g]), float(load[i, g] / mean), float(bal[i]), label))
+            rows.append((l, g, int(load[i, g]), float(load[i, g] / mean), float("nan") if empty else float(bal[i]),
+                         label))
     return pd.DataFrame(rows, columns=["layer", "gpu", "tokens", "relative_load", "balancedness", "placement"])
 
 
@@ -189,13 +194,16 @@ def expert_heatmap_chart(df, num_gpus: int = EP_GPUS, title: str = "", source: s
     d["x1"] = d["expert"] + 1
     n_exp = int(d["expert"].max()) + 1
     per_gpu = n_exp // num_gpus if n_exp % num_gpus == 0 else None
-    heat = (alt.Chart(d).mark_rect()
+    # A row per (layer, expert): 14 MoE layers of 384 experts pass altair's default limit of
+    # 5,000 rows, and a chart of a DataFrame that long raises MaxRowsError on display (blank in
+    # Jupyter). Values given inline skip that check: any layer count, no global setting changed.
+    heat = (alt.Chart(alt.to_values(d)).mark_rect()
             .encode(x=alt.X("expert:Q", title="expert", scale=alt.Scale(domain=[0, n_exp], nice=False)),
                     x2="x1:Q",
                     y=alt.Y("layer:O", title="layer"),
                     color=alt.Color("share:Q", title="load / mean",
                                     scale=alt.Scale(scheme="viridis")),
-                    tooltip=["layer", "expert", "tokens", alt.Tooltip("share:Q", format=".2f")])
+                    tooltip=["layer:Q", "expert:Q", "tokens:Q", alt.Tooltip("share:Q", format=".2f")])
             .properties(width=768, height=max(60, 22 * d["layer"].nunique())))
     layers = [heat]
     if per_gpu:
@@ -218,7 +226,10 @@ def gpu_imbalance_chart(df, title: str = "", source: str = ""):
     if not need <= set(df.columns):
         raise ValueError(f"df: needs columns {sorted(need)}")
     d = df.copy()
-    d["panel"] = d.apply(lambda r: f"layer {r['layer']} (balancedness {r['balancedness']:.2f})", axis=1)
+    d["panel"] = [f"layer {l} (no routed tokens)" if np.isnan(b) else f"layer {l} (balancedness {b:.2f})"
+                  for l, b in zip(d["layer"], d["balancedness"].astype(float))]
+    # panels in layer order: sorted as text, "layer 10" would come before "layer 2"
+    order = d.sort_values("layer", kind="stable").drop_duplicates("layer")["panel"].tolist()
     bars = alt.Chart().mark_bar().encode(
         x=alt.X("gpu:O", title="GPU"),
         y=alt.Y("relative_load:Q", title="load / mean"),
@@ -226,6 +237,6 @@ def gpu_imbalance_chart(df, title: str = "", source: str = ""):
     rule = alt.Chart().mark_rule(color="gray", strokeDash=[4, 3]).encode(y=alt.datum(1.0))
     placement = ", ".join(sorted(d["placement"].unique()))
     return (alt.layer(bars, rule, data=d).properties(width=160, height=120)
-            .facet(facet=alt.Facet("panel:N", title=None), columns=4)
+            .facet(facet=alt.Facet("panel:N", title=None, sort=order), columns=4)
             .properties(title=chart_title(title or f"Per-GPU expert load ({placement}; balancedness = mean/max)",
                                           source)))

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from .dummy_models import K2_LAYERS
-from .service_charts import POINT_KEYS, chart_title, ctx_label, label_of
+from .service_charts import POINT_KEYS, chart_title, ctx_label, draft_tokens_differ, label_of
 
 # A configuration is a point less its layer count.
 CONFIG_KEYS = [k for k in POINT_KEYS if k != "layers"]
@@ -50,7 +50,9 @@ def line_points(run_points: pd.DataFrame) -> pd.DataFrame:
 
 def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.DataFrame:
     """One row per configuration measured at two or more layer counts: the least-squares
-    fixed and per-layer step time, and the projected step and tok/s at `project_to` layers."""
+    fixed and per-layer step time, and the projected step and tok/s at `project_to` layers.
+    `config` names the decode tokens where the fitted configurations hold more than one, and
+    the draft tokens where configurations otherwise alike differ in them (as decode_points)."""
     need = set(CONFIG_KEYS) | {"layers", "verify_step_ms", "accept_len", "tok_s"}
     missing = need - set(points.columns)
     if missing:
@@ -74,14 +76,20 @@ def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.D
         # The commits behind the line: points re-measured with newer code replace older ones
         # (decode_points), so one line can span two kernel versions; the table says so.
         commits = "/".join(sorted(set(g["commit"].astype(str)))) if "commit" in g else "?"
-        rows.append({**r, "config": label_of(r),
-                     "ctx_label": ctx_label(int(r["ctx"])), "layers_measured": sorted(int(x) for x in set(layers)),
+        rows.append({**r, "ctx_label": ctx_label(int(r["ctx"])), "layers_measured": sorted(int(x) for x in set(layers)),
                      "commits": commits,
                      "fixed_ms": fixed, "per_layer_ms": per_layer, "max_residual_pct": residual,
                      "accept_len": accept,
                      "projected_layers": project_to, "projected_step_ms": step,
                      "projected_tok_s": 1e3 * tokens_per_step / step if step > 0 else float("nan")})
-    return pd.DataFrame(rows)
+    fit = pd.DataFrame(rows)
+    if len(fit) == 0:
+        return fit
+    decode_tokens = fit["decode_tokens"].nunique() > 1
+    drafts = draft_tokens_differ(fit, CONFIG_KEYS)
+    fit.insert(len(CONFIG_KEYS), "config", [label_of(r, decode_tokens=decode_tokens, draft_tokens=d)
+                                            for r, d in zip(fit.to_dict("records"), drafts)])
+    return fit
 
 
 def holdout_check(points: pd.DataFrame, held_out: int) -> pd.DataFrame:
@@ -140,14 +148,15 @@ def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ng
     f = fit[fit["spec"] == spec]
     if len(f) == 0:
         raise ValueError(f"fit: no configuration of spec {spec!r} was measured at two layer counts")
-    configs = set(f["config"])
     top = int(f["projected_layers"].max())
     lines = pd.DataFrame([{"config": r.config, "ctx_label": r.ctx_label, "ctx": r.ctx, "layers": n,
                            "step_ms": r.fixed_ms + r.per_layer_ms * n}
                           for r in f.itertuples() for n in range(1, top + 1)])   # curved on a log axis
-    p = points[(points["spec"] == spec) & points["ctx"].isin(f["ctx"])].copy()
-    p["config"] = [label_of(r) for r in p.itertuples()]
-    p = p[p["config"].isin(configs)].rename(columns={"verify_step_ms": "step_ms"})
+    # the measured points of the fitted configurations, named as the fit names them (at every
+    # context a panel shows: a configuration's label does not depend on its context)
+    same = [k for k in CONFIG_KEYS if k != "ctx"]
+    p = (points[(points["spec"] == spec) & points["ctx"].isin(f["ctx"])].drop(columns="config", errors="ignore")
+         .merge(f[same + ["config"]].drop_duplicates(), on=same).rename(columns={"verify_step_ms": "step_ms"}))
     data = pd.concat([lines.assign(kind="fit"),
                       p[["config", "ctx_label", "ctx", "layers", "step_ms"]].assign(kind="measured")])
     color = alt.Color("config:N", title="attention backend", legend=alt.Legend(labelLimit=360))

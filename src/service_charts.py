@@ -137,11 +137,14 @@ def decode_points(df, every_run: bool = False):
         agg = agg.sort_values("date").groupby(POINT_KEYS, dropna=False).tail(1)
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
-    # the layer count and decode tokens join the label only where the records hold more than one
+    # the layer count and decode tokens join the label only where the records hold more than one;
+    # draft tokens only where points otherwise alike differ in them (draft_tokens_differ)
+    drafts = draft_tokens_differ(agg)
     agg["config"] = [label_of(r, layers=agg["layers"].nunique() > 1,
-                              decode_tokens=agg["decode_tokens"].nunique() > 1) for r in agg.itertuples()]
+                              decode_tokens=agg["decode_tokens"].nunique() > 1, draft_tokens=n)
+                     for r, n in zip(agg.itertuples(), drafts)]
     agg["setup"] = [setup_label(r) for r in agg.itertuples()]
-    agg["line"] = [line_label(r) for r in agg.itertuples()]
+    agg["line"] = [line_label(r, draft_tokens=n) for r, n in zip(agg.itertuples(), drafts)]
     return agg.sort_values(["backend", "spec", "ctx", "layers", "tp", "config", "date"]).reset_index(drop=True)
 
 
@@ -161,12 +164,12 @@ def select_tp(df, tp: int = 1):
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
                  ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "",
                  prefill_as_base: bool = False, draft_backend: str = "", eagle_topk=1,
-                 draft_head: str = "", dflash_host_plan: str = "off") -> str:
+                 draft_head: str = "", dflash_host_plan: str = "off", draft_tokens=None) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
     draft prep unpatched, the prefill on the same backend, a draft on its usual backend, an EAGLE
     chain, an EAGLE3 head of MLA layout, the DFlash draft's plan as SGLang has it),
-    and the layer count and decode tokens when given."""
+    and the layer count, decode tokens and draft tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
             + (f", {int(layers)} layers" if layers is not None else "")
@@ -177,6 +180,7 @@ def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = Fa
             + (" as base" if prefill_backend and prefill_as_base else "")
             + (f" + {draft_backend} draft" if draft_backend else "")
             + (f", EAGLE topk {int(eagle_topk)}" if eagle_topk not in (None, 1) else "")
+            + (f", {int(draft_tokens)} draft tokens" if draft_tokens is not None else "")
             + (f", {draft_head.capitalize()} EAGLE3 head" if draft_head not in ("", "mla", None) else "")
             + {"off": "", "": "", None: "", "on": " + dflash_host_plan probe"}.get(
                 dflash_host_plan, f" + dflash_host_plan {dflash_host_plan}"))
@@ -192,9 +196,20 @@ def _draft_key(r) -> str:
                             v("prefill_attention_backend"))
 
 
-def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
+def draft_tokens_differ(points, keys=POINT_KEYS) -> pd.Series:
+    """Per point: whether points alike in every other key of `keys` (context aside: a line's
+    points share a label) differ in draft tokens, so that the label must name them. Draft tokens
+    differ between spec modes as a rule (0 without one), and a chart's panel is a mode: a label
+    naming them everywhere would say little and change every label."""
+    same = [k for k in keys if k not in ("draft_tokens", "ctx")]
+    if len(points) == 0:
+        return pd.Series(False, index=points.index)
+    return points.groupby(same, dropna=False)["draft_tokens"].transform("nunique").gt(1)
+
+
+def label_of(r, layers: bool = False, decode_tokens: bool = False, draft_tokens: bool = False) -> str:
     """config_label of a record or point (a mapping or a row tuple), absent keys at their defaults;
-    with `layers` / `decode_tokens`, those too."""
+    with `layers` / `decode_tokens` / `draft_tokens`, those too."""
     v = lambda k: _value(r, k)  # noqa: E731
     return config_label(v("backend"), bool(v("expert_record")), bool(v("ngram_tail")), v("tp"),
                         v("layers") if layers else None, ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")),
@@ -202,7 +217,8 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False) -> str:
                         prefill_backend=str(v("prefill_attention_backend") or ""),
                         prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r),
                         eagle_topk=v("eagle_topk"), draft_head=draft_head_of(v("spec"), v("draft_head")),
-                        dflash_host_plan=str(v("dflash_host_plan") or "off"))
+                        dflash_host_plan=str(v("dflash_host_plan") or "off"),
+                        draft_tokens=v("draft_tokens") if draft_tokens else None)
 
 
 def setup_label(r) -> str:
@@ -216,13 +232,14 @@ def setup_label(r) -> str:
                         prefill_as_base=bool(v("prefill_as_base"))).lstrip(" ,")
 
 
-def line_label(r) -> str:
+def line_label(r, draft_tokens: bool = False) -> str:
     """A point's line within its setup: the backend, and its draft where that is not the usual one
-    (the rest of label_of's words)."""
+    (the rest of label_of's words); with `draft_tokens`, those too."""
     v = lambda k: _value(r, k)  # noqa: E731
     return config_label(v("backend"), draft_backend=_draft_key(r), eagle_topk=v("eagle_topk"),
                         draft_head=draft_head_of(v("spec"), v("draft_head")),
-                        dflash_host_plan=str(v("dflash_host_plan") or "off"))
+                        dflash_host_plan=str(v("dflash_host_plan") or "off"),
+                        draft_tokens=v("draft_tokens") if draft_tokens else None)
 
 
 def setup_table(points) -> pd.DataFrame:
@@ -463,8 +480,9 @@ def recorder_cost(points) -> pd.DataFrame:
                              ("_on", "_off"))
     if len(m) == 0:
         return pd.DataFrame(columns=cols)
-    m = m.sort_values(["layers", "backend", "spec", "ctx", "commit"])
-    return pd.DataFrame({"config": [label_of(r, layers=True) for r in m.assign(expert_record=True).itertuples()],
+    m = m.sort_values(["layers", "backend", "spec", "ctx", "commit"]).assign(expert_record=True)
+    return pd.DataFrame({"config": [label_of(r, layers=True, draft_tokens=n)
+                                    for r, n in zip(m.itertuples(), draft_tokens_differ(m))],
                          "spec": m["spec"], "ctx_label": m["ctx"].map(ctx_label),
                          "on_tok_s": m["tok_s_on"].round(1), "off_tok_s": m["tok_s_off"].round(1),
                          "recorder_off_gain": (m["tok_s_off"] / m["tok_s_on"]).round(2),

@@ -106,3 +106,45 @@ def test_charts_on_synthetic_counts(seed, tmp_path):
     frame = eb.expert_load_frame(counts)
     assert len(frame) == 3 * 384
     assert frame.groupby("layer")["share"].mean().round(6).tolist() == [1.0, 1.0, 1.0]
+
+
+def _dense_first(layers, seed=0):
+    """(layers, 384) counts of a model whose first layer is dense (an all-zero row), as recorded."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((layers, 384), dtype=np.int64)
+    counts[1:] = rng.integers(0, 20, size=(layers - 1, 384))
+    return counts
+
+
+def test_heatmap_of_a_24_layer_model_passes_altairs_row_limit():
+    import altair as alt
+
+    frame = eb.expert_load_frame(_dense_first(24))
+    assert len(frame) == 23 * 384 > 5000                  # past altair's default max_rows
+    with pytest.raises(alt.MaxRowsError):                 # which a chart of the frame as given meets
+        alt.Chart(frame).mark_rect().encode(x="expert:Q").to_dict()
+    options = dict(alt.data_transformers.options)
+    spec = eb.expert_heatmap_chart(frame).to_dict()       # what Jupyter's display does first
+    assert len(spec["datasets"][spec["layer"][0]["data"]["name"]]) == 23 * 384
+    assert dict(alt.data_transformers.options) == options and alt.data_transformers.active == "default"
+
+
+def test_imbalance_panels_run_in_layer_order():
+    frame = eb.gpu_load_frame(_dense_first(16), 8, ep_size=1)
+    facet = eb.gpu_imbalance_chart(frame).to_dict()["facet"]
+    assert [int(p.split()[1]) for p in facet["sort"]] == list(range(1, 16))   # not 1, 10, 11, ..., 2
+    assert all(p.startswith(f"layer {l} (balancedness ") for l, p in zip(range(1, 16), facet["sort"]))
+
+
+def test_a_layer_that_routed_nothing_does_not_read_as_balanced():
+    counts = _dense_first(3)
+    frame = eb.gpu_load_frame(counts, 8, ep_size=1, layers=[0, 1])   # dense layer 0 asked for by name
+    empty = frame[frame["layer"] == 0]
+    assert (empty["tokens"] == 0).all() and (empty["relative_load"] == 0).all()   # as expert_load_frame's share
+    assert empty["balancedness"].isna().all()            # not SGLang's (0 + 1e-5) / (0 + 1e-5) = 1.0
+    assert (eb.expert_load_frame(counts, layers=[0])["share"] == 0).all()
+    routed = frame[frame["layer"] == 1]
+    assert routed["balancedness"].notna().all() and routed["relative_load"].mean() == pytest.approx(1.0)
+    assert routed.reset_index(drop=True).equals(eb.gpu_load_frame(counts, 8, ep_size=1, layers=[1]))
+    facet = eb.gpu_imbalance_chart(frame).to_dict()["facet"]
+    assert facet["sort"][0] == "layer 0 (no routed tokens)" and facet["sort"][1].startswith("layer 1 (balancedness")

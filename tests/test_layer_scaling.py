@@ -146,3 +146,25 @@ def test_line_points_keep_a_line_within_the_run_that_measured_every_layer_count(
     assert lines.groupby("layers")["commit"].agg(set).to_dict() == {4: {"?"}, 16: {"d"}, 24: {"?"}}
     with pytest.raises(ValueError, match="run_points: missing columns"):
         line_points(runs.drop(columns="commit"))
+
+
+def test_configurations_differing_only_in_decode_or_draft_tokens_are_lines_of_their_own():
+    plain = ["sm120_mla + ngram_tail", "triton + ngram_tail"]
+    assert sorted(set(fit_layer_scaling(decode_points(pd.DataFrame(_records())))["config"])) == plain   # as today
+    # the records' own count (decode_tokens absent: decode_bench's default, 256) and another
+    for key, own, other, label in (("decode_tokens", 256, 64, "{b}, {n} decode tokens + ngram_tail"),
+                                   ("draft_tokens", 8, 16, "{b} + ngram_tail, {n} draft tokens")):
+        recs = _records() + [dict(r, **{key: other}, verify_step_ms=2 * r["verify_step_ms"]) for r in _records()]
+        pts = decode_points(pd.DataFrame(recs))
+        fit = fit_layer_scaling(pts)
+        assert sorted(fit["config"].unique()) == sorted(label.format(b=b, n=n) for b in ("sm120_mla", "triton")
+                                                        for n in (own, other)), key
+        assert fit.groupby("config").size().to_list() == [2] * 4              # a line per context each
+        # the chart draws each measured point under its own configuration's label
+        spec = layer_scaling_chart(pts, fit).to_dict()
+        measured = [r for r in next(iter(spec["datasets"].values())) if r["kind"] == "measured"]
+        assert len(measured) == len(pts) and {r["config"] for r in measured} == set(fit["config"])
+        slower = label.format(b="triton", n=other)
+        line = fit.set_index(["config", "ctx"]).loc[(slower, 4096)]
+        point = next(r for r in measured if (r["config"], r["layers"], r["ctx"]) == (slower, 16, 4096))
+        assert point["step_ms"] == pytest.approx(line["fixed_ms"] + 16 * line["per_layer_ms"])

@@ -471,3 +471,27 @@ def test_the_decode_explorer_charts_the_setup_picked(monkeypatch):
                      (pick.options[1], "recorded: H200; commit fffffff; 2026-12-03")]
     with pytest.raises(ValueError, match="setup: 'nope'"):
         sc.decode_speed_explorer(pts, "nope")
+
+
+def test_draft_tokens_name_a_point_only_where_they_tell_two_apart():
+    """Two EAGLE3 configurations that differ only in draft tokens are two labels and two lines;
+    draft tokens that differ only between spec modes (or not at all) leave the labels as they were."""
+    eagle3 = {"spec": "eagle3", "ngram_tail": False}
+    alike = [_rec("sm120_mla", ctx, 900.0, "ddddddd", "2026-12-04", draft_tokens=n, **eagle3)
+             for ctx in (4096, 65536) for n in (4, 8)]
+    pts = sc.decode_points(pd.DataFrame(alike))
+    assert sorted(set(pts["config"])) == ["sm120_mla, 4 draft tokens", "sm120_mla, 8 draft tokens"]
+    assert sorted(set(pts["line"])) == ["sm120_mla, 4 draft tokens", "sm120_mla, 8 draft tokens"]
+    assert pts.groupby("config")["ctx"].nunique().to_dict() == {c: 2 for c in set(pts["config"])}   # whole lines
+    assert sc.setup_table(pts)["lines"].to_list() == [2]
+    # one draft-token count per mode: the labels of today
+    modes = [_rec("sm120_mla", 4096, 900.0, "ddddddd", "2026-12-04", spec="ngram"),
+             _rec("sm120_mla", 4096, 900.0, "ddddddd", "2026-12-04", spec="none", draft_tokens=0, ngram_tail=False),
+             _rec("sm120_mla", 4096, 900.0, "ddddddd", "2026-12-04", draft_tokens=4, **eagle3),
+             _rec("sm120_mla", 4096, 900.0, "ddddddd", "2026-12-04", draft_tokens=8, eagle_topk=4, **eagle3)]
+    pts = sc.decode_points(pd.DataFrame(modes))
+    assert sorted(pts["config"]) == ["sm120_mla", "sm120_mla", "sm120_mla + ngram_tail",
+                                     "sm120_mla, EAGLE topk 4"]
+    assert "draft tokens" not in "".join(pts["line"])
+    assert sc.config_label("triton", draft_tokens=None) == "triton"
+    assert sc.label_of(_rec("triton", 4096, 1.0, "c", "d"), draft_tokens=True) == "triton + ngram_tail, 8 draft tokens"
