@@ -138,6 +138,16 @@ def scaling_table(fit: pd.DataFrame) -> pd.DataFrame:
                     "projected_tok_s": 1}).reset_index(drop=True)
 
 
+def fitted_points(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ngram") -> pd.DataFrame:
+    """The measured points layer_scaling_chart draws for `spec`: those of the fitted
+    configurations, named as the fit names them, at every context a panel shows (a
+    configuration's label does not depend on its context). Their provenance is the chart's."""
+    f = fit[fit["spec"] == spec]
+    same = [k for k in CONFIG_KEYS if k != "ctx"]
+    return (points[(points["spec"] == spec) & points["ctx"].isin(f["ctx"])].drop(columns="config", errors="ignore")
+            .merge(f[same + ["config"]].drop_duplicates(), on=same))
+
+
 def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ngram", title: str = "",
                         source: str = ""):
     """Step ms against layer count for one spec mode: measured points, and the fitted line
@@ -152,11 +162,7 @@ def layer_scaling_chart(points: pd.DataFrame, fit: pd.DataFrame, spec: str = "ng
     lines = pd.DataFrame([{"config": r.config, "ctx_label": r.ctx_label, "ctx": r.ctx, "layers": n,
                            "step_ms": r.fixed_ms + r.per_layer_ms * n}
                           for r in f.itertuples() for n in range(1, top + 1)])   # curved on a log axis
-    # the measured points of the fitted configurations, named as the fit names them (at every
-    # context a panel shows: a configuration's label does not depend on its context)
-    same = [k for k in CONFIG_KEYS if k != "ctx"]
-    p = (points[(points["spec"] == spec) & points["ctx"].isin(f["ctx"])].drop(columns="config", errors="ignore")
-         .merge(f[same + ["config"]].drop_duplicates(), on=same).rename(columns={"verify_step_ms": "step_ms"}))
+    p = fitted_points(points, fit, spec).rename(columns={"verify_step_ms": "step_ms"})
     data = pd.concat([lines.assign(kind="fit"),
                       p[["config", "ctx_label", "ctx", "layers", "step_ms"]].assign(kind="measured")])
     color = alt.Color("config:N", title="attention backend", legend=alt.Legend(labelLimit=360))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from sm120_workbook.layer_scaling import (fit_layer_scaling, holdout_check, layer_scaling_chart, line_points,
-                                          projected_speedup, scaling_table)
+from sm120_workbook.layer_scaling import (fit_layer_scaling, fitted_points, holdout_check, layer_scaling_chart,
+                                          line_points, projected_speedup, scaling_table)
 from sm120_workbook.service_charts import decode_points
 
 # step_ms = fixed + per_layer * layers, per backend and context (triton's per-layer cost grows with ctx)
@@ -164,6 +164,11 @@ def test_configurations_differing_only_in_decode_or_draft_tokens_are_lines_of_th
         spec = layer_scaling_chart(pts, fit).to_dict()
         measured = [r for r in next(iter(spec["datasets"].values())) if r["kind"] == "measured"]
         assert len(measured) == len(pts) and {r["config"] for r in measured} == set(fit["config"])
+        # fitted_points are those points (the chart's provenance): a configuration seen at one
+        # layer count only, with no line, is not among them
+        lone = pd.DataFrame([dict(_records()[0], backend="flashmla", layers=4, commit="lone")])
+        drawn = fitted_points(pd.concat([pts, decode_points(lone)]), fit)
+        assert len(drawn) == len(pts) and "lone" not in set(drawn["commit"])
         slower = label.format(b="triton", n=other)
         line = fit.set_index(["config", "ctx"]).loc[(slower, 4096)]
         point = next(r for r in measured if (r["config"], r["layers"], r["ctx"]) == (slower, 16, 4096))
