@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import math
 import os
 import re
@@ -64,15 +63,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .dummy_models import (EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, materialize_draft,
-                           materialize_eagle3_draft, materialize_model, max_context, weight_format)
+                           materialize_eagle3_draft, materialize_model, max_context, model_config, weight_format)
 from .notebook_params import check_list_params
 from .patches import dflash_host_plan as dflash_host_plan_patch
 from .patches import kv_sort
 from .provenance import git_commit
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
-                      ServerStartError, check_attention_backend, check_mem_fraction_static, check_positive,
-                      check_warmups, dflash_draft_backend, eagle_verify_tokens, log_tail, resolve_tp, spec_metrics)
+                      ServerStartError, check_attention_backend, check_int, check_mem_fraction_static, check_positive,
+                      check_tp_visible, check_warmups, dflash_draft_backend, eagle_verify_tokens, log_tail, resolve_tp,
+                      spec_metrics)
 
 # decode_bench --dflash-host-plan: "probe" starts the servers with $SM120_DFLASH_HOST_PLAN=probe
 # (patches/dflash_host_plan.py, a timing probe with wrong draft attention), "off" without
@@ -89,6 +89,11 @@ RECORD_FIELDS = ("backend", "spec", "draft_tokens", "tp", "gpu", "model", "layer
                  "accept_len", "verify_step_ms", "cuda_graph", "commit", "date")
 CONTEXT_MARGIN = 256     # tokens beyond ctx + decode tokens + draft window
 SERVER_START_ESTIMATE_S = 180.0
+
+
+class MatrixArgumentError(ValueError):
+    """An argument run_matrix's validation step refused, before any server started: the CLI's
+    usage error. A ValueError after that is the run's failure, not its arguments'."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +348,20 @@ def check_run_settings(mem_fraction_static: float, startup_timeout_s: float, nvm
         raise ValueError(f"repeats: must be a positive int, got {repeats!r}")
 
 
+def _writable_dir(name: str, path) -> None:
+    """A folder the run writes into, created now and probed with a file: found after the first
+    server, a bad one fails every server (log_dir) or loses the records (results_dir)."""
+    d = Path(path)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{name}: {d} exists and is not a folder")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise ValueError(f"{name}: cannot write into {d} ({e.strerror or e})") from None
+
+
 def _gpu_name() -> str | None:
     from .provenance import gpu_info
 
@@ -378,6 +397,11 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                dflash_host_plan: str = "off",
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the whole matrix; return (and with record=True append) decode, NVML, expert records.
+
+    Every argument is checked before the first server starts, a bad one raising
+    MatrixArgumentError (a ValueError naming it): among the rest seed >= 0 (numpy's), tp within
+    the GPUs torch sees where SGLang's own launcher runs (launcher None), and results_dir (with
+    record) and log_dir folders that can be written, created then.
 
     spec_fallback: when a DFlash server fails to start, run `spec_fallback` ("ngram") in its
     place for that backend (the record's `spec` says which ran). time_budget_s: skip server
@@ -422,49 +446,71 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     from .results import append_records, results_dir as default_results_dir
 
     t_start = time.monotonic()
-    for b in backends:  # before any launch: a typo should not cost a server start
-        check_attention_backend(b)
-    prefill_backend = prefill_backend or None   # "" is what records say for none
-    if prefill_backend is not None:
-        check_attention_backend(prefill_backend, "prefill_backend")
-    elif prefill_as_base:
-        raise ValueError("prefill_as_base: needs a prefill_backend to put first")
-    warmups = tuple(warmups)
-    if warmups:
-        check_warmups(warmups)
-    if draft_backend is not None:
-        check_attention_backend(draft_backend, "draft_backend")
-    if eagle3_head not in EAGLE3_HEADS:
-        raise ValueError(f"eagle3_head: one of {sorted(EAGLE3_HEADS)}, got {eagle3_head!r}")
-    if eagle3_head != "mla" and "eagle3" not in spec:
-        raise ValueError(f"eagle3_head: only spec eagle3 takes a head, and spec is {list(spec)}")
-    if dflash_host_plan not in DFLASH_HOST_PLAN_MODES:
-        raise ValueError(f"dflash_host_plan: expected one of {DFLASH_HOST_PLAN_MODES}, got {dflash_host_plan!r}")
-    if dflash_host_plan != "off" and list(spec) != ["dflash"]:
-        # the probe changes only a DFlash draft; other servers' records would carry it for nothing
-        raise ValueError(f"dflash_host_plan: the probe is for spec ['dflash'] alone, and spec is {list(spec)}")
-    if (spec_fallback or "") not in SPEC_FALLBACKS:
-        raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
-    if spec_fallback:
-        check_draft_tokens(backends, [spec_fallback], draft_tokens, ngram_draft_tokens)
-    if profile_contexts is not None and not set(profile_contexts) <= set(contexts):
-        raise ValueError(f"profile_contexts: {sorted(set(profile_contexts) - set(contexts))} are not among "
-                         f"the measured contexts {sorted(set(contexts))}")
-    check_run_settings(mem_fraction_static=mem_fraction_static, startup_timeout_s=startup_timeout_s,
-                       nvml_interval_s=nvml_interval_s, time_budget_s=time_budget_s, repeats=repeats,
-                       stall_timeout_s=stall_timeout_s)
-    tp = resolve_tp(tp)
-    if not (isinstance(ep_size, int) and ep_size >= 1 and tp % ep_size == 0):
-        raise ValueError(f"ep_size: must be a positive divisor of tp={tp}, got {ep_size!r}")
-    # The model and draft folders (config.json only) live as long as the matrix, then go.
-    with tempfile.TemporaryDirectory(prefix="sm120_models_") as workdir:
-        model_dir = materialize_model(model, layers, dest=Path(workdir) / "model", weights=weights)
-        model_cfg = json.loads((model_dir / "config.json").read_text())
+    try:   # the validation step: every argument, before the first server starts
+        for b in backends:  # a typo should not cost a server start
+            check_attention_backend(b)
+        prefill_backend = prefill_backend or None   # "" is what records say for none
+        if prefill_backend is not None:
+            check_attention_backend(prefill_backend, "prefill_backend")
+        elif prefill_as_base:
+            raise ValueError("prefill_as_base: needs a prefill_backend to put first")
+        warmups = tuple(warmups)
+        if warmups:
+            check_warmups(warmups)
+        if draft_backend is not None:
+            check_attention_backend(draft_backend, "draft_backend")
+        if eagle3_head not in EAGLE3_HEADS:
+            raise ValueError(f"eagle3_head: one of {sorted(EAGLE3_HEADS)}, got {eagle3_head!r}")
+        if eagle3_head != "mla" and "eagle3" not in spec:
+            raise ValueError(f"eagle3_head: only spec eagle3 takes a head, and spec is {list(spec)}")
+        if dflash_host_plan not in DFLASH_HOST_PLAN_MODES:
+            raise ValueError(f"dflash_host_plan: expected one of {DFLASH_HOST_PLAN_MODES}, got {dflash_host_plan!r}")
+        if dflash_host_plan != "off" and list(spec) != ["dflash"]:
+            # the probe changes only a DFlash draft; other servers' records would carry it for nothing
+            raise ValueError(f"dflash_host_plan: the probe is for spec ['dflash'] alone, and spec is {list(spec)}")
+        if (spec_fallback or "") not in SPEC_FALLBACKS:
+            raise ValueError(f"spec_fallback: one of {SPEC_FALLBACKS}, got {spec_fallback!r}")
+        if spec_fallback:
+            check_draft_tokens(backends, [spec_fallback], draft_tokens, ngram_draft_tokens)
+        if profile_contexts is not None and not set(profile_contexts) <= set(contexts):
+            raise ValueError(f"profile_contexts: {sorted(set(profile_contexts) - set(contexts))} are not among "
+                             f"the measured contexts {sorted(set(contexts))}")
+        check_run_settings(mem_fraction_static=mem_fraction_static, startup_timeout_s=startup_timeout_s,
+                           nvml_interval_s=nvml_interval_s, time_budget_s=time_budget_s, repeats=repeats,
+                           stall_timeout_s=stall_timeout_s)
+        check_int("seed", seed, least=0)   # numpy's generators take no negative seed
+        tp = resolve_tp(tp)
+        if not (isinstance(ep_size, int) and ep_size >= 1 and tp % ep_size == 0):
+            raise ValueError(f"ep_size: must be a positive divisor of tp={tp}, got {ep_size!r}")
+        model_cfg = model_config(model, layers, weights)   # as materialize_model writes it below
         heads = heads_per_rank(model_cfg, tp)
         plans = plan_matrix(backends, contexts, spec, draft_tokens, ngram_draft_tokens, decode_tokens,
                             max_context(model_cfg), eagle_steps, eagle_topk, eagle_draft_tokens)
-        if any(p.spec == "eagle3" for p in plans):   # before any server starts
+        if any(p.spec == "eagle3" for p in plans):
             eagle3_aux_layers(layers)
+        if not isinstance(profile_steps, int) or profile_steps < 0:
+            raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
+        if profile_steps:
+            # The profiled request must run more steps than are profiled, or the profiler waits
+            # for the next request; a step emits at most draft_tokens + 1 tokens, an EAGLE step
+            # (chain or tree) one path of eagle_steps drafts and the bonus token.
+            most = max([1] + [eagle_steps + 1 if p.spec in EAGLE_SPECS else (p.draft_tokens or 0) + 1
+                              for p in plans])
+            if decode_tokens // most <= profile_steps:
+                raise ValueError(f"profile_steps: {profile_steps} steps need more than {profile_steps * most} decode "
+                                 f"tokens with up to {most} tokens a step; decode_tokens is {decode_tokens}")
+        if launcher is None:   # SGLang's own launcher: tp GPUs, where torch can count them (a fake needs none)
+            check_tp_visible(tp)
+        # the folders last, once nothing else is refused: a refused run leaves none behind
+        if record:
+            _writable_dir("results_dir", results_dir if results_dir is not None else default_results_dir())
+        if log_dir is not None:
+            _writable_dir("log_dir", log_dir)
+    except ValueError as e:   # a ServerError (tp -1 with no GPU) passes as it is
+        raise MatrixArgumentError(str(e)) from e
+    # The model and draft folders (config.json only) live as long as the matrix, then go.
+    with tempfile.TemporaryDirectory(prefix="sm120_models_") as workdir:
+        model_dir = materialize_model(model, layers, dest=Path(workdir) / "model", weights=weights)
         # EAGLE drafts with the model's own MTP layer: the same model, given one.
         mtp_dir = (materialize_model(model, layers, dest=Path(workdir) / "model-mtp", weights=weights, mtp_layers=1)
                    if any(p.spec == "eagle" for p in plans) else None)
@@ -487,17 +533,6 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         # the commit the run starts from, as every record names it: $SM120_COMMIT on the GPU machine (a
         # tree without .git), unless the installed package was archived from another (git_commit warns)
         common["commit"] = git_commit()
-        if not isinstance(profile_steps, int) or profile_steps < 0:
-            raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
-        if profile_steps:
-            # The profiled request must run more steps than are profiled, or the profiler waits
-            # for the next request; a step emits at most draft_tokens + 1 tokens, an EAGLE step
-            # (chain or tree) one path of eagle_steps drafts and the bonus token.
-            most = max([1] + [eagle_steps + 1 if p.spec in EAGLE_SPECS else (p.draft_tokens or 0) + 1
-                              for p in plans])
-            if decode_tokens // most <= profile_steps:
-                raise ValueError(f"profile_steps: {profile_steps} steps need more than {profile_steps * most} decode "
-                                 f"tokens with up to {most} tokens a step; decode_tokens is {decode_tokens}")
         out = MatrixResult([], [], [], [])
         lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
                  FAILURE_RESULTS: out.failures, PROFILE_RESULTS: out.profiles}
@@ -507,6 +542,14 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             lists[name].extend(recs)
             if record and recs:
                 append_records(name, recs, command=command, path=_results_path(results_dir, name))
+
+        def emit_failure(rec: dict) -> None:
+            # In its own try: a record write that fails too (a full disk) must not replace the
+            # failure being recorded; that stays in the result, and the write's error is logged.
+            try:
+                emit(FAILURE_RESULTS, [rec])
+            except Exception as e:  # noqa: BLE001
+                log(f"  could not append this failure to {FAILURE_RESULTS}: {e!r}")
 
         def over_budget(reserve_s: float) -> bool:
             return time_budget_s is not None and time.monotonic() - t_start + reserve_s > time_budget_s
@@ -650,8 +693,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 log(f"FAILED to start {plan.backend}/{plan.spec}: {str(e).splitlines()[0]}\n"
                     f"  its log ends:\n{_indent(e.log_tail, 15)}")
                 fail["warmups"] = ",".join(warmups_run(_log_text(e.log_path) if warmups else "", warmups))
-                emit(FAILURE_RESULTS, [{**fail, "status": "start_failed", "error": str(e).splitlines()[0],
-                                        "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)}])
+                emit_failure({**fail, "status": "start_failed", "error": str(e).splitlines()[0],
+                              "log_tail": e.log_tail[-4000:], "log_path": str(e.log_path)})
                 if plan.spec == "dflash" and spec_fallback and (plan.backend, spec_fallback) not in started:
                     dt = ngram_draft_tokens if spec_fallback == "ngram" else None
                     queue.insert(0, ServerPlan(plan.backend, spec_fallback, dt, plan.contexts))
@@ -660,8 +703,8 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 tail = log_tail(server_log) if server_log else ""   # what the server said as it failed
                 error = f"{type(e).__name__}: {str(e).splitlines()[0]}" if "\n" in str(e) else repr(e)   # no log twice
                 log(f"FAILED during {plan.backend}/{plan.spec}: {error}\n  its log ends:\n{_indent(tail, 15)}")
-                emit(FAILURE_RESULTS, [{**fail, "status": "run_failed", "error": error[:2000],
-                                        "log_tail": tail[-4000:], "log_path": str(server_log)}])
+                emit_failure({**fail, "status": "run_failed", "error": error[:2000],
+                              "log_tail": tail[-4000:], "log_path": str(server_log)})
         bar.close()
         return out
 
@@ -768,7 +811,9 @@ def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: d
         except Exception:  # noqa: BLE001 - as above
             pass
     nv_rows = []
-    if sampler is not None:  # one record per (GPU, metric) holding the series; no pandas needed here
+    if sampler is not None and sampler.failure:   # a series cut short would read as an idle GPU
+        row["nvml_error"] = sampler.failure[:500]
+    elif sampler is not None:  # one record per (GPU, metric) holding the series; no pandas needed here
         series: dict[tuple[int, str], tuple[list, list]] = {}
         for t, g, m, v in sampler.rows:
             ts, vs = series.setdefault((g, m), ([], []))
@@ -934,7 +979,7 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           eagle_steps=a.eagle_steps, eagle_topk=a.eagle_topk,
                           eagle_draft_tokens=a.eagle_draft_tokens, draft_backend=a.draft_backend,
                           eagle3_head=a.eagle3_head, dflash_host_plan=a.dflash_host_plan)
-    except ValueError as e:   # a bad argument, found before any launch: argparse's usage error
+    except MatrixArgumentError as e:   # refused by the validation step, before any launch: a usage error
         p.error(str(e))
 
 

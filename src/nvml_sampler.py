@@ -16,6 +16,7 @@ all that NVML lists; `gpu` is the CUDA index as the server sees it.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -76,11 +77,20 @@ def visible_gpus(pynvml) -> list[tuple[int, object]]:
 
 
 class NvmlSampler:
-    """Samples every visible GPU every `interval_s` seconds on a daemon thread."""
+    """Samples every visible GPU every `interval_s` seconds on a daemon thread.
+
+    `errors` holds what went wrong, by metric: an NVMLError of one metric (that metric skipped),
+    and under THREAD_ERRORS an error that ended the sampling thread early or a thread that outlived
+    stop(); `failure` says whether the series may be cut short."""
+
+    # errors' keys for the thread itself: the exception that ended it, a stop() it outlived
+    THREAD_ERRORS = ("sampler", "stop")
+    stop_timeout_s = 10.0
 
     def __init__(self, interval_s: float = 0.2, pcie: bool = True):
-        if interval_s <= 0:
-            raise ValueError(f"interval_s: must be positive, got {interval_s}")
+        if (isinstance(interval_s, bool) or not isinstance(interval_s, (int, float))
+                or not math.isfinite(interval_s) or interval_s <= 0):   # NaN would pass `<= 0` and spin
+            raise ValueError(f"interval_s: must be a positive number, got {interval_s!r}")
         self.interval_s = interval_s
         self.pcie = pcie  # each PCIe query blocks ~20 ms per GPU and direction
         self.rows: list[tuple[float, int, str, float]] = []
@@ -90,6 +100,12 @@ class NvmlSampler:
         self._nvml = None
         self._gpus: list[tuple[int, object]] = []
         self._t0 = 0.0
+        self._started = False
+
+    @property
+    def failure(self) -> str | None:
+        """Why the sampled series may be cut short (THREAD_ERRORS), or None."""
+        return "; ".join(self.errors[k] for k in self.THREAD_ERRORS if k in self.errors) or None
 
     def __enter__(self) -> "NvmlSampler":
         self.start()
@@ -100,6 +116,8 @@ class NvmlSampler:
         return False
 
     def start(self) -> "NvmlSampler":
+        if self._started:   # a second nvmlInit would be shut once, and the series would restart at t=0
+            raise RuntimeError("start: this NvmlSampler was already started; use a new one per window")
         self._nvml = init_nvml()
         try:
             self._gpus = visible_gpus(self._nvml)
@@ -117,22 +135,30 @@ class NvmlSampler:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="nvml-sampler", daemon=True)
         self._thread.start()
+        self._started = True
         return self
 
     def stop(self) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=self.stop_timeout_s)
+            if self._thread.is_alive():   # still inside NVML: shutting it down under the thread is unsafe
+                self.errors.setdefault("stop", f"the sampling thread was still running {self.stop_timeout_s:g} s "
+                                               "after stop(); NVML was left initialised")
+                return
             self._thread = None
         if self._nvml is not None:
             self._nvml.nvmlShutdown()
             self._nvml = None
 
     def _loop(self) -> None:
-        while True:
-            self.sample_once()
-            if self._stop.wait(self.interval_s):
-                break
+        try:
+            while True:
+                self.sample_once()
+                if self._stop.wait(self.interval_s):
+                    break
+        except Exception as e:  # noqa: BLE001 - a thread's error is otherwise lost: keep it for the caller
+            self.errors.setdefault("sampler", f"sampling stopped at {time.monotonic() - self._t0:.1f} s: {e!r}")
 
     def _read(self, metric: str, fn):
         try:

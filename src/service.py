@@ -199,25 +199,46 @@ def _check_choice(arg: str, kind: str, name: str, choices, from_plugin: bool) ->
                          "--no-deps .) so SGLang's launcher finds it")
 
 
-def visible_gpu_count() -> int:
-    """CUDA GPUs this process may use (CUDA_VISIBLE_DEVICES respected)."""
+def known_gpu_count() -> int | None:
+    """CUDA GPUs this process may use (CUDA_VISIBLE_DEVICES respected); None where torch cannot
+    count them (not installed, or its query failed). A machine without a driver counts 0."""
     try:
         import torch
         return int(torch.cuda.device_count())
-    except Exception:  # noqa: BLE001 - no torch or no driver: no GPUs
-        return 0
+    except Exception:  # noqa: BLE001 - no torch or a broken one: the count is unknown
+        return None
+
+
+def visible_gpu_count() -> int:
+    """CUDA GPUs this process may use (CUDA_VISIBLE_DEVICES respected); no torch: none."""
+    return known_gpu_count() or 0
 
 
 def resolve_tp(tp: int) -> int:
     """tp = -1 means every visible GPU."""
+    if isinstance(tp, bool) or not isinstance(tp, int):   # True would pass as tp 1
+        raise ValueError(f"tp: must be -1 (all visible GPUs) or a positive int, got {tp!r}")
     if tp == -1:
         n = visible_gpu_count()
         if n < 1:
             raise ServerError("tp=-1 asks for every visible GPU, but no CUDA GPU is visible")
         return n
-    if not isinstance(tp, int) or tp < 1:
+    if tp < 1:
         raise ValueError(f"tp: must be -1 (all visible GPUs) or a positive int, got {tp!r}")
     return tp
+
+
+def check_tp_visible(tp: int) -> None:
+    """tp no more than the GPUs this process sees, where torch can count them: otherwise SGLang
+    fails only once its tp workers start, a start failure after the launch. Only a launch of
+    SGLang itself needs it: a test's fake server runs on none."""
+    n = known_gpu_count()
+    if n is None or tp <= n:
+        return
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"only {n} {'is' if n == 1 else 'are'} visible" if n else "no CUDA GPU is visible"
+    raise ValueError(f"tp: {tp} needs {tp} GPU{'s' if tp > 1 else ''}, and {seen} here"
+                     + (f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""))
 
 
 # ---- ports --------------------------------------------------------------------------------
@@ -228,8 +249,16 @@ def free_port(host: str = DEFAULT_HOST) -> int:
         return s.getsockname()[1]
 
 
+def check_port(port) -> None:
+    """A TCP port a server can listen on: 0 would bind a port of the OS's choosing, which passes
+    the free-port check and leaves /health asked on the wrong one until the start-up timeout."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port: must be an int in 1..65535, got {port!r}")
+
+
 def check_port_free(port: int, host: str = DEFAULT_HOST) -> None:
     """Raise PortInUseError naming the port when something holds it."""
+    check_port(port)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # The server's own socket uses SO_REUSEADDR, so only a live holder should count.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -349,10 +378,11 @@ def check_positive(name: str, value) -> None:
 def resolve_config(cfg: ServerConfig) -> ServerConfig:
     """Validate a config before launching and fill in what SGLang would require.
 
-    Raises ValueError naming the argument: unknown backend, context longer than the model
-    allows, tp not dividing the heads, a DFlash draft that does not match the target, EAGLE
-    on a model without an MTP layer, EAGLE3 without an EAGLE3 draft folder. Fills in page_size,
-    NGRAM's draft tokens and tree breadth, EAGLE's verified tokens and a free port.
+    Raises ValueError naming the argument: a value of the wrong type or range (a bool for an
+    int, a port outside 1..65535, extra_args as one string), unknown backend, context longer
+    than the model allows, tp not dividing the heads, a DFlash draft that does not match the
+    target, EAGLE on a model without an MTP layer, EAGLE3 without an EAGLE3 draft folder. Fills
+    in page_size, NGRAM's draft tokens and tree breadth, EAGLE's verified tokens and a free port.
     """
     cfg = dataclasses.replace(cfg)
     model = cfg.model_config()
@@ -364,10 +394,19 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     cfg.tp = resolve_tp(cfg.tp)
     heads_per_rank(model, cfg.tp)  # raises when tp does not divide the heads
     check_mem_fraction_static(cfg.mem_fraction_static)
+    # SGLang's parser would take none of these as given (a float, a bool's str, 0 or less)
+    for name in ("page_size", "cuda_graph_max_bs", "ngram_max_bfs_breadth"):
+        if getattr(cfg, name) is not None:
+            check_int(name, getattr(cfg, name))
+    if not isinstance(cfg.extra_args, (list, tuple)) or not all(isinstance(a, str) for a in cfg.extra_args):
+        # one string would be launched a character an argument
+        raise ValueError(f"extra_args: a list or tuple of str, one launch argument each, got {cfg.extra_args!r}")
+    cfg.extra_args = tuple(cfg.extra_args)
+    if cfg.port is not None:
+        check_port(cfg.port)
     limit = max_context(model)
     if cfg.context_length is not None:
-        if cfg.context_length < 1:
-            raise ValueError(f"context_length: must be positive, got {cfg.context_length}")
+        check_int("context_length", cfg.context_length)
         if cfg.context_length > limit:
             raise ValueError(f"context_length: {cfg.context_length} is longer than the model "
                              f"allows ({limit} from its config's max_position_embeddings)")
@@ -381,6 +420,9 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     cfg.expert_record_buffer = int(cfg.expert_record_buffer)
     if cfg.spec not in SPEC_ALGORITHMS:
         raise ValueError(f"spec: must be one of {sorted(SPEC_ALGORITHMS)}, got {cfg.spec!r}")
+    if cfg.num_draft_tokens is not None and cfg.spec != "none":
+        # one token verifies nothing beyond the bonus token (and SGLang then reports no verify steps)
+        check_int("num_draft_tokens", cfg.num_draft_tokens, least=2)
     paged = [PAGED_BACKENDS[b] for b in (cfg.attention_backend, cfg.prefill_attention_backend) if b in PAGED_BACKENDS]
     if cfg.page_size is None and paged:   # one KV pool serves both backends: the larger page
         cfg.page_size = max(paged)
@@ -691,8 +733,9 @@ class SGLangServer:
     """One `sglang.launch_server` subprocess, healthy inside the `with` block, gone after it.
 
     launcher: the command that precedes the server arguments (default: this Python with
-    `-m sglang.launch_server`); tests point it at a fake server script. stall_timeout_s: the
-    default of `generate`'s (the longest silence of a request's stream).
+    `-m sglang.launch_server`); tests point it at a fake server script. Only with the default
+    is tp checked against the visible GPUs (check_tp_visible): another launcher's needs are its
+    own. stall_timeout_s: the default of `generate`'s (the longest silence of a request's stream).
     """
 
     def __init__(self, config: ServerConfig, log_path: str | Path | None = None,
@@ -705,6 +748,7 @@ class SGLangServer:
         self.stall_timeout_s = stall_timeout_s
         self.grace_s = grace_s
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
+        self._sglang_launcher = not launcher
         self.env = env
         self.progress = progress
         self.validate = validate
@@ -738,6 +782,8 @@ class SGLangServer:
             raise ServerError("this server was already started")
         if self.validate:
             self.config = resolve_config(self.config)
+            if self._sglang_launcher:
+                check_tp_visible(self.config.tp)
         elif self.config.port is None:
             self.config = dataclasses.replace(self.config, port=free_port(self.config.host))
         check_port_free(self.config.port, self.config.host)
@@ -754,9 +800,14 @@ class SGLangServer:
         self._log_file = open(self.log_path, "wb")
         t0 = time.monotonic()
         try:
-            self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                         preexec_fn=_die_with_parent if _PRCTL is not None else None)
+            try:
+                self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                             preexec_fn=_die_with_parent if _PRCTL is not None else None)
+            except (OSError, subprocess.SubprocessError) as e:   # a start failure (DFlash's fallback runs)
+                why = getattr(e, "strerror", None) or e
+                raise ServerStartError(f"launcher: cannot run {self.launcher[0]!r} ({why}; log: {self.log_path})",
+                                       log_tail(self.log_path), self.log_path) from e
             self.pid = self.proc.pid
             # The child leads its own process group (pgid == pid); finalize at exit or GC.
             self._finalizer = weakref.finalize(self, _finalize_group, self.proc.pid, self.grace_s)
@@ -810,7 +861,19 @@ class SGLangServer:
         port would otherwise take every measurement under this one's name."""
         import requests
 
-        info = requests.get(self.url + "/server_info", timeout=30).json()
+        r = requests.get(self.url + "/server_info", timeout=30)
+        r.raise_for_status()   # an HTTP error is a server still starting: the wait goes on, as before
+        try:
+            info = r.json()
+        except ValueError:   # requests' JSONDecodeError, a RequestException too: the wait would retry it
+            info = None
+        if not isinstance(info, dict):
+            # healthy but no SGLang answer: not a server to measure, whoever it is; waiting won't change it
+            raise ServerStartError(
+                f"/server_info on port {self.config.port}: HTTP {r.status_code}, not SGLang's JSON object "
+                f"({r.headers.get('Content-Type', 'no Content-Type')}: {r.text[:200]!r}); this server "
+                f"(log: {self.log_path}) is stopped\nlast {LOG_TAIL_LINES} lines of its log:\n"
+                f"{log_tail(self.log_path)}", log_tail(self.log_path), self.log_path)
         self.server_info = info   # SGLang's resolved arguments, e.g. the DFlash draft's backend
         cfg = self.config
         ours = {"attention_backend": cfg.base_attention_backend(), "model_path": os.path.realpath(cfg.model_path),

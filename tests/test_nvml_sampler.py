@@ -2,6 +2,7 @@
 module, the real thing on a GPU, and the tidy frame and chart on synthetic data."""
 from __future__ import annotations
 
+import threading
 import time
 import types
 
@@ -95,6 +96,93 @@ def test_start_samples_stops_and_always_shuts_nvml(monkeypatch):
     with pytest.raises(ns.NvmlUnavailableError, match="MIG-abc"):
         ns.NvmlSampler().start()
     assert calls == {"init": 2, "shutdown": 2}
+
+
+def _counting(monkeypatch, nv_of=lambda nv: nv):
+    """init_nvml replaced by a fake (changed by `nv_of`) that counts its inits and shutdowns."""
+    calls = {"init": 0, "shutdown": 0}
+
+    def init():
+        calls["init"] += 1
+        nv = _fake_nvml(2)
+        nv.nvmlShutdown = lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1)
+        return nv_of(nv)
+
+    monkeypatch.setattr(ns, "init_nvml", init)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    return calls
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -0.1, True, "0.2"])
+def test_interval_must_be_a_finite_positive_number(bad):
+    """NaN passed `interval_s <= 0` and the thread then waited no time between samples."""
+    with pytest.raises(ValueError, match="^interval_s: must be a positive number"):
+        ns.NvmlSampler(interval_s=bad)
+
+
+def test_a_second_start_is_refused(monkeypatch):
+    """Two starts initialised NVML twice, and one stop shut it down once, leaving a thread behind."""
+    calls = _counting(monkeypatch)
+    s = ns.NvmlSampler(interval_s=0.01).start()
+    first = s._thread
+    with pytest.raises(RuntimeError, match="^start: this NvmlSampler was already started"):
+        s.start()
+    s.stop()
+    with pytest.raises(RuntimeError, match="^start: this NvmlSampler was already started"):
+        s.start()   # nor after stop(): its series would start again at t=0
+    assert calls == {"init": 1, "shutdown": 1} and not first.is_alive() and s.failure is None
+
+
+def test_an_unexpected_error_in_the_thread_is_kept_for_the_caller(monkeypatch):
+    """Not an NVMLError: it used to end the thread silently, and the series looked whole."""
+    def failing(nv):
+        n = {"k": 0}
+
+        def util(h):
+            n["k"] += 1
+            if n["k"] > 2:
+                raise OSError("driver went away")
+            return types.SimpleNamespace(gpu=1, memory=1)
+
+        nv.nvmlDeviceGetUtilizationRates = util
+        return nv
+
+    calls = _counting(monkeypatch, failing)
+    with ns.NvmlSampler(interval_s=0.01) as s:
+        deadline = time.monotonic() + 5
+        while s._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not s._thread.is_alive()
+    assert "OSError('driver went away')" in s.errors["sampler"] and s.failure == s.errors["sampler"]
+    assert calls == {"init": 1, "shutdown": 1}
+
+
+def test_stop_leaves_nvml_initialised_while_the_thread_runs_on(monkeypatch):
+    """A thread stuck in an NVML call past stop()'s wait: NVML is not shut under it (said in
+    errors); a later stop() finishes the job once the thread has ended."""
+    release, inside = threading.Event(), threading.Event()
+
+    def stuck(nv):
+        def util(h):
+            inside.set()
+            release.wait(10)
+            return types.SimpleNamespace(gpu=1, memory=1)
+
+        nv.nvmlDeviceGetUtilizationRates = util
+        return nv
+
+    calls = _counting(monkeypatch, stuck)
+    s = ns.NvmlSampler(interval_s=0.01)
+    s.stop_timeout_s = 0.2
+    s.start()
+    assert inside.wait(5)
+    s.stop()
+    assert calls == {"init": 1, "shutdown": 0}
+    assert "still running 0.2 s after stop(); NVML was left initialised" in s.failure
+    release.set()
+    s.stop_timeout_s = 5
+    s.stop()
+    assert calls == {"init": 1, "shutdown": 1} and s._thread is None
 
 
 def test_sample_once_units_and_unsupported_metrics():

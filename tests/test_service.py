@@ -69,6 +69,8 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
             return self._reply(200)
+        if self.path == "/server_info" and mode == "server_info_html":   # e.g. a proxy's error page
+            return self._reply(200, b"<html>502 Bad Gateway</html>", "text/html")
         if self.path == "/server_info":   # "imposter": another server's answer on our port
             backend = "imposter_backend" if mode == "imposter" else arg("--attention-backend")
             draft = arg("--speculative-draft-attention-backend")
@@ -514,6 +516,63 @@ def test_tp_must_divide_heads_and_all_gpus_needs_a_gpu(model_dir):
             resolve_config(ServerConfig(model_dir, "triton"))  # tp defaults to -1: every visible GPU
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(port=70000), "port: must be an int in 1..65535, got 70000"),
+    (dict(port=-1), "port: must be an int in 1..65535, got -1"),
+    (dict(port="abc"), "port: must be an int in 1..65535, got 'abc'"),
+    (dict(port=0), "port: must be an int in 1..65535, got 0"),       # the OS's choice: /health on the wrong port
+    (dict(port=True), "port: must be an int in 1..65535, got True"),
+    (dict(page_size=0), "page_size: must be a positive int, got 0"),
+    (dict(page_size=-3), "page_size: must be a positive int, got -3"),
+    (dict(cuda_graph_max_bs=0), "cuda_graph_max_bs: must be a positive int, got 0"),
+    (dict(context_length=4096.5), "context_length: must be a positive int, got 4096.5"),
+    (dict(context_length=0), "context_length: must be a positive int, got 0"),
+    (dict(tp=True), "tp: must be -1 .all visible GPUs. or a positive int, got True"),
+    (dict(spec="ngram", num_draft_tokens=1), "num_draft_tokens: must be an int >= 2, got 1"),
+    (dict(spec="ngram", ngram_max_bfs_breadth=0), "ngram_max_bfs_breadth: must be a positive int, got 0"),
+    (dict(extra_args="--disable-radix-cache"), "extra_args: a list or tuple of str, one launch argument each"),
+    (dict(extra_args=["--max-running-requests", 4]), "extra_args: a list or tuple of str"),
+])
+def test_resolve_config_refuses_a_value_of_the_wrong_type_or_range(model_dir, kw, match):
+    with pytest.raises(ValueError, match="^" + match):
+        resolve_config(ServerConfig(model_dir, "triton", **{"tp": 1, **kw}))
+
+
+def test_resolve_config_takes_extra_args_as_a_list_and_a_port_at_the_ends(model_dir):
+    for port in (1, 65535):
+        cfg = resolve_config(ServerConfig(model_dir, "triton", tp=1, port=port, extra_args=["--disable-radix-cache"]))
+        assert cfg.port == port and cfg.extra_args == ("--disable-radix-cache",)
+        assert launch_args(cfg)[-1] == "--disable-radix-cache"
+
+
+def test_port_zero_is_refused_unvalidated_too(model_dir, fake, tmp_path, monkeypatch):
+    """validate=False skips resolve_config; the port is checked beside its free-port check, which
+    port 0 (a port of the OS's choosing) would pass."""
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "serve", port=0, validate=False, startup_timeout_s=5)
+    with pytest.raises(ValueError, match="^port: must be an int in 1..65535, got 0"):
+        srv.start()
+    assert srv.proc is None
+
+
+def test_tp_above_the_visible_gpus_is_refused_before_sglang_launches(model_dir, tmp_path, monkeypatch):
+    """With SGLang's own launcher tp is checked against the GPUs torch counts (none on this
+    machine: no launch can work), and not where torch cannot count them. A custom launcher (the
+    tests' fake server) is not checked: its needs are its own."""
+    monkeypatch.setattr(service, "known_gpu_count", lambda: 0)
+    srv = SGLangServer(ServerConfig(model_dir, "triton", tp=1), log_path=tmp_path / "s.log", progress=False)
+    with pytest.raises(ValueError, match="^tp: 1 needs 1 GPU, and no CUDA GPU is visible here"):
+        srv.start()
+    assert srv.proc is None and not (tmp_path / "s.log").exists()
+    monkeypatch.setattr(service, "known_gpu_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError,
+                       match=r"^tp: 2 needs 2 GPUs, and only 1 is visible here \(CUDA_VISIBLE_DEVICES='3'\)"):
+        service.check_tp_visible(2)
+    service.check_tp_visible(1)
+    monkeypatch.setattr(service, "known_gpu_count", lambda: None)   # no torch: unknown, not checked
+    service.check_tp_visible(8)
+
+
 # ---- start-up failures and teardown ----------------------------------------------------------
 
 def test_server_dying_during_start_reports_log_tail(model_dir, fake, tmp_path, monkeypatch):
@@ -533,6 +592,36 @@ def test_another_server_on_the_port_is_refused(model_dir, fake, tmp_path, monkey
     with pytest.raises(ServerStartError, match="answered by another SGLang server .*imposter_backend"):
         srv.start()
     assert srv.pid is not None and _gone(srv.pid)
+
+
+def test_a_healthy_server_whose_server_info_is_not_json_fails_to_start_at_once(model_dir, fake, tmp_path, monkeypatch):
+    """requests' JSONDecodeError is a RequestException, which the wait for /health retries: the
+    start used to wait out its whole timeout and report the server "not healthy"."""
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "server_info_html", startup_timeout_s=20, grace_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"^/server_info on port \d+: HTTP 200, not SGLang's JSON object "
+                                               r"\(text/html: '<html>502 Bad Gateway</html>'\)") as ei:
+        srv.start()
+    assert time.monotonic() - t0 < 15
+    assert "fake server listening" in ei.value.log_tail and "fake server listening" in str(ei.value)
+    assert ei.value.log_path == srv.log_path and _gone(srv.pid)
+
+
+def test_a_missing_launcher_is_a_start_failure(model_dir, tmp_path, monkeypatch):
+    """Popen's OSError is a ServerStartError, so run_matrix records start_failed (and DFlash's
+    fallback runs) instead of run_failed."""
+    missing = str(tmp_path / "no_such_python")
+    srv = SGLangServer(ServerConfig(model_dir, "triton", tp=1), log_path=tmp_path / "s.log", launcher=[missing],
+                       progress=False)
+    with pytest.raises(ServerStartError, match=f"^launcher: cannot run '{re.escape(missing)}' .No such file"):
+        srv.start()
+    assert srv.proc is None and srv._log_file is None
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                  spec=["dflash"], draft_tokens=4, decode_tokens=12, tp=1, nvml=False,
+                                  expert=False, progress=False, launcher=[missing], log_dir=tmp_path / "logs",
+                                  log=lambda s: None)
+    assert [(f["spec"], f["status"]) for f in res.failures] == [("dflash", "start_failed"), ("ngram", "start_failed")]
+    assert all(f["error"].startswith("launcher: cannot run") for f in res.failures)
 
 
 def test_never_healthy_times_out_and_leaves_nothing(model_dir, fake, tmp_path, monkeypatch):
@@ -1048,12 +1137,72 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
     (dict(spec=["none"], profile_steps=2, profile_contexts=[65]), r"profile_contexts: \[65\] are not among"),
     (dict(spec=["dflash"], dflash_host_plan="on"), r"dflash_host_plan: expected one of \('off', 'probe'\)"),
     (dict(spec=["none", "dflash"], dflash_host_plan="probe"), r"the probe is for spec \['dflash'\] alone"),
+    (dict(spec=["none"], seed=-5000), "^seed: must be an int >= 0, got -5000"),   # numpy's generators refuse it
+    (dict(spec=["none"], seed=True), "^seed: must be an int >= 0, got True"),
 ])
 def test_run_matrix_refuses_bad_plans_before_any_launch(fake, tmp_path, kw, match):
     kw = {"backends": ["triton"], "contexts": [64], "decode_tokens": 40, **kw}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(decode_bench.MatrixArgumentError, match=match):
         decode_bench.run_matrix(tp=1, launcher=fake, log_dir=tmp_path / "logs", log=lambda s: None, **kw)
     assert not (tmp_path / "logs").exists()
+
+
+def test_run_matrix_refuses_folders_it_cannot_write_before_any_launch(fake, tmp_path, monkeypatch):
+    """log_dir and (with record) results_dir are created and probed in the validation step: found
+    after the first server, a file named as the log folder failed every server (run_failed), and
+    an uncreatable results folder raised from the failure handler's own record write."""
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    (tmp_path / "afile").write_text("")
+    kw = dict(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64], spec=["none"], decode_tokens=8,
+              tp=1, nvml=False, expert=False, progress=False, launcher=fake, log=lambda s: None)
+    with pytest.raises(decode_bench.MatrixArgumentError, match=f"^log_dir: {re.escape(str(tmp_path))}/afile exists "
+                                                               "and is not a folder"):
+        decode_bench.run_matrix(log_dir=tmp_path / "afile", **kw)
+    bad = tmp_path / "afile" / "results"
+    with pytest.raises(decode_bench.MatrixArgumentError,
+                       match=f"^results_dir: cannot write into {re.escape(str(bad))}"):
+        decode_bench.run_matrix(record=True, results_dir=bad, log_dir=tmp_path / "logs", **kw)
+    assert not (tmp_path / "logs").exists()   # the folders come last: a refused run leaves none
+    # without record the results folder is never written, so not checked
+    res = decode_bench.run_matrix(results_dir=bad, log_dir=tmp_path / "logs", **kw)
+    assert len(res.decode) == 1 and not res.failures
+    made = tmp_path / "new" / "logs"
+    res = decode_bench.run_matrix(record=True, results_dir=tmp_path / "new" / "results", log_dir=made, **kw)
+    assert len(res.decode) == 1 and list(made.glob("*.log"))
+    assert len(load_records("service_decode", path=tmp_path / "new" / "results" / "service_decode.jsonl")) == 1
+
+
+def test_run_matrix_checks_tp_against_the_gpus_only_for_sglangs_launcher(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    monkeypatch.setattr(service, "known_gpu_count", lambda: 1)
+    kw = dict(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64], spec=["none"], decode_tokens=8,
+              tp=2, nvml=False, expert=False, progress=False, log_dir=tmp_path / "logs", log=lambda s: None)
+    with pytest.raises(decode_bench.MatrixArgumentError, match="^tp: 2 needs 2 GPUs, and only 1 is visible here"):
+        decode_bench.run_matrix(**kw)
+    assert not (tmp_path / "logs").exists()
+    res = decode_bench.run_matrix(launcher=fake, **kw)   # a fake server of 2 "ranks" runs on none
+    assert [r["tp"] for r in res.decode] == [2] and not res.failures
+
+
+@pytest.mark.parametrize("mode, status", [("die", "start_failed"), ("crash_on_generate", "run_failed")])
+def test_a_failure_whose_record_cannot_be_written_is_kept(fake, tmp_path, monkeypatch, mode, status):
+    """The failure handlers' record write in its own try: a full disk must not replace the error
+    being recorded (it raised out of the handler, and the run's failures were never printed)."""
+    from sm120_workbook import results
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("FAKE_MODE", mode)
+    monkeypatch.setattr(results, "append_records", full)
+    lines = []
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64],
+                                  spec=["none"], decode_tokens=12, tp=1, nvml=False, expert=False, record=True,
+                                  results_dir=tmp_path / "results", progress=False, launcher=fake,
+                                  log_dir=tmp_path / "logs", log=lines.append)
+    assert [f["status"] for f in res.failures] == [status]
+    assert any(line.startswith("  could not append this failure to service_failures: OSError(28")
+               for line in lines)
 
 
 def test_decode_stats_refuses_a_missing_first_token_time():
@@ -1416,6 +1565,53 @@ def test_cli_names_a_bad_argument_as_a_usage_error(capsys):
     assert "mem_fraction_static: must be in (0, 1)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, match", [
+    (["--seed", "-5000", "--no-record"], "seed: must be an int >= 0, got -5000"),
+    (["--log-dir", "{tmp}/afile", "--no-record"], "log_dir: {tmp}/afile exists and is not a folder"),
+    (["--results-dir", "{tmp}/afile/results"], "results_dir: cannot write into {tmp}/afile/results"),
+    (["--tp", "2", "--no-record"], "tp: 2 needs 2 GPUs, and only 1 is visible here"),
+])
+def test_cli_refuses_bad_run_arguments_before_any_launch(fake, tmp_path, monkeypatch, capsys, args, match):
+    """Each of these used to surface only after a server had started: a failure record per server,
+    or a traceback from the failure handler itself."""
+    launched = []
+
+    class Server(SGLangServer):   # the CLI's servers, on the fake; tp is checked against 1 GPU
+        def __init__(self, cfg, **kw):
+            launched.append(cfg.attention_backend)
+            super().__init__(cfg, **{**kw, "launcher": fake})
+
+    monkeypatch.setattr(decode_bench, "SGLangServer", Server)
+    monkeypatch.setattr(service, "known_gpu_count", lambda: 1)
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    (tmp_path / "afile").write_text("")
+    argv = ["--tp", "1", "--layers", "3", "--backends", "triton", "--spec", "none", "--contexts", "64",
+            "--decode-tokens", "8", "--no-nvml", "--no-expert", "--log-dir", str(tmp_path / "logs")]
+    with pytest.raises(SystemExit) as e:
+        decode_bench.main(argv + [a.format(tmp=tmp_path) for a in args])
+    assert e.value.code == 2 and match.format(tmp=tmp_path) in capsys.readouterr().err
+    assert launched == [] and not (tmp_path / "logs").exists()
+
+
+def test_cli_turns_only_the_validation_steps_errors_into_usage_errors(monkeypatch, capsys):
+    """A ValueError after servers have run is the run's failure: not exit 2 with a usage line."""
+    def run(**kw):
+        raise ValueError("raised after a server ran")
+
+    monkeypatch.setattr(decode_bench, "run_matrix", run)
+    with pytest.raises(ValueError, match="raised after a server ran"):
+        decode_bench.main(["--tp", "1", "--no-record"])
+    assert "usage:" not in capsys.readouterr().err
+
+    def refused(**kw):
+        raise decode_bench.MatrixArgumentError("seed: must be an int >= 0, got -1")
+
+    monkeypatch.setattr(decode_bench, "run_matrix", refused)
+    with pytest.raises(SystemExit) as e:
+        decode_bench.main(["--tp", "1", "--no-record"])
+    assert e.value.code == 2 and "error: seed: must be an int >= 0" in capsys.readouterr().err
+
+
 def test_nvml_samples_the_request_alone(monkeypatch):
     """The NVML window opens after the expert recorder starts and closes before it stops: it holds
     the request (prefill and decode) and no HTTP call of the recorder's."""
@@ -1425,6 +1621,7 @@ def test_nvml_samples_the_request_alone(monkeypatch):
 
     class Sampler:
         rows = [(0.0, 0, "sm_util_pct", 50.0)]
+        failure = None
 
         def __init__(self, interval_s):
             pass
@@ -1449,3 +1646,27 @@ def test_nvml_samples_the_request_alone(monkeypatch):
     row, nv, ex = decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, True, 0.2, True, 1)
     assert events == ["recorder start", "sampler start", "request", "sampler stop", "recorder stop"]
     assert row == {"tok_s": 1.0} and nv[0]["metric"] == "sm_util_pct" and ex == {"counts": []}
+
+
+def test_a_point_whose_nvml_sampling_failed_is_not_recorded_as_sampled(monkeypatch):
+    """A sampler whose thread ended early (or outlived stop()) says so in `failure`: the point
+    keeps no cut series, which would read as an idle GPU, and names the error."""
+    from sm120_workbook import nvml_sampler
+
+    class Sampler:
+        rows = [(0.0, 0, "sm_util_pct", 50.0)]
+        failure = "sampling stopped at 0.0 s: OSError('driver went away')"
+
+        def __init__(self, interval_s):
+            pass
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(nvml_sampler, "NvmlSampler", Sampler)
+    monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: {"tok_s": 1.0})
+    row, nv, ex = decode_bench._measure_point(object(), 4096, 8, {"vocab_size": 100}, 0, True, 0.2, False, 1)
+    assert nv == [] and row == {"tok_s": 1.0, "nvml_error": Sampler.failure} and ex is None
