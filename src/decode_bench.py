@@ -878,7 +878,8 @@ def _install_signal_teardown() -> dict:
     return {sig: signal.signal(sig, _raise) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def cli_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m sm120_workbook.decode_bench` (its records' `command`)."""
     p = argparse.ArgumentParser(prog="python -m sm120_workbook.decode_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="k2_tp8_slice", choices=["k2_tp8_slice", "kimi_k2"])
     p.add_argument("--layers", type=int, default=4)
@@ -944,6 +945,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=None,
                    help="append records here instead of data/results/ (e.g. $OUT/results on the device)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default runs/service_logs/)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli_parser()
     a = p.parse_args(argv)
     command = cli_command("sm120_workbook.decode_bench", sys.argv[1:] if argv is None else argv)
     previous = _install_signal_teardown()

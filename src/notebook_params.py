@@ -13,3 +13,33 @@ def check_list_params(**params) -> None:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{name}: a list, got {type(value).__name__} {value!r} "
                              f"(papermill: -y '{name}: [...]', not -p)")
+
+
+def parameter_names(notebook) -> list[str]:
+    """The names the notebook's `parameters` cell assigns, in order (papermill's cell: plain
+    literals, one name each)."""
+    import ast
+    import json
+
+    cells = json.loads(open(notebook, encoding="utf-8").read())["cells"]
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(tagged) != 1:
+        raise ValueError(f"notebook: {notebook} has {len(tagged)} cells tagged 'parameters', not one")
+    tree = ast.parse("".join(tagged[0]["source"]))
+    return [t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+            if isinstance(t, ast.Name)]
+
+
+def notebook_command(name: str, namespace: dict) -> str:
+    """The papermill command that runs notebook `name` (in notebooks/) with the parameter values
+    `namespace` holds (a notebook passes globals()): its records' `command`, which a reader can
+    run as written, not the notebook's name alone."""
+    import json
+    import shlex
+
+    from . import project_root
+
+    path = project_root() / "notebooks" / name
+    values = {k: namespace[k] for k in parameter_names(path) if k in namespace}
+    return shlex.join(["papermill", "--cwd", "notebooks", f"notebooks/{name}", f"/tmp/{name}",
+                       "-y", json.dumps(values)])

@@ -79,6 +79,23 @@ def test_papermill_reads_every_parameter(name):
 
 
 @pytest.mark.parametrize("name", _notebooks())
+def test_a_notebooks_records_name_a_command_that_reruns_it(name):
+    """notebook_command: papermill on the notebook with every parameter's value (-y, JSON), the
+    names papermill itself reads from the parameters cell, split as a shell splits it."""
+    import shlex
+
+    papermill = pytest.importorskip("papermill")
+    from sm120_workbook.notebook_params import notebook_command, parameter_names
+
+    names = parameter_names(NOTEBOOK_DIR / name)
+    assert names == list(papermill.inspect_notebook(str(NOTEBOOK_DIR / name)))
+    values = {k: [i, f"it's {k}"] for i, k in enumerate(names)}   # a quote survives the shell
+    argv = shlex.split(notebook_command(name, {**values, "unrelated": 1}))
+    assert argv[:5] == ["papermill", "--cwd", "notebooks", f"notebooks/{name}", f"/tmp/{name}"]
+    assert argv[5] == "-y" and json.loads(argv[6]) == values
+
+
+@pytest.mark.parametrize("name", _notebooks())
 def test_list_parameters_are_checked(name):
     """Every parameter whose default is a list is named in a check_list_params call of the
     notebook, so that papermill's `-p` (which passes a list as its text) gets an error that

@@ -39,3 +39,34 @@ def test_a_checkout_names_its_head(monkeypatch):
     assert provenance.git_commit().removesuffix("+dirty") == head
     monkeypatch.setenv("SM120_COMMIT", SHA_B)
     assert provenance.git_commit() == SHA_B
+
+
+def test_every_recorded_decode_bench_command_runs_as_written():
+    """A record's `command` is the provenance a reader re-runs: each decode_bench command in
+    data/results parses with the CLI's own parser, as a shell would split it (records before
+    e2c53e1 had joined an empty argument unquoted; they were mended in session 49)."""
+    import contextlib
+    import glob
+    import json
+    import shlex
+
+    import pytest
+
+    pytest.importorskip("sglang")
+    from sm120_workbook.decode_bench import cli_parser
+
+    prefix = "python -m sm120_workbook.decode_bench"
+    bad, seen = {}, 0
+    for path in sorted(glob.glob(str(project_root() / "data" / "results" / "service_*.jsonl"))):
+        for line in open(path):
+            cmd = json.loads(line).get("command", "")
+            if not cmd.startswith(prefix):
+                continue
+            seen += 1
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):
+                    cli_parser().parse_args(shlex.split(cmd)[len(prefix.split()):])
+            except SystemExit:
+                bad.setdefault(err.getvalue().strip().splitlines()[-1], cmd)
+    assert seen > 0 and not bad, bad
