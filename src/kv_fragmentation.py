@@ -111,6 +111,9 @@ class ChurnRun:
     steps: int
     merges: int
     ops: list[tuple[str, int, float]] = field(repr=False)   # (op, tokens, seconds)
+    probe_allocated: int = 0   # the probe's slots at its finish: its row and those kept ahead
+    held_slots: int = 0        # slots the running requests (the probe too) held at that point
+    free_slots: int = 0        # the allocator's free slots then: with held_slots, the whole pool
 
     @property
     def probe_row(self) -> np.ndarray:
@@ -228,7 +231,9 @@ def simulate_churn(config: ChurnConfig, need_sort: bool) -> ChurnRun:
             return ChurnRun(config, bool(need_sort),
                             probe.row(0, probe.prompt).numpy().copy(),
                             probe.row(probe.prompt, probe.committed).numpy().copy(),
-                            steps, merges, ops)
+                            steps, merges, ops, probe_allocated=probe.allocated,
+                            held_slots=sum(r.allocated for r in running),
+                            free_slots=int(allocator.available_size()))
         if finished:
             t0 = time.perf_counter()
             allocator.free_group_begin()
@@ -522,10 +527,13 @@ def recorded_kernel_layout(records: pd.DataFrame) -> pd.DataFrame:
     run = [k for k in ("gpu", "commit", "date") if k in d]
     shape = [k for k in ("batch", "heads", "q_len", "keys_per_request") if k in d]
     picked = []
-    for _, g in d.groupby(shape, sort=True) if shape else [(None, d)]:
+    for _, g in d.groupby(shape, sort=True, dropna=False) if shape else [(None, d)]:
         newest = g.sort_values("date").iloc[-1] if "date" in g else g.iloc[-1]
         picked.append(g[(g[run] == newest[run]).all(axis=1)])
-    return pd.concat(picked).sort_values("keys_per_request", kind="stable").reset_index(drop=True)
+    out = pd.concat(picked)
+    if "keys_per_request" in out:
+        out = out.sort_values("keys_per_request", kind="stable")
+    return out.reset_index(drop=True)
 
 
 def kernel_layout_table(timings: pd.DataFrame) -> pd.DataFrame:
@@ -573,10 +581,11 @@ def kernel_layout_chart(timings: pd.DataFrame, source: str = ""):
 def main(argv=None) -> int:
     """GPU machine entry point (no Jupyter there): time the kernel on the churned layouts of a
     probe request and append them to data/results/kv_fragmentation.jsonl. The defaults are
-    notebook 04's study (a verify of 4 tokens, 8 requests of 2,176 keys, 16 heads); a long
-    context, where a step is bound by its KV traffic, for example:
+    notebook 04's study: the layouts of a verify-of-4 churn (--tokens-per-step), timed at 8
+    requests of 2,176 keys, 16 heads and 4 query tokens (--batch, --heads, --q-len). A long
+    context, the same churn scenario's layouts timed at decode, as recorded in session 49:
 
-        python -m sm120_workbook.kv_fragmentation --capacity-tokens 524288 \
+        python -m sm120_workbook.kv_fragmentation --capacity-tokens 524288 \\
             --prompt-len-range 256 32768 --probe-prompt-len 65408 --batch 1 --heads 8 --q-len 1
     """
     import argparse
@@ -584,7 +593,8 @@ def main(argv=None) -> int:
     from .results import append_records, cli_command
 
     defaults = ChurnConfig()
-    ap = argparse.ArgumentParser(description="KV layout cost on the sm120 kernel (GPU)")
+    ap = argparse.ArgumentParser(description="KV layout cost on the sm120 kernel (GPU)", epilog=main.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--q-len", type=int, default=4)

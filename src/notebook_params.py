@@ -33,13 +33,22 @@ def parameter_names(notebook) -> list[str]:
 def notebook_command(name: str, namespace: dict) -> str:
     """The papermill command that runs notebook `name` (in notebooks/) with the parameter values
     `namespace` holds (a notebook passes globals()): its records' `command`, which a reader can
-    run as written, not the notebook's name alone."""
-    import json
+    run as written, not the notebook's name alone. The values go as papermill's `-y` YAML (JSON
+    would give 1e-05 back as a string); one YAML cannot hold is written as its str."""
     import shlex
+
+    import yaml
 
     from . import project_root
 
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+
     path = project_root() / "notebooks" / name
-    values = {k: namespace[k] for k in parameter_names(path) if k in namespace}
-    return shlex.join(["papermill", "--cwd", "notebooks", f"notebooks/{name}", f"/tmp/{name}",
-                       "-y", json.dumps(values)])
+    values = {k: plain(namespace[k]) for k in parameter_names(path) if k in namespace}
+    text = yaml.safe_dump(values, default_flow_style=True, sort_keys=False, width=1 << 30).strip()
+    return shlex.join(["papermill", "--cwd", "notebooks", f"notebooks/{name}", f"/tmp/{name}", "-y", text])

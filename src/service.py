@@ -729,6 +729,9 @@ class GenerateResult:
         return int(self.meta_info.get("completion_tokens", len(self.output_ids)))
 
 
+IDENTITY_TRIES = 5   # /server_info after a healthy /health: HTTP errors tolerated, a second apart
+
+
 class SGLangServer:
     """One `sglang.launch_server` subprocess, healthy inside the `with` block, gone after it.
 
@@ -861,10 +864,14 @@ class SGLangServer:
         port would otherwise take every measurement under this one's name."""
         import requests
 
-        r = requests.get(self.url + "/server_info", timeout=30)
-        r.raise_for_status()   # an HTTP error is a server still starting: the wait goes on, as before
+        # /health said ready: an HTTP error here may be a moment's (a few tries), not a start-up's
+        for attempt in range(IDENTITY_TRIES):
+            r = requests.get(self.url + "/server_info", timeout=30)
+            if r.status_code == 200:
+                break
+            time.sleep(1.0)
         try:
-            info = r.json()
+            info = r.json() if r.status_code == 200 else None
         except ValueError:   # requests' JSONDecodeError, a RequestException too: the wait would retry it
             info = None
         if not isinstance(info, dict):

@@ -157,6 +157,9 @@ def test_recorded_kernel_layout_keeps_one_run_per_shape():
     assert list(both["keys_per_request"]) == [2176, 2176, 65536, 65536]
     assert list(both["commit"]) == ["bbb", "bbb", "aaa", "aaa"]
     assert list(kf.layout_shape(both).unique()) == ["b8 h16 q4, 2,176 keys", "b1 h16 q4, 65,536 keys"]
+    # a record without a shape key is kept, not dropped by the grouping
+    odd = pd.DataFrame([dict(r, heads=None) for r in long] + old + new)
+    assert len(kf.recorded_kernel_layout(odd)) == 4
     facet = kf.kernel_layout_chart(both).to_dict()
     assert facet["facet"]["row"]["sort"] == ["b8 h16 q4, 2,176 keys", "b1 h16 q4, 65,536 keys"]
 
@@ -183,12 +186,21 @@ def test_verify_keeps_slots_ahead_and_frees_them_at_finish():
     config = kf.ChurnConfig(**SMALL, tokens_per_step=4)
     assert config.ahead == 8 and kf.ChurnConfig(**SMALL).ahead == 0
     assert config.decode_slots(32) == 31 + 8 and kf.ChurnConfig(**SMALL).decode_slots(32) == 32
-    run = kf.simulate_churn(config, need_sort=True)
-    assert {op for op, _, _ in run.ops} <= {"alloc", "alloc+sort", "free_group"}   # no mid-request free
-    assert run.probe_decode.size == config.probe_output_len
+    for need_sort in (False, True):
+        run = kf.simulate_churn(config, need_sort=need_sort)
+        assert {op for op, _, _ in run.ops} <= {"alloc", "alloc+sort", "free_group"}   # no mid-request free
+        assert run.probe_decode.size == config.probe_output_len
+        # every slot is free or held: the tails allocated ahead went back at each finish
+        assert run.free_slots + run.held_slots == config.capacity_tokens
+        # the last step topped the probe up to its committed length before it + 2k, then kept 1..k
+        ahead = run.probe_allocated - run.probe_row.size
+        assert config.tokens_per_step <= ahead <= config.ahead - 1
 
 
 def test_cli_names_a_bad_churn_argument(capsys):
     with pytest.raises(SystemExit) as e:
         kf.main(["--capacity-tokens", "100"])
     assert e.value.code == 2 and "capacity_tokens: 100 cannot hold" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kf.main(["--help"])
+    assert "--probe-prompt-len 65408" in capsys.readouterr().out   # the long-context example

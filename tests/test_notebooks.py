@@ -89,10 +89,18 @@ def test_a_notebooks_records_name_a_command_that_reruns_it(name):
 
     names = parameter_names(NOTEBOOK_DIR / name)
     assert names == list(papermill.inspect_notebook(str(NOTEBOOK_DIR / name)))
-    values = {k: [i, f"it's {k}"] for i, k in enumerate(names)}   # a quote survives the shell
+    import math
+    from pathlib import Path
+
+    import yaml
+    from papermill.cli import NoDatesSafeLoader
+
+    # a quote survives the shell; floats, inf and None come back as themselves, a Path as its str
+    values = {k: [i, f"it's {k}", 1e-05, math.inf, None, True] for i, k in enumerate(names)}
+    values[names[0]] = Path("/tmp/x")
     argv = shlex.split(notebook_command(name, {**values, "unrelated": 1}))
     assert argv[:5] == ["papermill", "--cwd", "notebooks", f"notebooks/{name}", f"/tmp/{name}"]
-    assert argv[5] == "-y" and json.loads(argv[6]) == values
+    assert argv[5] == "-y" and yaml.load(argv[6], Loader=NoDatesSafeLoader) == {**values, names[0]: "/tmp/x"}
 
 
 @pytest.mark.parametrize("name", _notebooks())

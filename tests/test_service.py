@@ -71,6 +71,8 @@ class H(BaseHTTPRequestHandler):
             return self._reply(200)
         if self.path == "/server_info" and mode == "server_info_html":   # e.g. a proxy's error page
             return self._reply(200, b"<html>502 Bad Gateway</html>", "text/html")
+        if self.path == "/server_info" and mode == "server_info_503":   # healthy, yet never answers it
+            return self._reply(503, b"busy", "text/plain")
         if self.path == "/server_info":   # "imposter": another server's answer on our port
             backend = "imposter_backend" if mode == "imposter" else arg("--attention-backend")
             draft = arg("--speculative-draft-attention-backend")
@@ -605,6 +607,16 @@ def test_a_healthy_server_whose_server_info_is_not_json_fails_to_start_at_once(m
     assert time.monotonic() - t0 < 15
     assert "fake server listening" in ei.value.log_tail and "fake server listening" in str(ei.value)
     assert ei.value.log_path == srv.log_path and _gone(srv.pid)
+
+
+def test_a_healthy_server_whose_server_info_keeps_failing_fails_to_start_soon(model_dir, fake, tmp_path, monkeypatch):
+    """An HTTP error from /server_info after /health said ready is retried a few times, then is
+    the start's failure, named: not a wait to the start-up timeout that ends "not healthy"."""
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "server_info_503", startup_timeout_s=60, grace_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"^/server_info on port \d+: HTTP 503"):
+        srv.start()
+    assert time.monotonic() - t0 < 30 and _gone(srv.pid)
 
 
 def test_a_missing_launcher_is_a_start_failure(model_dir, tmp_path, monkeypatch):
