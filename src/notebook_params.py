@@ -49,6 +49,10 @@ def notebook_command(name: str, namespace: dict) -> str:
         return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
 
     path = project_root() / "notebooks" / name
-    values = {k: plain(namespace[k]) for k in parameter_names(path) if k in namespace}
+    try:
+        names = parameter_names(path)
+    except (OSError, ValueError, SyntaxError) as e:   # the records matter more than their command line
+        return f"notebooks/{name} (its parameters unread: {e})"
+    values = {k: plain(namespace[k]) for k in names if k in namespace}
     text = yaml.safe_dump(values, default_flow_style=True, sort_keys=False, width=1 << 30).strip()
     return shlex.join(["papermill", "--cwd", "notebooks", f"notebooks/{name}", f"/tmp/{name}", "-y", text])

@@ -101,6 +101,8 @@ def test_a_notebooks_records_name_a_command_that_reruns_it(name):
     argv = shlex.split(notebook_command(name, {**values, "unrelated": 1}))
     assert argv[:5] == ["papermill", "--cwd", "notebooks", f"notebooks/{name}", f"/tmp/{name}"]
     assert argv[5] == "-y" and yaml.load(argv[6], Loader=NoDatesSafeLoader) == {**values, names[0]: "/tmp/x"}
+    # a notebook it cannot read still leaves its records a command: the name, and why
+    assert notebook_command("no_such.ipynb", values).startswith("notebooks/no_such.ipynb (its parameters unread: ")
 
 
 @pytest.mark.parametrize("name", _notebooks())
