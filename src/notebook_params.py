@@ -20,8 +20,9 @@ def parameter_names(notebook) -> list[str]:
     literals, one name each)."""
     import ast
     import json
+    from pathlib import Path
 
-    cells = json.loads(open(notebook, encoding="utf-8").read())["cells"]
+    cells = json.loads(Path(notebook).read_text(encoding="utf-8"))["cells"]
     tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     if len(tagged) != 1:
         raise ValueError(f"notebook: {notebook} has {len(tagged)} cells tagged 'parameters', not one")
