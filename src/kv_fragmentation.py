@@ -119,6 +119,11 @@ class ChurnRun:
     def probe_row(self) -> np.ndarray:
         return np.concatenate([self.probe_prompt, self.probe_decode])
 
+    @property
+    def parts(self) -> dict[str, np.ndarray]:
+        """The probe's slots by PARTS: its prompt, its committed decode tokens, the whole row."""
+        return {"prompt": self.probe_prompt, "decode": self.probe_decode, "row": self.probe_row}
+
 
 @dataclass
 class _Request:
@@ -257,8 +262,7 @@ def layout_frame(runs: list[ChurnRun]) -> pd.DataFrame:
     rows = []
     for run in runs:
         c = run.config
-        parts = {"prompt": run.probe_prompt, "decode": run.probe_decode, "row": run.probe_row}
-        for part, idx in parts.items():
+        for part, idx in run.parts.items():
             for metric, value in index_layout(idx, c.row_bytes, c.page_bytes).items():
                 rows.append(dict(scenario=c.scenario, tokens_per_step=c.tokens_per_step,
                                  need_sort=run.need_sort, part=part, metric=metric,
@@ -313,10 +317,9 @@ def seed_spread(config: ChurnConfig, seeds: int = 10) -> pd.DataFrame:
     rows = []
     for s in range(config.seed, config.seed + seeds):
         for run in compare_need_sort(replace(config, seed=s)):
-            parts = {"prompt": run.probe_prompt, "decode": run.probe_decode, "row": run.probe_row}
             rows += [dict(seed=s, part=part, need_sort=run.need_sort,
                           **index_layout(idx, config.row_bytes, config.page_bytes))
-                     for part, idx in parts.items()]
+                     for part, idx in run.parts.items()]
     per_seed = pd.DataFrame(rows)
     g = per_seed.groupby(["part", "need_sort"], sort=False)
     out = pd.DataFrame({"runs_median": g["runs"].median(), "runs_min": g["runs"].min(),

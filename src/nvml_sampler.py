@@ -16,10 +16,11 @@ all that NVML lists; `gpu` is the CUDA index as the server sees it.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
+
+from .service import check_positive
 
 METRICS = ("sm_util_pct", "mem_util_pct", "power_w", "pcie_tx_mb_s", "pcie_rx_mb_s")
 METRIC_TITLES = {
@@ -88,9 +89,7 @@ class NvmlSampler:
     stop_timeout_s = 10.0
 
     def __init__(self, interval_s: float = 0.2, pcie: bool = True):
-        if (isinstance(interval_s, bool) or not isinstance(interval_s, (int, float))
-                or not math.isfinite(interval_s) or interval_s <= 0):   # NaN would pass `<= 0` and spin
-            raise ValueError(f"interval_s: must be a positive number, got {interval_s!r}")
+        check_positive("interval_s", interval_s)   # finite too: NaN would pass `<= 0` and spin
         self.interval_s = interval_s
         self.pcie = pcie  # each PCIe query blocks ~20 ms per GPU and direction
         self.rows: list[tuple[float, int, str, float]] = []

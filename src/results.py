@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 from contextlib import contextmanager
@@ -93,10 +94,13 @@ def on_gpu(df, name: str):
     return df["gpu"].fillna("").astype(str).str.contains(name, regex=False)
 
 
-def _short_commit(commit: str) -> str:
-    """12 characters of a commit, keeping its "+dirty" mark."""
-    base = commit.removesuffix("+dirty")
-    return base[:12] + ("+dirty" if base != commit else "")
+def short_commit(commit, digits: int = 7) -> str:
+    """A commit as its first `digits` hex digits, keeping a "+dirty" suffix (the tree differed
+    from the commit); "?" for none."""
+    if commit is None or (isinstance(commit, float) and math.isnan(commit)):
+        return "?"
+    sha, plus, rest = str(commit).partition("+")
+    return sha[:digits] + plus + rest
 
 
 def describe_provenance(df) -> str:
@@ -114,7 +118,7 @@ def describe_provenance(df) -> str:
                 newest = (str(dated.sort_values("_at", na_position="first")["commit"].dropna().iloc[-1])
                           if dated is not None else vals[-1])
                 dirty = sum(v.endswith("+dirty") for v in vals)
-                parts.append(f"commits={len(vals)} (newest {_short_commit(newest)}"
+                parts.append(f"commits={len(vals)} (newest {short_commit(newest, 12)}"
                              + (f"; {dirty} from a dirty tree" if dirty else "") + ")")
             elif vals:
                 parts.append(f"{key}={','.join(vals)}")

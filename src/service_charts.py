@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from .results import short_commit  # noqa: F401 - charts name commits so; notebooks import it from here
 from .service import DRAFT_MODEL_SPECS, usual_draft_backend
 
 # A point is one configuration: records differing in any of these are never pooled or paired.
@@ -41,14 +42,6 @@ SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngra
 
 def ctx_label(ctx: int) -> str:
     return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
-
-
-def short_commit(commit) -> str:
-    """A commit as 7 hex digits, keeping a "+dirty" suffix (the tree differed from the commit)."""
-    if commit is None or (isinstance(commit, float) and math.isnan(commit)):
-        return "?"
-    sha, plus, rest = str(commit).partition("+")
-    return sha[:7] + plus + rest
 
 
 def _need(df, cols, name="df"):
