@@ -344,8 +344,7 @@ def check_run_settings(mem_fraction_static: float, startup_timeout_s: float, nvm
     check_positive("nvml_interval_s", nvml_interval_s)
     if time_budget_s is not None:
         check_positive("time_budget_s", time_budget_s)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats: must be a positive int, got {repeats!r}")
+    check_int("repeats", repeats)
 
 
 def _writable_dir(name: str, path) -> None:
