@@ -18,9 +18,17 @@ TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.
 # live. Any other gets torch 2.14.1 run on the CPU (the `cpu` extra) and the pure-Python parts of
 # SGLang the CPU tests import (CI).
 # `make setup TORCH=cpu` (or gpu) chooses; a .venv, once made, stays as it is (rm -rf .venv).
+# Its stamp holds the kind it was made with, so a re-run after pyproject.toml changes (a pull)
+# installs the same kind again rather than detecting anew, and an explicit other kind is refused.
+VENV_KIND := $(shell cat $(STAMP) 2>/dev/null)
 ifeq ($(origin TORCH),undefined)
+ifneq ($(filter gpu cpu,$(VENV_KIND)),)
+TORCH := $(VENV_KIND)
+TORCH_WHY := the kind $(VENV) was made with ($(STAMP))
+else
 TORCH := $(if $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU'),gpu,cpu)
 TORCH_WHY := nvidia-smi $(if $(filter gpu,$(TORCH)),lists a GPU,lists none)
+endif
 else
 TORCH_WHY := TORCH=$(TORCH) from the $(origin TORCH)
 endif
@@ -29,7 +37,7 @@ endif
 RUN_DIR := $(or $(RUN_DIR),runs/$(shell date +%Y%m%d-%H%M%S))
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: help setup run test test-cpu lab kernel-resources wheelhouse device-wheel gpu-check clean
+.PHONY: help setup run test lab kernel-resources wheelhouse device-wheel gpu-check clean
 
 help:
 	@echo "make run      run the workbook (papermill) into runs/<timestamp>/"
@@ -48,6 +56,7 @@ $(STAMP): pyproject.toml
 	  || { echo "error: $(PYTHON) is older than 3.11; set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { echo "error: $(PYTHON) has no venv module (apt-get install python3-venv)"; exit 1; }
 	@case "$(TORCH)" in gpu|cpu) ;; *) echo "error: $(TORCH_WHY); use TORCH=gpu or TORCH=cpu"; exit 1;; esac
+	@case "$(VENV_KIND)" in ""|"$(TORCH)") ;; gpu|cpu) echo "error: $(VENV) was made for TORCH=$(VENV_KIND), not $(TORCH); rm -rf $(VENV) to switch"; exit 1;; esac
 	@command -v nvcc >/dev/null || echo "note: nvcc not found; kernel compile tests will skip (visibly)"
 	@echo "setup ($(TORCH), $(TORCH_WHY)): $(if $(filter gpu,$(TORCH)),SGLang with its CUDA stack,torch on the CPU and SGLang's pure-Python parts)"
 	$(PYTHON) -m venv $(VENV)
@@ -61,7 +70,7 @@ $(STAMP): pyproject.toml
 	fi
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c "import torch, sglang, sm120_workbook; print('env ok: torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.is_available(), 'sglang', sglang.__version__)"
-	@touch $@
+	@echo $(TORCH) > $@
 
 run: $(STAMP)
 	@mkdir -p $(RUN_DIR)
@@ -92,7 +101,7 @@ wheelhouse:
 	@# imports deep_gemm as it captures its CUDA graphs, so without it an EAGLE server cannot start
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux2014_x86_64 -d .whl-pool $(EXTRA_DEVICE_WHEELS)
-	@# a call ships the tracked tree (~19 MB, mostly data/results, and growing) beside its folder, within
+	@# a call ships the tracked tree (~33 MiB in session 50, mostly data/results, and growing) beside its folder, within
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
 

@@ -1,8 +1,16 @@
-"""Result records: one JSON object per line in data/results/<name>.jsonl, with provenance."""
+"""Result records: one JSON object per line in data/results/<name>.jsonl, with provenance.
+
+Older records may sit compressed in data/results/archive/<name>.jsonl.gz (`python -m
+sm120_workbook.results archive NAME ...` moves them there): every device call ships the tree, and
+the records were most of it. Readers see the archive's records first, then the live file's.
+"""
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 import math
+import os
 import shlex
 import sys
 from contextlib import contextmanager
@@ -57,15 +65,44 @@ def add_record_args(ap, name: str, no_record: bool = True) -> None:
         ap.add_argument("--no-record", action="store_true", help="print the results; append nothing")
 
 
+def archive_path(name: str) -> Path:
+    return results_dir() / "archive" / f"{name}.jsonl.gz"
+
+
+def _json_lines(path: Path) -> list[str]:
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def record_lines(name: str, path: Path | None = None) -> list[str]:
+    """The JSON lines of <name>'s records, oldest first: data/results/archive/<name>.jsonl.gz,
+    then data/results/<name>.jsonl; or those of `path` alone (a tool's --out)."""
+    paths = [Path(path)] if path else [archive_path(name), results_dir() / f"{name}.jsonl"]
+    return [line for p in paths if p.exists() for line in _json_lines(p)]
+
+
 def load_records(name: str, path: Path | None = None):
-    """The records of data/results/<name>.jsonl as a pandas DataFrame (empty if none)."""
+    """The records of <name> (see `record_lines`) as a pandas DataFrame (empty if none)."""
     import pandas as pd
 
-    path = path or results_dir() / f"{name}.jsonl"
-    if not path.exists():
-        return pd.DataFrame()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return pd.DataFrame(rows)
+    return pd.DataFrame([json.loads(line) for line in record_lines(name, path)])
+
+
+def archive_records(name: str) -> int:
+    """Move the records of data/results/<name>.jsonl to the end of archive/<name>.jsonl.gz and
+    leave the live file empty, for appends; returns how many moved. The archive is written
+    whole, without a timestamp or a file name inside, so the same records give the same bytes."""
+    live, archive = results_dir() / f"{name}.jsonl", archive_path(name)
+    moved = _json_lines(live) if live.exists() else []
+    if not moved:
+        return 0
+    lines = (_json_lines(archive) if archive.exists() else []) + moved
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(archive.name + ".tmp")
+    tmp.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=9, mtime=0))
+    os.replace(tmp, archive)   # the archive is whole before the live file is emptied
+    live.write_text("")
+    return len(moved)
 
 
 class NotRecorded(ValueError):
@@ -126,3 +163,24 @@ def describe_provenance(df) -> str:
     if dates:
         parts.append(f"dates={dates[0]}..{dates[-1]}")
     return "recorded results: " + "; ".join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Result records in data/results/.")
+    sub = ap.add_subparsers(dest="action", required=True)
+    arc = sub.add_parser("archive", help="move the records of data/results/NAME.jsonl into archive/NAME.jsonl.gz")
+    arc.add_argument("names", nargs="+", metavar="NAME", help="a record file's name, without .jsonl")
+    args = ap.parse_args(argv)
+    missing = [n for n in args.names if not (results_dir() / f"{n}.jsonl").exists()]
+    if missing:
+        ap.error(f"NAME: no data/results/<NAME>.jsonl for {', '.join(missing)}")
+    for name in args.names:
+        before = archive_path(name).stat().st_size if archive_path(name).exists() else 0
+        n = archive_records(name)
+        print(f"{name}: {n} records archived ({before / 2**20:.2f} -> "
+              f"{archive_path(name).stat().st_size / 2**20:.2f} MiB compressed)" if n else f"{name}: nothing to archive")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

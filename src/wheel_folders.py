@@ -1,7 +1,7 @@
 """Pack the GPU machine's SGLang wheels into folders that each fit one device call.
 
 The GPU machine has no network, so the wheels travel with the calls: one folder a call, beside
-the tracked tree, 64 MiB in all. The tree (mostly data/results) grows with every session, so
+the tree it ships (tracked files and untracked ones git does not ignore), 64 MiB in all. The tree (mostly data/results) grows with every session, so
 folders made once by ../shared/device/wheelhouse.sh stop fitting. This repacks every wheel of
 the `.whl*` folders into `.whl1`, `.whl2`, ... of at most the room the tree leaves, largest
 first (first-fit decreasing), writes each folder's install.sh, and removes the folders left over.
@@ -52,9 +52,11 @@ exit "$rc"
 """
 
 
-def tracked_tree_bytes(root: Path) -> int:
-    """The size of the files git tracks under `root`: what every device call ships."""
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+def shipped_tree_bytes(root: Path) -> int:
+    """The size of what every device call ships from `root`: the files git tracks and the untracked
+    ones it does not ignore (a stray `make gpu-check OUT=...` folder travels too)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=root, capture_output=True, check=True).stdout
     return sum((root / p).stat().st_size for p in out.decode().split("\0") if p and (root / p).is_file())
 
 
@@ -162,7 +164,7 @@ def repack(root: Path, limit: int) -> list[Path]:
     except ValueError:
         big = max(range(len(groups)), key=lambda i: sizes[i])
         raise ValueError(f"{', '.join(w.name for w in groups[big])} ({sizes[big] / 2**20:.1f} MiB) does not fit "
-                         f"a folder of {limit / 2**20:.1f} MiB. A call ships the tracked tree beside its folder: "
+                         f"a folder of {limit / 2**20:.1f} MiB. A call ships the tree beside its folder: "
                          "shrink the tree (data/results) or that wheel. Nothing was moved") from None
     pool.mkdir(exist_ok=True)
     name_of = {}
@@ -185,13 +187,13 @@ def repack(root: Path, limit: int) -> list[Path]:
 
 
 def folders_over_a_call(root: Path) -> list[tuple[str, int]]:
-    """(folder, bytes over) for each root/.whlN/ that no longer fits one call beside the tracked
+    """(folder, bytes over) for each root/.whlN/ that no longer fits one call beside the shipped
     tree and .whlp (which a working call carries too): the tree grows with every session's records,
     and a call over 64 MiB is refused before it starts."""
     def size(d: Path) -> int:
         return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
-    base = tracked_tree_bytes(root) + (size(root / ".whlp") if (root / ".whlp").is_dir() else 0)
+    base = shipped_tree_bytes(root) + (size(root / ".whlp") if (root / ".whlp").is_dir() else 0)
     return [(d.name, over) for d in numbered_folders(root) if (over := base + size(d) - CALL_LIMIT_BYTES) > 0]
 
 
@@ -199,7 +201,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path("."), help="the project root (holds .whl1 ...)")
     ap.add_argument("--limit-mib", type=float, default=None,
-                    help="bytes a folder may hold, in MiB (default: 64 MiB less the tracked tree and a 2 MiB margin)")
+                    help="bytes a folder may hold, in MiB (default: 64 MiB less the shipped tree and a 2 MiB margin)")
     ap.add_argument("--check", action="store_true",
                     help="only say whether each folder still fits a call beside the tree and .whlp (exit 1 if not)")
     a = ap.parse_args(argv)
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
     if a.check:
         over = folders_over_a_call(root)
         for name, extra in over:
-            print(f"{name} no longer fits a device call beside the tracked tree and .whlp "
+            print(f"{name} no longer fits a device call beside the shipped tree and .whlp "
                   f"({extra / 2**20:.2f} MiB over 64 MiB): run `python -m sm120_workbook.wheel_folders` to repack")
         return 1 if over else 0
     if a.limit_mib is not None:
@@ -215,10 +217,10 @@ def main(argv=None) -> int:
             ap.error(f"--limit-mib: must be positive, got {a.limit_mib}")
         limit, where = int(a.limit_mib * 2**20), "given"
     else:
-        tree = tracked_tree_bytes(root)
-        limit, where = CALL_LIMIT_BYTES - tree - MARGIN_BYTES, f"tracked tree {tree / 2**20:.1f} MiB"
+        tree = shipped_tree_bytes(root)
+        limit, where = CALL_LIMIT_BYTES - tree - MARGIN_BYTES, f"shipped tree {tree / 2**20:.1f} MiB"
         if limit <= 0:
-            sys.exit(f"the tracked tree ({tree / 2**20:.1f} MiB) leaves no room in a 64 MiB call")
+            sys.exit(f"the shipped tree ({tree / 2**20:.1f} MiB) leaves no room in a 64 MiB call")
     try:
         folders = repack(root, limit)
     except (ValueError, FileNotFoundError) as e:

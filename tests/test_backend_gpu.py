@@ -312,6 +312,9 @@ def _cpu_wiring_checks() -> dict:
                      "kernel_calls": ops.calls - calls, "shape_ok": want.shape == got.shape}
 
     compare("decode", decode_batch(runner, [7, 20, 33], gen))
+    # the parent's split-KV scratch, which only its own decode kernel reads: one split here
+    out["attn_logits_splits"] = {"eager": sm120.forward_metadata.attn_logits.shape[2],
+                                 "triton": triton.max_kv_splits}
     compare("verify_tree_mask", verify_batch(runner, [5, 17, 30], ndt, gen, tree_mask=True))
     compare("verify_causal", verify_batch(runner, [9, 2, 40], ndt, gen, tree_mask=False))
     compare("extend_stays_on_triton", extend_batch(runner, [0, 6], [5, 3], gen))
@@ -319,6 +322,7 @@ def _cpu_wiring_checks() -> dict:
     # a window wider than the kernel's 16 queries (multi-layer EAGLE's can be) stays on Triton
     compare("draft_extend_wide_on_triton", draft_extend_batch(runner, [4, 9], 17, gen))
     sm120.init_cuda_graph_state(max_requests, max_requests * ndt)
+    out["attn_logits_splits"]["graph"] = sm120.cuda_graph_attn_logits.shape[2]
     compare("graph_decode_capture", decode_batch(runner, [7, 20, 33], gen), graph="capture")
     compare("graph_decode_replay", decode_batch(runner, [11, 3, 50], gen), graph="replay")
     compare("graph_verify_capture", verify_batch(runner, [5, 17, 30], ndt, gen, True),
@@ -466,6 +470,8 @@ def test_cpu_wiring_against_triton_in_interpreter():
     for name in ("extend_stays_on_triton", "draft_extend_wide_on_triton"):
         assert out[name] == {"max_abs_diff": 0.0, "kernel_calls": 0, "shape_ok": True}, (name, out[name])
     assert out["graph_qo_indptr_dtype"] == "torch.int64"  # so the int32 copy was exercised
+    splits = out["attn_logits_splits"]
+    assert splits["eager"] == splits["graph"] == 1 and splits["triton"] > 1, splits
     assert out["dflash_capture_mask"], "SGLang's DFlash capture no longer hands this backend a mask"
     # EAGLE's draft decode: two step backends on the kernel, each step one draft token longer a
     # branch; at topk 4 with 16 rows, eagerly and through the graph path's buffers

@@ -159,3 +159,42 @@ def test_paged_allocator_random_ops_lose_and_duplicate_nothing(override, seed):
         if op % 1000 == 0 or op == 19_999:
             owned_pages = [t[::page] // page for t in owned.values()]
             _check_conservation([a.free_pages, a.release_pages], owned_pages, pages)
+
+
+def _stand_in_base(monkeypatch, init):
+    """kv_sort's view of SGLang's allocators swapped for a stand-in base class with `init`."""
+    base = type("StandInAllocator", (), {"__init__": init})
+    child = type("StandInTokenAllocator", (base,), {})
+    monkeypatch.setattr(kv_sort, "_base_class", lambda: base)
+    monkeypatch.setattr(kv_sort, "_sorted_classes", lambda: (child,))
+    return base, child
+
+
+def test_a_need_sort_left_to_its_default_is_forced_too(monkeypatch):
+    """An SGLang whose allocators give need_sort a default (callers then leave it out) still gets
+    need_sort=True, not a KeyError at the first allocator the scheduler builds."""
+    def init(self, size, need_sort=False):
+        self.need_sort = need_sort
+
+    base, child = _stand_in_base(monkeypatch, init)
+    assert kv_sort.install() is True
+    assert child(8).need_sort is True and child(8, need_sort=False).need_sort is True
+    assert kv_sort.uninstall() is True and child(8).need_sort is False
+
+
+def test_an_allocator_without_need_sort_is_refused_by_name(monkeypatch, caplog):
+    """An SGLang whose allocators take no need_sort: install() says so, nothing is patched, and
+    the plugin's entry point logs it as a warning and goes on."""
+    def init(self, size):
+        self.size = size
+
+    base, _ = _stand_in_base(monkeypatch, init)
+    with pytest.raises(RuntimeError, match=r"StandInAllocator\.__init__\(self, size\) takes no need_sort"):
+        kv_sort.install()
+    assert base.__dict__["__init__"] is init and not kv_sort.is_installed()
+    from sm120_workbook.patches import env_switch
+
+    with caplog.at_level("WARNING"):
+        ok = env_switch.install_or_warn(lambda: kv_sort.install_from_env({kv_sort.ENV_VAR: "1"}),
+                                        kv_sort.logger, f"the KV sort override ({kv_sort.ENV_VAR})")
+    assert ok is False and "the KV sort override (SM120_KV_SORT) failed" in caplog.text

@@ -466,3 +466,59 @@ def test_an_mtp_draft_keeps_the_kernel(clean_plugin_state, tmp_path):
     drafted_from, resolved = _eagle_hook("EAGLE", target, None, attention_backend="flashinfer",
                                          decode_attention_backend="sm120_mla")
     assert drafted_from == str(target) and resolved is None
+
+
+def test_the_tested_sglang_is_pyprojects_pin():
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert f"sglang=={plugin.TESTED_SGLANG}" in extras["project"]["optional-dependencies"]["gpu"]
+
+
+def test_another_sglang_is_named_in_a_warning_before_anything_is_patched(clean_plugin_state, plugin_log,
+                                                                         monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.5.23" if name == "sglang" else real(name))
+    monkeypatch.setattr(plugin, "_version_warned", False)
+    monkeypatch.delenv(kv_sort.ENV_VAR, raising=False)
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    plugin.load_plugin()
+    plugin.load_plugin()
+    warnings = [x for x in plugin_log if "SGLang 0.5.23 is installed" in x]
+    assert len(warnings) == 1 and f"tested against SGLang {plugin.TESTED_SGLANG}" in warnings[0]
+    assert plugin_log.index(warnings[0]) == 0 and plugin.is_registered()
+    monkeypatch.setattr(metadata, "version", real)
+    assert plugin.untested_sglang_warning() is None   # the installed one is the pin
+
+
+def test_the_draft_name_patches_go_in_whole_or_not_at_all(clean_plugin_state, monkeypatch, plugin_log):
+    """An SGLang without `_SUPPORTED_DRAFT_BACKENDS` (0.5.23) gets neither patch and a warning,
+    not a patched factory beside a failure that reads as 'not installed'."""
+    from sglang.srt.speculative import draft_worker_common
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    stock = DraftBackendFactory.__dict__["_create_backend"]
+    monkeypatch.delattr(draft_worker_common, "_SUPPORTED_DRAFT_BACKENDS")
+    with pytest.raises(AttributeError):
+        plugin.install_spec_compat()
+    assert DraftBackendFactory.__dict__["_create_backend"] is stock and not plugin.spec_compat_installed()
+    plugin._install_spec_compat_or_warn()
+    assert any("could not patch the speculative draft paths" in x for x in plugin_log)
+    assert DraftBackendFactory.__dict__["_create_backend"] is stock
+
+
+def test_a_kv_sort_failure_leaves_the_other_steps_and_says_so(clean_plugin_state, plugin_log, monkeypatch):
+    def broken():
+        raise RuntimeError("no need_sort here")
+
+    monkeypatch.setattr(kv_sort, "install", broken)
+    monkeypatch.setenv(kv_sort.ENV_VAR, "1")
+    monkeypatch.setattr(sys, "argv", ["sglang", "serve", "--attention-backend", "sm120_mla"])
+    plugin.load_plugin()
+    assert plugin.is_registered() and mha_draft.is_installed() and plugin.spec_compat_installed()
+    assert any("the KV sort override (SM120_KV_SORT) failed: RuntimeError('no need_sort here')" in x
+               for x in plugin_log)
+    assert any("KV sort override NOT installed although SM120_KV_SORT=1" in x for x in plugin_log)

@@ -54,11 +54,14 @@ def test_every_recorded_decode_bench_command_runs_as_written():
 
     pytest.importorskip("sglang")
     from sm120_workbook.decode_bench import cli_parser
+    from sm120_workbook.results import record_lines
 
     prefix = "python -m sm120_workbook.decode_bench"
     bad, seen = {}, 0
-    for path in sorted(glob.glob(str(project_root() / "data" / "results" / "service_*.jsonl"))):
-        for line in open(path):
+    results = project_root() / "data" / "results"
+    names = {p.name.split(".")[0] for p in [*results.glob("service_*.jsonl"), *results.glob("archive/service_*.jsonl.gz")]}
+    for name in sorted(names):
+        for line in record_lines(name):
             cmd = json.loads(line).get("command", "")
             if not cmd.startswith(prefix):
                 continue
@@ -70,3 +73,35 @@ def test_every_recorded_decode_bench_command_runs_as_written():
             except SystemExit:
                 bad.setdefault(err.getvalue().strip().splitlines()[-1], cmd)
     assert seen > 0 and not bad, bad
+
+
+def test_archived_records_read_as_before_and_appends_go_on(tmp_path, monkeypatch, capsys):
+    """`results archive` moves a record file into archive/<name>.jsonl.gz: readers see the same
+    records in the same order, appends land in the emptied live file after them, and archiving
+    again puts the newer records after the older ones, byte for byte the same for the same records."""
+    import pytest
+
+    from sm120_workbook import results
+
+    monkeypatch.setattr(results, "results_dir", lambda: tmp_path)
+    monkeypatch.setattr(results, "provenance", lambda command=None: {"command": command})
+    results.append_records("demo", [{"i": i} for i in range(3)], command="one")
+    assert results.main(["archive", "demo"]) == 0
+    assert "demo: 3 records archived" in capsys.readouterr().out
+    assert (tmp_path / "demo.jsonl").read_text() == "" and (tmp_path / "archive" / "demo.jsonl.gz").exists()
+    assert list(results.load_records("demo")["i"]) == [0, 1, 2]
+    results.append_records("demo", [{"i": 3}], command="two")
+    assert list(results.load_records("demo")["i"]) == [0, 1, 2, 3]
+    assert results.archive_records("demo") == 1 and results.archive_records("demo") == 0
+    assert list(results.load_records("demo")["command"]) == ["one"] * 3 + ["two"]
+    first = (tmp_path / "archive" / "demo.jsonl.gz").read_bytes()
+    (tmp_path / "archive" / "demo.jsonl.gz").unlink()
+    (tmp_path / "demo.jsonl").write_text("".join(line + "\n" for line in [
+        '{"command": "one", "i": 0}', '{"command": "one", "i": 1}', '{"command": "one", "i": 2}',
+        '{"command": "two", "i": 3}']))
+    results.archive_records("demo")
+    assert (tmp_path / "archive" / "demo.jsonl.gz").read_bytes() == first
+    assert results.load_records("demo", path=tmp_path / "demo.jsonl").empty   # --out: that file alone
+    with pytest.raises(SystemExit):
+        results.main(["archive", "nosuch"])
+    assert "NAME: no data/results/<NAME>.jsonl for nosuch" in capsys.readouterr().err

@@ -52,3 +52,18 @@ def test_torch_chooses_and_a_misspelt_choice_is_refused(tmp_path):
                          capture_output=True, text=True)   # refused before the venv is made
     assert out.returncode != 0 and "error: TORCH=rocm from the command line; use TORCH=gpu or TORCH=cpu" in out.stdout
     assert not (tmp_path / "venv").exists()
+
+
+def test_a_venv_keeps_the_kind_it_was_made_with(tmp_path):
+    """A re-run after pyproject.toml changes (a pull) installs the venv's own kind again, whatever
+    nvidia-smi says now; an explicit other kind is refused before anything is installed."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").write_text("cpu\n")
+    os.utime(venv / ".installed", (0, 0))   # older than pyproject.toml: make re-runs the recipe
+    recipe = _setup_recipe(tmp_path, "GPU 0: NVIDIA RTX PRO 6000 Blackwell Workstation Edition (UUID: GPU-0)")
+    assert f"setup (cpu, the kind {venv} was made with ({venv}/.installed))" in recipe and 'if [ "cpu" = gpu ]' in recipe
+    out = subprocess.run(["make", f"VENV={venv}", "TORCH=gpu", "setup"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and f"error: {venv} was made for TORCH=cpu, not gpu; rm -rf {venv} to switch" in out.stdout
+    assert sorted(p.name for p in venv.iterdir()) == [".installed"]

@@ -178,16 +178,22 @@ def test_no_wheels_is_an_error_that_says_how_to_make_them(tmp_path):
         wf.repack(tmp_path, 100)
 
 
-def test_the_limit_is_what_the_tracked_tree_leaves(tmp_path, capsys):
+def test_the_limit_is_what_the_shipped_tree_leaves(tmp_path, capsys):
+    """A call ships the tracked files and the untracked ones git does not ignore (both count);
+    ignored ones, the wheel folders among them, travel only when a call carries them."""
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text("/.whl*/\n/ignored.bin\n")
     (tmp_path / "tracked.bin").write_bytes(os.urandom(100 * KIB))
     (tmp_path / "untracked.bin").write_bytes(os.urandom(50 * KIB))
-    subprocess.run(["git", "add", "tracked.bin"], cwd=tmp_path, check=True)
-    assert wf.tracked_tree_bytes(tmp_path) == 100 * KIB
+    (tmp_path / "ignored.bin").write_bytes(os.urandom(70 * KIB))
+    subprocess.run(["git", "add", "tracked.bin", ".gitignore"], cwd=tmp_path, check=True)
+    shipped = 150 * KIB + len((tmp_path / ".gitignore").read_bytes())
+    assert wf.shipped_tree_bytes(tmp_path) == shipped
     _wheel(tmp_path / ".whl1", "a", "a", 20)
+    assert wf.shipped_tree_bytes(tmp_path) == shipped
     assert wf.main(["--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    limit_mib = (wf.CALL_LIMIT_BYTES - 100 * KIB - wf.MARGIN_BYTES) / 2**20
+    limit_mib = (wf.CALL_LIMIT_BYTES - shipped - wf.MARGIN_BYTES) / 2**20
     assert f"folders of at most {limit_mib:.1f} MiB" in out and ".whl1: 1 wheels" in out
 
 
@@ -215,6 +221,7 @@ def test_a_given_limit_needs_no_git_and_must_be_positive(tmp_path, capsys):
 
 def test_check_names_the_folders_that_no_longer_fit_beside_the_tree_and_whlp(tmp_path, capsys, monkeypatch):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text("/.whl*/\n")   # as the project's: the folders travel when carried
     (tmp_path / "tracked.bin").write_bytes(os.urandom(100 * KIB))
     subprocess.run(["git", "add", "tracked.bin"], cwd=tmp_path, check=True)
     _wheel(tmp_path / ".whl1", "a", "a", 40)

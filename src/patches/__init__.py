@@ -28,7 +28,9 @@ What it does in each process:
   gets them too. DFLASH's draft backend is SGLang's own choice: it takes the prefill backend
   where its draft runs on it, and falls back to FlashInfer for `sm120_mla`.
 
-Importing this package changes nothing; `load_plugin()` is idempotent.
+Importing this package changes nothing; `load_plugin()` is idempotent. Under an SGLang other
+than the one it was tested with (TESTED_SGLANG, pyproject's pin) it says so in every process's
+log before it patches anything.
 """
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ from . import dflash_host_plan, kv_sort, mha_draft, ngram_tail, warmup
 from .env_switch import install_or_warn
 
 BACKEND_NAME = "sm120_mla"
+# The backend and the patches reach into this release's internals (TritonAttnBackend's buffers and
+# ForwardMetadata, the allocators, the draft factories); a CPU test holds it to pyproject's pin.
+TESTED_SGLANG = "0.5.17"
 _BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
                   "--prefill-attention-backend", "--speculative-draft-attention-backend")
 
@@ -172,7 +177,10 @@ def install_spec_compat() -> bool:
     from sglang.srt.speculative import draft_worker_common
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
+    # Both targets are read before either is patched: an SGLang without one of them gets
+    # neither patch (and the caller's warning), never half of them.
     create_backend = DraftBackendFactory.__dict__["_create_backend"]
+    supported = draft_worker_common._SUPPORTED_DRAFT_BACKENDS
 
     def _create_backend_accepting_sm120(self, backend_name, backend_map, error_template):
         if "triton" in backend_map and BACKEND_NAME not in backend_map:
@@ -180,9 +188,8 @@ def install_spec_compat() -> bool:
         return create_backend(self, backend_name, backend_map, error_template)
 
     _patch(DraftBackendFactory, "_create_backend", _create_backend_accepting_sm120)
-    if BACKEND_NAME not in draft_worker_common._SUPPORTED_DRAFT_BACKENDS:
-        _patch(draft_worker_common, "_SUPPORTED_DRAFT_BACKENDS",
-               (*draft_worker_common._SUPPORTED_DRAFT_BACKENDS, BACKEND_NAME))
+    if BACKEND_NAME not in supported:
+        _patch(draft_worker_common, "_SUPPORTED_DRAFT_BACKENDS", (*supported, BACKEND_NAME))
     logger.info("sm120_workbook (pid %d): speculative draft paths accept %s like triton "
                 "(DraftBackendFactory._create_backend, draft_worker_common._SUPPORTED_DRAFT_BACKENDS)",
                 os.getpid(), BACKEND_NAME)
@@ -231,12 +238,34 @@ def _register_warmup_or_warn() -> None:
                        os.getpid(), warmup.WARMUP_NAME, e)
 
 
+def untested_sglang_warning() -> str | None:
+    """What to tell a user whose SGLang is not TESTED_SGLANG (None where it is, or none is found)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+    if version == TESTED_SGLANG:
+        return None
+    return (f"sm120_workbook (pid {os.getpid()}): SGLang {version} is installed, but this plugin was "
+            f"written and tested against SGLang {TESTED_SGLANG}, whose internals it uses (TritonAttnBackend's "
+            f"metadata and buffers, the KV allocators, the draft-backend factory); a patch that no longer "
+            f"fits is reported below as it is skipped, and the backend may fail or be wrong. "
+            f"Install sglang=={TESTED_SGLANG} to run what was tested.")
+
+
 # ---------------------------------------------------------------- the entry point
 def load_plugin() -> None:
     """SGLang's general-plugin entry point; runs in the launcher and in every TP worker."""
     _ensure_log_handler()
+    global _version_warned
+    warning = None if _version_warned else untested_sglang_warning()
+    if warning:
+        logger.warning(warning)
+        _version_warned = True
     register_backend()
-    kv_sort.install_from_env()
+    install_or_warn(kv_sort.install_from_env, logger, f"the KV sort override ({kv_sort.ENV_VAR})")
     ngram_tail.install_from_env()
     dflash_host_plan.install_from_env()
     _register_warmup_or_warn()
@@ -247,6 +276,7 @@ def load_plugin() -> None:
     message = (f"sm120_workbook plugin (pid {os.getpid()}): attention backend {BACKEND_NAME!r} "
                f"registered{' and selected' if selected else ''}; KV sort override "
                + (f"on ({kv_sort.ENV_VAR}=1)" if kv_sort.is_installed()
+                  else f"NOT installed although {kv_sort.ENV_VAR}=1 (see the warning above)" if kv_sort.requested()
                   else f"off (set {kv_sort.ENV_VAR}=1 to enable)"))
     global _last_message
     if message != _last_message:  # a second call with nothing new stays quiet
@@ -255,6 +285,7 @@ def load_plugin() -> None:
 
 
 _last_message: str | None = None
+_version_warned = False
 
 
 __all__ = ["BACKEND_NAME", "load_plugin", "register_backend", "is_registered",

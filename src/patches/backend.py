@@ -204,6 +204,12 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
             if not ok:
                 raise RuntimeError(f"sm120_mla: the MLA kernel cannot run here: {why}")
         self.kernel_ops = kernel_ops
+        # Decode never reaches the parent's Triton kernel on this path, so its split-KV scratch
+        # (attn_logits, tokens x heads x max_kv_splits x 512 fp32, which the graphs keep and each
+        # eager decode step allocates) needs one split, not the up to 256 the parent sizes for MLA
+        # on a GPU of 132+ SMs: 1.5 GiB of graph buffers at 8 heads and 384 tokens, 6 GiB at 16
+        # heads and 768.
+        self.max_kv_splits = 1
         # Out of torch.compile's tracing, as the parent keeps its Triton kernels: the launch's
         # host checks (data_ptr alignment) would break every layer's graph (--enable-torch-compile).
         self._mla_verify_attention = torch.compiler.disable(kernel_ops.mla_verify_attention)

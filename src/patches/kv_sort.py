@@ -61,12 +61,16 @@ def install() -> bool:
         return False
     original = base.__dict__["__init__"]
     signature = inspect.signature(original)
+    if "need_sort" not in signature.parameters:
+        raise RuntimeError(f"{base.__module__}.{base.__qualname__}.__init__{signature} takes no need_sort "
+                           "(SGLang 0.5.17's does); the override cannot apply to this SGLang")
     sorted_classes = _sorted_classes()
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         if isinstance(self, sorted_classes):
             bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()   # a need_sort left to its default is False too
             if not bound.arguments["need_sort"]:
                 bound.arguments["need_sort"] = True
                 _announce_forced(type(self).__name__)
