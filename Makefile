@@ -101,7 +101,7 @@ wheelhouse:
 	@# imports deep_gemm as it captures its CUDA graphs, so without it an EAGLE server cannot start
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux2014_x86_64 -d .whl-pool $(EXTRA_DEVICE_WHEELS)
-	@# a call ships the tracked tree (~33 MiB in session 50, mostly data/results, and growing) beside its folder, within
+	@# a call ships the tree (~7 MiB since session 50 archived the records; it grows) beside its folder, within
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
 
