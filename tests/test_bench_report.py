@@ -26,6 +26,8 @@ def test_version_history_compares_runs_through_flashmla_in_the_same_run():
     assert list(hist["kernel_version"]) == ["v1", "v2"]
     assert list(hist["sm120_mla_us"]) == [300.0, 120.0] and list(hist["flashmla_us"]) == [60.0, 57.0]
     assert list(hist["flashmla / sm120_mla"]) == [0.2, 0.47]
+    dirty = br.version_history(df.assign(commit="4d14ecc9ab+dirty"))
+    assert set(dirty["commit"]) == {"4d14ecc+dirty"}   # a dirty tree's run says so
     assert br.version_history(df, q_len=1)["flashmla_us"].isna().all()   # no FlashMLA decode row: NaN, not 0
     assert br.version_history(df, ctx=4096).empty
     br.version_history_chart(hist, "t").to_dict()
@@ -217,6 +219,10 @@ def test_flashmla_reach_splits_fixed_and_per_key_time_and_bounds_any_mma_sync_ke
     # a tie at 128k (x = 2) at exactly 100%: 30 / (20 + (40 - 20) / 2) = 1.0
     assert r["share of the ceiling that ties FlashMLA at 128k"] == "100%"
     assert r["fit miss %"] == 0.0
+    # off the line: the fit's largest miss, in % of the time measured there
+    off = _linear_run()
+    off.loc[(off["impl"] == "sm120_mla") & (off["ctx"] == 32768), "time_us"] += 5.0
+    assert br.flashmla_reach(off).iloc[0]["fit miss %"] > 0.5
 
 
 def test_flashmla_reach_when_flashmla_is_slower_per_key_than_the_ceiling():
@@ -246,6 +252,20 @@ def test_rtx_projection_is_a_range_from_the_fixed_part_plus_the_rtx_roofline_to_
     assert len(p) == 4 and p["rtx_bound_us"].notna().all()
     assert (p["rtx_bound_us"] - p["rtx_roofline_us"]).tolist() == pytest.approx([20.0] * 4, abs=0.15)
     assert (p["rtx_bound_us"] <= p["rtx_projected_us"]).all()
+    # the high end: the RTX roofline over the fraction of the mma.sync roofline reached here
+    # (30 us of mma.sync a 64k keys against 20 + 70 x ctx/64k), not of the cuBLAS one (x 0.8)
+    assert (p["efficiency_vs"] == "mma.sync").all()
+    x = p["ctx"] / 65536
+    assert p["efficiency"].tolist() == pytest.approx((30 * x / (20 + 70 * x)).tolist(), abs=5e-4)
+    # (rtx_roofline_us is rounded to 0.1 us, the efficiency ~0.4: 0.25 us of slack)
+    assert p["rtx_projected_us"].tolist() == pytest.approx(
+        (p["rtx_roofline_us"] * (20 + 70 * x) / (30 * x)).tolist(), abs=0.25)
+    # q16 h8 at 64k (65,552 keys with the drafts'): 18.25 GFLOP at 400 TFLOP/s is 45.6 us, over
+    # 75.5 MB at 1,792 GB/s (42.1 us)
+    assert p.loc[p["ctx"] == 65536, "rtx_roofline_us"].item() == 45.6
+    cublas = br.rtx_projection(df.drop(columns="roofline_mma_us"))
+    assert (cublas["efficiency_vs"] == "cuBLAS").all()
+    assert cublas["efficiency"].tolist() == pytest.approx((24 * x / (20 + 70 * x)).tolist(), abs=5e-4)
     few = br.rtx_projection(_linear_run(ctxs=(16384, 65536)).assign(roofline_us=1.0))
     assert few["rtx_bound_us"].isna().all() and few["rtx_projected_us"].notna().all()
 
@@ -432,6 +452,15 @@ def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
                          + _round_records([57.0], ours=85.0, ctx=65536)).assign(run_id="20261203T000000Z")
     assert list(br.targets_over_rounds(pd.concat([older, newer]))["target"][:3]) == [
         f"q16 h8 {k}: <= FlashMLA" for k in ("16k", "32k", "64k")]
+    pooled = br.targets_over_rounds(pd.concat([older, newer])).set_index("target")
+    assert pooled.loc["q16 h8 16k: <= FlashMLA", "ratio_is"] == "FlashMLA / ours"
+    # a note (b32's share of the ceiling) comes from the newest run, and says so where runs pool
+    b32 = lambda run, fm: [{**r, "run_id": run, "round": 0} for r in (
+        {**_rec(run, "v", "sm120_mla", 700.0, ctx=16384), "batch": 32, "roofline_mma_us": 200.0},
+        {**_rec(run, "v", "flashmla", fm, ctx=16384), "batch": 32, "roofline_mma_us": float("nan")})]
+    note = br.targets_over_rounds(pd.DataFrame(b32("20261201T0", 230.0) + b32("20261203T0", 236.0))).set_index(
+        "target").loc["b32 q16 h8 16k: within 10% of FlashMLA", "note"]
+    assert "FlashMLA runs at 85% of it" in note and note.endswith("(newest run, 20261203T0)"), note   # 200 / 236
     assert br.targets_over_rounds(pd.DataFrame()).empty and br.targets_table(pd.DataFrame()).empty
     with pytest.raises(ValueError, match="df: records without a `round`"):
         br.targets_over_rounds(pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0)]))
@@ -513,3 +542,30 @@ def test_bench_run_reports_a_library_with_no_kernel_for_the_gpu_without_calling_
     assert records[0]["error"].startswith("flashmla has no kernel for this GPU (sm_120)")
     assert "no kernel for this GPU (sm_120), only for compute capability 9.x or 10.x" in bench.summary_table(records)
     assert ceilings["copy_gbps"] == 1792.0
+
+
+@pytest.mark.parametrize("heads", [8, 16])
+def test_each_target_is_judged_at_its_own_threshold(heads):
+    """Each target just met and just missed: <= FlashMLA, >= 100x Triton verify, within 1.3x of
+    the roofline, b32 within 10% of FlashMLA, decode >= 3x Triton at 64k and >= 1x elsewhere."""
+    def rec(impl, time_us, batch=1, q_len=16, ctx=65536, roofline_us=100.0):
+        return {"run_id": "r", "kernel_version": "v", "commit": "c", "impl": impl, "batch": batch, "heads": heads,
+                "q_len": q_len, "ctx": ctx, "time_us": time_us, "num_splits_forced": False, "tile_keys": 16,
+                "roofline_us": roofline_us}
+
+    def verdicts(ours, fm, tv, b32_ours, b32_fm, dec64, td64, dec16, td16):
+        t = br.targets_table(pd.DataFrame([
+            rec("sm120_mla", ours), rec("flashmla", fm), rec("triton_verify", tv),
+            rec("sm120_mla", b32_ours, batch=32, ctx=16384), rec("flashmla", b32_fm, batch=32, ctx=16384),
+            rec("sm120_mla", dec64, q_len=1), rec("triton_decode", td64, q_len=1),
+            rec("sm120_mla", dec16, q_len=1, ctx=16384), rec("triton_decode", td16, q_len=1, ctx=16384),
+        ])).set_index("target")["met"]
+        h = f"h{heads}"
+        return [t[f"q16 {h} 64k: <= FlashMLA"], t[f"q16 {h} 64k: >= 100x Triton verify"],
+                t[f"q16 {h} 64k: within 1.3x roofline"], t[f"b32 q16 {h} 16k: within 10% of FlashMLA"],
+                t[f"decode {h} 64k: >= 3x Triton decode"], t[f"decode {h} 16k: >= 1x Triton decode"]]
+
+    # on the line: met (the roofline's 100 us x 1.3 = 130; FlashMLA's 100 x 1.1 = 110)
+    assert verdicts(130.0, 130.0, 13000.0, 110.0, 100.0, 40.0, 120.0, 20.0, 20.0) == [True] * 6
+    # just past it: missed
+    assert verdicts(130.2, 130.1, 13010.0, 110.2, 100.0, 40.1, 120.0, 20.1, 20.0) == [False] * 6

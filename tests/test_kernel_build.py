@@ -624,11 +624,13 @@ def test_recorded_resources_render_without_nvcc():
     assert set(frame.arch) == {"sm_120a", "sm_90"} and (frame.registers > 0).all()
     lines = budget_lines(frame)
     attention = frame.kernel.str.startswith(("mla_verify_split", "mla_verify_wide"))
-    assert len(lines) == attention.sum() and all(line.endswith(": OK") for line in lines)
+    assert len(lines) == len(frame) and all(line.endswith(": OK") for line in lines)   # the combine kernels too
     table = loops_by_arch(loop_table(rep), ["sm_120a"])
     assert "nops sm_120a" in table and not any(c.endswith("sm_90") for c in table.columns)
     over = frame.assign(smem_bytes=frame.smem_bytes.where(~attention, SM120_SMEM_LIMIT + 1))
-    assert all(line.endswith("OVER BUDGET") for line in budget_lines(over))
+    assert sum(line.endswith("OVER BUDGET") for line in budget_lines(over)) == attention.sum()
+    loads = budget_lines(frame.assign(spill_load_bytes=frame.spill_load_bytes.where(attention, 8)))
+    assert sum("spills 8 B" in line and line.endswith("OVER BUDGET") for line in loads) == (~attention).sum()
 
 
 def test_ablation_tables_by_run_keep_each_runs_own_full():

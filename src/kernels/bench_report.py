@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..results import load_records, on_gpu
+from ..results import load_records, on_gpu, short_commit
 from ..roofline import TARGET_GPUS, roofline_time_us, verify_cost
 
 IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "flashinfer_mla_fa2", "triton_verify", "triton_decode"]
@@ -357,9 +357,10 @@ def _mma_share_note(df: pd.DataFrame, baseline_us: float, **shape) -> str:
 
 def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     """The kernel issue's targets, each with the measured value and whether it is met (and,
-    for the batch-32 target, what it asks of the mma.sync ceiling)."""
+    for the batch-32 target, what it asks of the mma.sync ceiling). `ratio_is` says which way
+    each ratio reads: a baseline over ours (higher is better) or ours over a bound (lower is)."""
     if df.empty:
-        return pd.DataFrame(columns=["target", "measured", "ratio", "met", "note"])
+        return pd.DataFrame(columns=["target", "measured", "ratio", "ratio_is", "met", "note"])
     rows = []
 
     def t(impl, **shape):
@@ -372,18 +373,19 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
                 continue
             ours, fm = t("sm120_mla", batch=1, heads=heads, q_len=16, ctx=ctx), t("flashmla", batch=1, heads=heads, q_len=16, ctx=ctx)
             rows.append({"target": f"q16 h{heads} {ctx // 1024}k: <= FlashMLA", "measured": f"{ours:.1f} vs {fm:.1f} us",
-                         "ratio": round(fm / ours, 2), "met": bool(ours <= fm)})
+                         "ratio": round(fm / ours, 2), "ratio_is": "FlashMLA / ours", "met": bool(ours <= fm)})
         ours, tv = t("sm120_mla", batch=1, heads=heads, q_len=16, ctx=65536), t("triton_verify", batch=1, heads=heads, q_len=16, ctx=65536)
         rows.append({"target": f"q16 h{heads} 64k: >= 100x Triton verify", "measured": f"{ours:.1f} vs {tv:.1f} us",
-                     "ratio": round(tv / ours, 1), "met": bool(tv / ours >= 100)})
+                     "ratio": round(tv / ours, 1), "ratio_is": "Triton / ours", "met": bool(tv / ours >= 100)})
         sel = df[(df["impl"] == "sm120_mla") & (df["batch"] == 1) & (df["heads"] == heads) & (df["q_len"] == 16) & (df["ctx"] >= 65536)]
         for r in sel.sort_values("time_us").drop_duplicates("ctx").itertuples():
             rows.append({"target": f"q16 h{heads} {r.ctx // 1024}k: within 1.3x roofline",
                          "measured": f"{r.time_us:.1f} vs {r.roofline_us:.1f} us",
-                         "ratio": round(r.time_us / r.roofline_us, 2), "met": bool(r.time_us <= 1.3 * r.roofline_us)})
+                         "ratio": round(r.time_us / r.roofline_us, 2), "ratio_is": "ours / roofline",
+                         "met": bool(r.time_us <= 1.3 * r.roofline_us)})
         ours, fm = t("sm120_mla", batch=32, heads=heads, q_len=16, ctx=16384), t("flashmla", batch=32, heads=heads, q_len=16, ctx=16384)
         rows.append({"target": f"b32 q16 h{heads} 16k: within 10% of FlashMLA", "measured": f"{ours:.1f} vs {fm:.1f} us",
-                     "ratio": round(ours / fm, 2), "met": bool(ours <= 1.1 * fm),
+                     "ratio": round(ours / fm, 2), "ratio_is": "ours / FlashMLA", "met": bool(ours <= 1.1 * fm),
                      "note": _mma_share_note(df, fm, batch=32, heads=heads, q_len=16, ctx=16384)})
     dec = df[(df["q_len"] == 1) & (df["batch"] == 1)]
     for heads in sorted(dec["heads"].unique()):
@@ -391,7 +393,8 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
             ours, td = t("sm120_mla", batch=1, heads=heads, q_len=1, ctx=ctx), t("triton_decode", batch=1, heads=heads, q_len=1, ctx=ctx)
             need = 3.0 if ctx == 65536 else 1.0
             rows.append({"target": f"decode h{heads} {ctx // 1024}k: >= {need:g}x Triton decode",
-                         "measured": f"{ours:.1f} vs {td:.1f} us", "ratio": round(td / ours, 2), "met": bool(td / ours >= need)})
+                         "measured": f"{ours:.1f} vs {td:.1f} us", "ratio": round(td / ours, 2), "ratio_is": "Triton / ours",
+                         "met": bool(td / ours >= need)})
     out = pd.DataFrame(rows)
     out["note"] = out["note"].fillna("") if "note" in out else ""
     # A missing time (an impl or shape not in the records) is "not measured", never "missed".
@@ -422,7 +425,7 @@ def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
     round's `targets_table`, then per target the runs (processes) and rounds that measured it,
     the median ratio and its range over the rounds, and a verdict. A target met in some rounds
     and missed in others is within the noise of this GPU, not met."""
-    cols = ["target", "runs", "rounds", "ratio", "ratio_min", "ratio_max", "verdict", "note"]
+    cols = ["target", "runs", "rounds", "ratio", "ratio_min", "ratio_max", "ratio_is", "verdict", "note"]
     if df.empty:
         return pd.DataFrame(columns=cols)
     if "round" not in df:
@@ -432,24 +435,28 @@ def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
         df = df.assign(run_id="")
     per_round = pd.concat([targets_table(g).assign(run_id=run, round=f"{run}/{r}")
                            for (run, r), g in df.groupby(["run_id", "round"])], ignore_index=True)
+    # newest run first, so that a target's note (what b32 asks of the ceiling) is the newest run's
+    per_round = per_round.sort_values("run_id", ascending=False, kind="stable")
     measured = per_round[per_round["met"].notna()].astype({"met": bool})
     out = (measured.groupby("target", sort=False)
            .agg(runs=("run_id", "nunique"), rounds=("round", "nunique"), ratio=("ratio", "median"),
-                ratio_min=("ratio", "min"), ratio_max=("ratio", "max"), met_rounds=("met", "sum"),
-                note=("note", "first"))
+                ratio_min=("ratio", "min"), ratio_max=("ratio", "max"), ratio_is=("ratio_is", "first"),
+                met_rounds=("met", "sum"), note=("note", "first"), note_run=("run_id", "first"))
            .reset_index())
+    several = (out["runs"] > 1) & (out["note"] != "")
+    out.loc[several, "note"] = out.loc[several, "note"] + " (newest run, " + out.loc[several, "note_run"] + ")"
     out["verdict"] = [("met in every round" if met == n else "missed in every round" if met == 0
                        else f"mixed: met in {met} of {n} rounds")
                       for met, n in zip(out["met_rounds"], out["rounds"])]
     # a target no round could measure (its baseline failed or was not timed) stays in the table
-    unmeasured = [{"target": t, "runs": g["run_id"].nunique(), "rounds": 0, "verdict": "not measured",
-                   "note": g["note"].iloc[0]}
+    unmeasured = [{"target": t, "runs": g["run_id"].nunique(), "rounds": 0, "ratio_is": g["ratio_is"].iloc[0],
+                   "verdict": "not measured", "note": g["note"].iloc[0]}
                   for t, g in per_round[~per_round["target"].isin(out["target"])].groupby("target", sort=False)]
     if unmeasured:
         out = pd.concat([out, pd.DataFrame(unmeasured)], ignore_index=True)
     # in the newest run's order (a target added since, such as decode at 8k, sits by its
     # neighbours, not after every target the older runs had); a target only older runs had follows
-    order = list(dict.fromkeys(per_round.sort_values("run_id", ascending=False, kind="stable")["target"]))
+    order = list(dict.fromkeys(per_round["target"]))
     return out.set_index("target").loc[order].reset_index()[cols]
 
 
@@ -591,7 +598,7 @@ def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu
             continue
         t, r = float(ours["time_us"].iloc[0]), float(ref["time_us"].iloc[0]) if len(ref) else float("nan")
         rows.append({"kernel_version": ours["kernel_version"].iloc[0] if "kernel_version" in ours else None,
-                     "run_id": run_id, "commit": str(ours["commit"].iloc[0])[:7], "sm120_mla_us": round(t, 1),
+                     "run_id": run_id, "commit": short_commit(ours["commit"].iloc[0]), "sm120_mla_us": round(t, 1),
                      "flashmla_us": round(r, 1), "flashmla / sm120_mla": round(r / t, 2)})
     return pd.DataFrame(rows).sort_values("run_id").reset_index(drop=True) if rows else pd.DataFrame()
 
