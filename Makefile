@@ -91,6 +91,13 @@ kernel-resources: $(STAMP)
 	$(PY) -m sm120_workbook.kernels.resources --write
 
 EXTRA_DEVICE_WHEELS = sgl-deep-gemm==0.1.5.post1
+# The notebook stack, so that the GPU machine runs the notebooks as `make run` does (papermill with
+# an ipykernel, altair and vl-convert for the charts, ipywidgets): seen working there in session 50.
+NOTEBOOK_DEVICE_WHEELS = papermill==2.7.0 nbclient==0.11.0 nbformat==5.11.1 jupyter_client==8.10.0 \
+  jupyter_core==5.9.1 ipykernel==7.4.0 nest_asyncio2==1.7.4 comm==0.2.3 debugpy==1.8.22 tornado==6.6.1 \
+  fastjsonschema==2.22.3 entrypoints==0.4.2 tenacity==9.2.1 platformdirs==4.14.9 altair==6.3.0 \
+  narwhals==2.29.0 ipywidgets==8.1.9 widgetsnbextension==4.0.16 jupyterlab_widgets==3.0.17 \
+  vl-convert-python==1.9.0.post1
 
 wheelhouse:
 	@test -x ../shared/device/wheelhouse.sh || { echo "error: ../shared/device/wheelhouse.sh not found"; exit 1; }
@@ -100,7 +107,7 @@ wheelhouse:
 	@# SGLang 0.5.17 requires sgl-deep-gemm (its METADATA), which the lock leaves out; its EAGLE worker
 	@# imports deep_gemm as it captures its CUDA graphs, so without it an EAGLE server cannot start
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --platform manylinux2014_x86_64 -d .whl-pool $(EXTRA_DEVICE_WHEELS)
+	  --platform manylinux2014_x86_64 -d .whl-pool $(EXTRA_DEVICE_WHEELS) $(NOTEBOOK_DEVICE_WHEELS)
 	@# a call ships the tree (~7 MiB since session 50 archived the records; it grows) beside its folder, within
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
