@@ -202,15 +202,22 @@ def test_spec_compat_puts_an_mla_drafts_decode_steps_and_extend_on_the_kernel(cl
     # method), but naming themselves: the real ones would build backends on this stand-in runner
     monkeypatch.setattr(DraftBackendFactory, "_create_triton_decode_backend", lambda self: "triton-steps")
     monkeypatch.setattr(DraftBackendFactory, "_create_triton_prefill_backend", lambda self: "triton-extend")
+    # what a published server's runtime context says by default (the draft extend on the prefill
+    # backend's name; both are None here, so attention_backend decides)
+    from sglang.srt.speculative import draft_utils
+
+    monkeypatch.setattr(draft_utils, "get_spec", lambda: SimpleNamespace(speculative_attention_mode="prefill"))
     plugin.install_spec_compat()
 
     def made(use_mla, kind, draft_backend=None):
+        # through SGLang's own create_* methods, so that their maps (not a copy here) are what the
+        # plugin has to recognise
         args = SimpleNamespace(speculative_draft_attention_backend=draft_backend, attention_backend="sm120_mla",
                                decode_attention_backend=None, prefill_attention_backend=None)
-        f = DraftBackendFactory(args, SimpleNamespace(name="draft", use_mla_backend=use_mla), 1, 3)
-        maker = f._create_triton_decode_backend if kind == "decode" else f._create_triton_prefill_backend
-        return f._create_backend("decode_attention_backend", {"triton": maker, "fa3": lambda: "fa3"},
-                                 "no {backend_type}")
+        runner = SimpleNamespace(name="draft", use_mla_backend=use_mla,
+                                 model_config=SimpleNamespace(hf_config=object()))
+        f = DraftBackendFactory(args, runner, 1, 3)
+        return f.create_decode_backend() if kind == "decode" else f.create_draft_extend_backend()
 
     assert (made(True, "decode"), made(True, "extend")) == ("sm120-steps", "sm120-extend")
     assert built == [("multi-step", "draft", 1, 3), ("extend", "draft")]
@@ -218,6 +225,21 @@ def test_spec_compat_puts_an_mla_drafts_decode_steps_and_extend_on_the_kernel(cl
     assert (made(False, "decode"), made(False, "extend")) == ("triton-steps", "triton-extend")
     assert made(True, "decode", draft_backend="triton") == "triton-steps"
     assert built == []
+
+
+def test_an_mla_draft_whose_triton_maker_is_not_recognised_stays_on_triton_and_says_so(
+        clean_plugin_state, plugin_log):
+    """A `triton` entry that is not SGLang's own maker (another SGLang wrapping it): the draft keeps
+    that entry, with a warning that the kernel's draft backends were not used."""
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    plugin.install_spec_compat()
+    args = SimpleNamespace(speculative_draft_attention_backend=None, attention_backend="sm120_mla",
+                           decode_attention_backend=None, prefill_attention_backend=None)
+    f = DraftBackendFactory(args, SimpleNamespace(use_mla_backend=True), 1, 3)
+    assert f._create_backend("decode_attention_backend", {"triton": lambda: "wrapped-triton"},
+                             "no {backend_type}") == "wrapped-triton"
+    assert any("not SGLang 0.5.17's own Triton draft maker" in x for x in plugin_log), plugin_log
 
 
 def _mid_resolution_server_args(**fields):

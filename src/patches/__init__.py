@@ -184,7 +184,8 @@ def install_spec_compat() -> bool:
 
     def _create_backend_accepting_sm120(self, backend_name, backend_map, error_template):
         if "triton" in backend_map and BACKEND_NAME not in backend_map:
-            backend_map = {**backend_map, BACKEND_NAME: _draft_backend_on_kernel(self, backend_map["triton"])}
+            triton_entry = backend_map["triton"]   # chosen (and judged) only where the name is sm120_mla
+            backend_map = {**backend_map, BACKEND_NAME: lambda: _draft_backend_on_kernel(self, triton_entry)()}
         return create_backend(self, backend_name, backend_map, error_template)
 
     _patch(DraftBackendFactory, "_create_backend", _create_backend_accepting_sm120)
@@ -209,6 +210,9 @@ def _draft_backend_on_kernel(factory, triton_entry):
         return lambda: Sm120MlaMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps)
     if triton_entry == getattr(factory, "_create_triton_prefill_backend", None):
         return lambda: Sm120MlaAttnBackend(runner)
+    logger.warning("sm120_workbook (pid %d): an MLA draft's `triton` entry %r is not SGLang %s's own "
+                   "Triton draft maker, so it stays as it is: this draft step runs on Triton, not on "
+                   "the kernel", os.getpid(), triton_entry, TESTED_SGLANG)
     return triton_entry
 
 
