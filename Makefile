@@ -19,7 +19,8 @@ TORCH_PIN = $(shell $(PYTHON) -c "import tomllib;d=tomllib.load(open('pyproject.
 # SGLang the CPU tests import (CI).
 # `make setup TORCH=cpu` (or gpu) chooses; a .venv, once made, stays as it is (rm -rf .venv).
 # Its stamp holds the kind it was made with, so a re-run after pyproject.toml changes (a pull)
-# installs the same kind again rather than detecting anew, and an explicit other kind is refused.
+# installs the same kind again rather than detecting anew, and an explicit other kind is refused
+# (venv-kind).
 VENV_KIND := $(shell cat $(STAMP) 2>/dev/null)
 ifeq ($(origin TORCH),undefined)
 ifneq ($(filter gpu cpu,$(VENV_KIND)),)
@@ -37,7 +38,7 @@ endif
 RUN_DIR := $(or $(RUN_DIR),runs/$(shell date +%Y%m%d-%H%M%S))
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: help setup run test lab kernel-resources wheelhouse device-wheel gpu-check clean
+.PHONY: help setup venv-kind run test lab kernel-resources wheelhouse device-wheel gpu-check clean
 
 help:
 	@echo "make run      run the workbook (papermill) into runs/<timestamp>/"
@@ -50,13 +51,17 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Every target that uses the venv comes through its stamp, so this check (order-only: it never
+# makes the stamp out of date) refuses an explicit TORCH of the other kind, up to date or not.
+venv-kind:
+	@case "$(VENV_KIND)" in ""|"$(TORCH)") ;; gpu|cpu) echo "error: $(VENV) was made for TORCH=$(VENV_KIND), not $(TORCH); rm -rf $(VENV) to switch"; exit 1;; esac
+
+$(STAMP): pyproject.toml | venv-kind
 	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (the torch wheel on disk is for 3.11)"; exit 1; }
 	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
 	  || { echo "error: $(PYTHON) is older than 3.11; set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { echo "error: $(PYTHON) has no venv module (apt-get install python3-venv)"; exit 1; }
 	@case "$(TORCH)" in gpu|cpu) ;; *) echo "error: $(TORCH_WHY); use TORCH=gpu or TORCH=cpu"; exit 1;; esac
-	@case "$(VENV_KIND)" in ""|"$(TORCH)") ;; gpu|cpu) echo "error: $(VENV) was made for TORCH=$(VENV_KIND), not $(TORCH); rm -rf $(VENV) to switch"; exit 1;; esac
 	@command -v nvcc >/dev/null || echo "note: nvcc not found; kernel compile tests will skip (visibly)"
 	@echo "setup ($(TORCH), $(TORCH_WHY)): $(if $(filter gpu,$(TORCH)),SGLang with its CUDA stack,torch on the CPU and SGLang's pure-Python parts)"
 	$(PYTHON) -m venv $(VENV)

@@ -91,17 +91,25 @@ def load_records(name: str, path: Path | None = None):
 def archive_records(name: str) -> int:
     """Move the records of data/results/<name>.jsonl to the end of archive/<name>.jsonl.gz and
     leave the live file empty, for appends; returns how many moved. The archive is written
-    whole, without a timestamp or a file name inside, so the same records give the same bytes."""
+    whole, without a timestamp or a file name inside, so the same records give the same bytes.
+    The live file is set aside first, so a record appended meanwhile starts a new live file
+    rather than being emptied with the rest."""
     live, archive = results_dir() / f"{name}.jsonl", archive_path(name)
-    moved = _json_lines(live) if live.exists() else []
-    if not moved:
+    aside, tmp = live.with_name(live.name + ".archiving"), archive.with_name(archive.name + ".tmp")
+    for left in (aside, tmp):
+        if left.exists():
+            raise FileExistsError(f"{left}: left by an archive run that did not finish; its records are "
+                                  f"in neither file that readers see: append it to {live.name} and remove it")
+    if not live.exists() or not _json_lines(live):
         return 0
+    os.replace(live, aside)
+    moved = _json_lines(aside)
     lines = (_json_lines(archive) if archive.exists() else []) + moved
     archive.parent.mkdir(parents=True, exist_ok=True)
-    tmp = archive.with_name(archive.name + ".tmp")
     tmp.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=9, mtime=0))
-    os.replace(tmp, archive)   # the archive is whole before the live file is emptied
-    live.write_text("")
+    os.replace(tmp, archive)   # the archive is whole before the set-aside records go
+    aside.unlink()
+    live.touch()               # kept (empty, unless a record came meanwhile), as git tracks it
     return len(moved)
 
 

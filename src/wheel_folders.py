@@ -1,7 +1,8 @@
 """Pack the GPU machine's SGLang wheels into folders that each fit one device call.
 
 The GPU machine has no network, so the wheels travel with the calls: one folder a call, beside
-the tree it ships (tracked files and untracked ones git does not ignore), 64 MiB in all. The tree (mostly data/results) grows with every session, so
+the tree it ships (tracked files and untracked ones git does not ignore), 64 MiB in all. The tree (records, traces, code
+and notebooks) grows with every session, so
 folders made once by ../shared/device/wheelhouse.sh stop fitting. This repacks every wheel of
 the `.whl*` folders into `.whl1`, `.whl2`, ... of at most the room the tree leaves, largest
 first (first-fit decreasing), writes each folder's install.sh, and removes the folders left over.
@@ -165,7 +166,8 @@ def repack(root: Path, limit: int) -> list[Path]:
         big = max(range(len(groups)), key=lambda i: sizes[i])
         raise ValueError(f"{', '.join(w.name for w in groups[big])} ({sizes[big] / 2**20:.1f} MiB) does not fit "
                          f"a folder of {limit / 2**20:.1f} MiB. A call ships the tree beside its folder: "
-                         "shrink the tree (data/results) or that wheel. Nothing was moved") from None
+                         "shrink the tree (archive records: python -m sm120_workbook.results archive NAME) or that wheel. "
+                         "Nothing was moved") from None
     pool.mkdir(exist_ok=True)
     name_of = {}
     for w in found:

@@ -102,6 +102,12 @@ def test_archived_records_read_as_before_and_appends_go_on(tmp_path, monkeypatch
     results.archive_records("demo")
     assert (tmp_path / "archive" / "demo.jsonl.gz").read_bytes() == first
     assert results.load_records("demo", path=tmp_path / "demo.jsonl").empty   # --out: that file alone
+    # a run that stopped half-way leaves its set-aside records: the next one says so, moving nothing
+    results.append_records("demo", [{"i": 4}], command="three")
+    (tmp_path / "demo.jsonl.archiving").write_text('{"i": 99}\n')
+    with pytest.raises(FileExistsError, match="demo.jsonl.archiving: left by an archive run that did not finish"):
+        results.archive_records("demo")
+    assert list(results.load_records("demo")["i"]) == [0, 1, 2, 3, 4]
     with pytest.raises(SystemExit):
         results.main(["archive", "nosuch"])
     assert "NAME: no data/results/<NAME>.jsonl for nosuch" in capsys.readouterr().err

@@ -67,3 +67,11 @@ def test_a_venv_keeps_the_kind_it_was_made_with(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode != 0 and f"error: {venv} was made for TORCH=cpu, not gpu; rm -rf {venv} to switch" in out.stdout
     assert sorted(p.name for p in venv.iterdir()) == [".installed"]
+    # an up-to-date venv too: `make test TORCH=gpu` must not run on the cpu venv
+    os.utime(venv / ".installed", None)
+    out = subprocess.run(["make", f"VENV={venv}", "TORCH=gpu", "setup"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and f"error: {venv} was made for TORCH=cpu, not gpu" in out.stdout
+    ok = subprocess.run(["make", f"VENV={venv}", "TORCH=cpu", "setup"], cwd=ROOT, env=_env(),
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr   # its own kind: nothing to do

@@ -269,7 +269,7 @@ def load_plugin() -> None:
         logger.warning(warning)
         _version_warned = True
     register_backend()
-    install_or_warn(kv_sort.install_from_env, logger, f"the KV sort override ({kv_sort.ENV_VAR})")
+    kv_sort_on = install_or_warn(kv_sort.install_from_env, logger, f"the KV sort override ({kv_sort.ENV_VAR})")
     ngram_tail.install_from_env()
     dflash_host_plan.install_from_env()
     _register_warmup_or_warn()
@@ -279,7 +279,7 @@ def load_plugin() -> None:
         _install_spec_compat_or_warn()
     message = (f"sm120_workbook plugin (pid {os.getpid()}): attention backend {BACKEND_NAME!r} "
                f"registered{' and selected' if selected else ''}; KV sort override "
-               + (f"on ({kv_sort.ENV_VAR}=1)" if kv_sort.is_installed()
+               + (f"on ({kv_sort.ENV_VAR}=1)" if kv_sort_on
                   else f"NOT installed although {kv_sort.ENV_VAR}=1 (see the warning above)" if kv_sort.requested()
                   else f"off (set {kv_sort.ENV_VAR}=1 to enable)"))
     global _last_message

@@ -98,9 +98,11 @@ def uninstall() -> bool:
 
 
 def install_from_env(environ=None) -> bool:
-    """Install the override when $SM120_KV_SORT asks for it; returns whether it is on."""
-    if requested(environ):
-        install()
+    """Install the override when $SM120_KV_SORT asks for it; returns whether it is on. Unasked,
+    it touches nothing of SGLang's (not even an import) and returns False."""
+    if not requested(environ):
+        return False
+    install()
     return is_installed()
 
 
