@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from .masks import causal_chain_mask, check_lengths, random_tree_mask
-from .mla import DIM_QK, KV_LORA_RANK, QK_ROPE_DIM, SM_SCALE  # noqa: F401 (re-exported)
+from .mla import (DEEPSEEK_V3_SM_SCALE, DIM_QK, KV_LORA_RANK, QK_ROPE_DIM, SM_SCALE,  # noqa: F401 (re-exported)
+                  SM_SCALES)
 
 HEAD_DIM = DIM_QK  # 576
-DEEPSEEK_V3_SM_SCALE = SM_SCALE  # 1/sqrt(qk_nope 128 + rope 64)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -291,7 +291,8 @@ def _per_request(name: str, value, batch: int) -> list[int]:
 
 def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask: str | None = "causal",
                      pool_extra: int = 64, seed: int | None = 0, generator: torch.Generator | None = None,
-                     dtype: torch.dtype = torch.bfloat16, device="cpu", with_k_extend: bool = True) -> dict:
+                     dtype: torch.dtype = torch.bfloat16, device="cpu", with_k_extend: bool = True,
+                     sm_scale: float | None = None) -> dict:
     """Random inputs for one verify step in SGLang's layout, as kwargs of `mla_verify_reference`.
 
     - batch, heads: B requests, H query heads.
@@ -311,10 +312,13 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
       it is identical on every device; q, the pool and k_extend are drawn on `device` from a
       generator seeded from it, so values are reproducible per device type. Values are
       standard normal.
+    - sm_scale: None draws one of SM_SCALES per case (from the same generator): the bare
+      1/sqrt(192), and Kimi K2's and DeepSeek-V3's with YaRN's mscale (0.131, 0.135), whose
+      softmax is sharper.
 
     Returns dict(q [T,H,576], kv_pool [P,1,576], k_extend [T,1,576] | None, qo_indptr int32,
     kv_indptr int32, kv_indices int64, custom_mask bool | None, mask_indptr int64 | None,
-    sm_scale = 1/sqrt(192)), all on `device`. Use `case_lengths(case)` for the per-request
+    sm_scale float), all on `device`. Use `case_lengths(case)` for the per-request
     (ctx_lens, q_lens).
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -352,6 +356,8 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
     else:
         custom_mask = mask_indptr = None
     value_seed = int(torch.randint(0, 2**62, (1,), generator=gen).item())
+    if sm_scale is None:   # from the draw above, so the rest of a seeded case stays as it was
+        sm_scale = SM_SCALES[value_seed % len(SM_SCALES)]
 
     dev = torch.device(device)
     vgen = torch.Generator(device=dev).manual_seed(value_seed)
@@ -368,7 +374,7 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
         "qo_indptr": qo_indptr.to(dev),
         "kv_indptr": kv_indptr.to(dev),
         "kv_indices": slots_dev.to(torch.int64),
-        "sm_scale": DEEPSEEK_V3_SM_SCALE,
+        "sm_scale": float(sm_scale),
         "k_extend": k_extend,
         "custom_mask": custom_mask.to(dev) if custom_mask is not None else None,
         "mask_indptr": mask_indptr.to(dev) if mask_indptr is not None else None,

@@ -115,6 +115,31 @@ def test_pool_matches_its_python_mirror(batch, heads, q_len, cta_rows, num_split
     assert_matches_reference(case, out, lse, f"pool trace b{batch} ctx={ctx}")
 
 
+@pytest.mark.parametrize("mask", ["causal", "tree", None])
+def test_the_draft_mask_at_long_context(mask, seed):
+    """At 65k keys, 16 random draft keys hold next to nothing of a row's softmax, so a draft
+    mask read wrongly there would pass the tolerances (checks.py). Here the prefix rows are damped
+    (x 0.02): the drafts' keys, as drawn, then make most of every row's output, and a draft seen or
+    hidden wrongly moves it far past the tolerance, which the test first shows on the reference
+    itself (every draft visible against the case's mask)."""
+    from sm120_workbook.kernels.checks import REL_TOL
+    from sm120_workbook.masks import causal_chain_mask
+    from sm120_workbook.reference import mla_verify_reference
+
+    ctx, q_len = 65537, 16
+    case = make_verify_case(batch=1, heads=8, q_len=q_len, ctx_lens=ctx, mask=mask, seed=seed, device="cuda",
+                            pool_extra=257)
+    case["kv_pool"][case["kv_indices"]] *= 0.02   # the used rows only: the rest stay NaN
+    causal, indptr = causal_chain_mask([ctx], [q_len])
+    every_draft = dict(case, custom_mask=torch.ones_like(causal).cuda(), mask_indptr=indptr.cuda())
+    ref, alt = mla_verify_reference(**case), mla_verify_reference(**every_draft)
+    moved = ((alt - ref).norm() / ref.norm()).item()
+    assert moved > 10 * REL_TOL, f"this case cannot tell the masks apart (every draft visible moves it {moved:.1e})"
+    out, lse = run_kernel(case, max_q_len=q_len)
+    err = assert_matches_reference(case, out, lse, f"ctx {ctx} {mask}, prefix damped")
+    print(f"{mask}: a wrong mask moves the output {moved:.2f}; the kernel is {err:.1e} off")
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 8, 31, 33, 128])   # every combine layout (1, 4, 16 groups)
 @layouts
 def test_any_split_count(num_splits, cta_rows, tile_keys, seed):

@@ -14,7 +14,7 @@ import torch
 
 from sm120_workbook.masks import (causal_chain_mask, draft_block, mask_indptr_for, random_tree_mask,
                                   random_tree_parents, tree_draft_block)
-from sm120_workbook.reference import (DEEPSEEK_V3_SM_SCALE, case_lengths, make_verify_case,
+from sm120_workbook.reference import (SM_SCALES, case_lengths, make_verify_case,
                                       mla_verify_loop, mla_verify_reference)
 
 
@@ -151,7 +151,10 @@ def test_make_verify_case_layout(seed):
     assert len(set(case["kv_indices"].tolist())) == 53          # unique slots
     assert case["kv_indices"].tolist() != list(range(53))       # scattered
     assert case["mask_indptr"].dtype == torch.int64
-    assert case["sm_scale"] == DEEPSEEK_V3_SM_SCALE == 1 / 192**0.5
+    assert case["sm_scale"] in SM_SCALES
+    scales = {make_verify_case(1, 1, 1, 3, seed=s)["sm_scale"] for s in range(40)}
+    assert scales == set(SM_SCALES)   # each case draws one: the bare scale and the real models'
+    assert make_verify_case(1, 1, 1, 3, seed=seed, sm_scale=0.25)["sm_scale"] == 0.25
     again = make_verify_case(3, 5, [2, 16, 1], [0, 13, 40], mask="tree", seed=seed, pool_extra=7)
     for k in ("q", "kv_pool", "kv_indices", "custom_mask"):
         torch.testing.assert_close(again[k], case[k], atol=0, rtol=0, equal_nan=True)
@@ -200,6 +203,29 @@ def test_random_tree_mask_is_a_tree(seed):
             assert torch.equal(blk[i, :i], blk[parent, :i] | (torch.arange(i) == parent))
     again, _ = random_tree_mask(prefix, q, torch.Generator().manual_seed(seed))
     assert torch.equal(again, mask)
+
+
+def test_random_trees_branch():
+    """The trees are trees, not chains in disguise: over a few seeds some draft has a parent
+    other than the draft before it, and some node has two children."""
+    from sm120_workbook.masks import random_tree_parents
+
+    trees = [random_tree_parents(8, torch.Generator().manual_seed(s)) for s in range(10)]
+    assert any(p != i - 1 for t in trees for i, p in enumerate(t) if i > 0)
+    assert any(max(t.count(j) for j in range(8)) >= 2 for t in trees)
+
+
+def test_the_reference_by_head_chunks_is_the_reference_whole(monkeypatch):
+    """At 256k keys the reference takes the heads a few at a time (float64 scores would not fit
+    at once): chunks of 3 of 7 heads give what all 7 at once give, to float64 rounding."""
+    import sm120_workbook.reference as reference
+
+    c = make_verify_case(2, 7, [3, 5], [40, 90], mask="tree", seed=5)
+    whole, whole_lse = mla_verify_reference(**c, return_lse=True)
+    monkeypatch.setattr(reference, "_SCORE_ELEMS_PER_CHUNK", 3 * 5 * 95)   # 3 heads of the longer request
+    chunked, chunked_lse = mla_verify_reference(**c, return_lse=True)
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked_lse, whole_lse, rtol=1e-12, atol=1e-12)
 
 
 def test_tree_draft_block_from_parents():
@@ -333,6 +359,8 @@ _SGLANG_TRITON_SCRIPT = textwrap.dedent("""
                 c["q"], k_ext, k_ext[..., :512].contiguous(), o, c["kv_pool"], c["kv_pool"][..., :512],
                 c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["custom_mask"], mask is None,
                 c["mask_indptr"], max(q_lens), 1.0, 1.0, sm_scale=c["sm_scale"], lse_extend=lse)
+        except TypeError:
+            raise   # SGLang's signature moved: the cross-check must fail, not skip
         except Exception as e:
             print(json.dumps({"skip": f"the Triton interpreter could not run extend_attention_fwd: {e!r}"}))
             sys.exit(0)
@@ -376,3 +404,17 @@ def test_make_verify_case_seed_none_is_fresh():
     a, b = make_verify_case(seed=None), make_verify_case(seed=None)
     assert not torch.equal(a["kv_indices"], b["kv_indices"]) or not torch.equal(a["q"], b["q"])
     assert torch.equal(make_verify_case(seed=3)["q"], make_verify_case(seed=3)["q"])
+
+
+def test_the_real_models_scales_are_sglangs():
+    """DeepSeek-V3 (YaRN factor 40) and Kimi K2 (factor 32): SGLang multiplies 1/sqrt(192) by
+    mscale^2 (compute_mla_mscale_scaling); the checks draw these beside the bare scale."""
+    pytest.importorskip("sglang")
+    from sglang.srt.configs.model_config import compute_mla_mscale_scaling
+
+    from sm120_workbook.mla import DEEPSEEK_V3_SM_SCALE, KIMI_K2_SM_SCALE, SM_SCALE
+
+    for factor, ours in ((40, DEEPSEEK_V3_SM_SCALE), (32, KIMI_K2_SM_SCALE)):
+        rope = {"type": "yarn", "factor": factor, "mscale": 1.0, "mscale_all_dim": 1.0}
+        assert ours == pytest.approx(compute_mla_mscale_scaling(rope, SM_SCALE), rel=1e-12)
+    assert (round(KIMI_K2_SM_SCALE, 4), round(DEEPSEEK_V3_SM_SCALE, 4)) == (0.1309, 0.1352)
