@@ -213,8 +213,9 @@ def test_cuda_graph_replay_with_changed_lengths(H, Q, cta_rows, defines, seed):
     rng = random.Random(seed)
     for trial in range(4):
         ctx = [rng.randint(1, MAX_CTX) for _ in range(B)]
+        # the captured softmax scale, as a server's graphs keep their layer's
         case = make_verify_case(batch=B, heads=H, q_len=Q, ctx_lens=ctx, mask="tree",
-                                seed=rng.randrange(2**31), device=dev,
+                                seed=rng.randrange(2**31), device=dev, sm_scale=st["sm_scale"],
                                 pool_extra=st["kv_pool"].shape[0] - sum(ctx))
         # Same shapes as captured: copy the new step's values into the static buffers.
         st["q"].copy_(case["q"])
