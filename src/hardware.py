@@ -195,35 +195,51 @@ def target_name(gpu: str) -> str:
 def recorded_ceilings(records):
     """Per GPU (named as in the target table): how many ceilings runs were recorded, when, and
     their median and range. Many runs are recorded (every benchmark measures its own), and a
-    chart of each would stack them."""
+    chart of each would stack them. `mma_sync_tflops` is the rate of the tensor path this kernel
+    may use (mma.sync; torch.matmul's bf16_tflops is wgmma's on the H200), in the runs that
+    measured it (`mma_sync_runs`)."""
     import pandas as pd
 
     cols = ["gpu", "runs", "first", "last", "copy_gbps", "copy_gbps_min", "copy_gbps_max",
-            "bf16_tflops", "bf16_tflops_min", "bf16_tflops_max"]
+            "bf16_tflops", "bf16_tflops_min", "bf16_tflops_max", "mma_sync_tflops", "mma_sync_runs"]
     if records is None or not len(records):
         return pd.DataFrame(columns=cols)
     r = records.assign(gpu=records["gpu"].map(target_name), day=records["date"].astype(str).str[:10])
+    if "mma_sync_tflops" not in r:
+        r = r.assign(mma_sync_tflops=float("nan"))
     g = r.groupby("gpu")
     out = pd.DataFrame({"runs": g.size(), "first": g["day"].min(), "last": g["day"].max()})
     for m in ("copy_gbps", "bf16_tflops"):
         out[m], out[f"{m}_min"], out[f"{m}_max"] = g[m].median(), g[m].min(), g[m].max()
+    out["mma_sync_tflops"], out["mma_sync_runs"] = g["mma_sync_tflops"].median(), g["mma_sync_tflops"].count()
     return out.reset_index()[cols]
 
 
 def ceilings_frame(records=None):
-    """Tidy frame of ceilings: the target table's numbers, and per GPU the median of its
-    measured records (`results.load_records("ceilings")`, or None).
+    """Tidy frame of ceilings: the target table's numbers (the roofline's inputs, each labelled by
+    where it comes from: a spec, a measurement by others, or the median of our records), and per
+    GPU the median of its measured records (`results.load_records("ceilings")`, or None), labelled
+    as recorded, with their runs and dates.
 
     Returns columns gpu, metric, value, source; a GPU's measured rows say how many runs.
     """
     import pandas as pd
 
+    def kind(source: str) -> str:
+        # what a target-table number is: a spec sheet's, someone else's measurement, or our records'
+        for key, label in (("measured by others", "roofline input: measured by others"),
+                           ("median", "roofline input: recorded median"), ("spec", "roofline input: spec")):
+            if key in source:
+                return label
+        return "roofline input"
+
     rows = []
     for name, g in TARGET_GPUS.items():
-        rows.append({"gpu": name, "metric": "memory GB/s", "value": g["mem_gbps"], "source": "target table"})
-        rows.append({"gpu": name, "metric": "bf16 TFLOP/s", "value": g["bf16_tflops"], "source": "target table"})
+        rows.append({"gpu": name, "metric": "memory GB/s", "value": g["mem_gbps"], "source": kind(g["mem_source"])})
+        rows.append({"gpu": name, "metric": "bf16 TFLOP/s", "value": g["bf16_tflops"],
+                     "source": kind(g["tflops_source"])})
     for r in recorded_ceilings(records).itertuples():
-        src = f"measured (median of {r.runs} runs)"
+        src = f"measured, recorded: median of {r.runs} runs, {r.first} to {r.last}"
         rows.append({"gpu": r.gpu, "metric": "memory GB/s", "value": r.copy_gbps, "source": src})
         rows.append({"gpu": r.gpu, "metric": "bf16 TFLOP/s", "value": r.bf16_tflops, "source": src})
     return pd.DataFrame(rows)

@@ -62,8 +62,11 @@ def test_bad_arguments_are_named(call, name):
 def test_ceilings_on_gpu():
     copy = measure_copy_bandwidth(nbytes=256 << 20, repeats=5)
     assert copy["bytes_moved"] == 2 * (256 << 20) and 10 < copy["copy_gbps"] < 20_000
+    # read + write of the buffer, over the median time (GB/s = bytes / (ms x 1e6))
+    assert copy["copy_gbps"] == pytest.approx(2 * (256 << 20) / (copy["ms_median"] * 1e6), rel=1e-9)
     mm = measure_bf16_matmul_tflops(n=2048, repeats=5)
     assert 1 < mm["bf16_tflops"] < 5_000
+    assert mm["bf16_tflops"] == pytest.approx(2 * 2048**3 / (mm["ms_median"] * 1e9), rel=1e-9)   # 2n^3 FLOPs
 
 
 def test_provenance_names_the_visible_gpus_when_set(monkeypatch):
@@ -90,10 +93,19 @@ def test_recorded_ceilings_one_median_per_gpu():
     assert t.loc["H200", "runs"] == 3 and t.loc["H200", "copy_gbps"] == 4150.0
     assert (t.loc["H200", "first"], t.loc["H200", "last"]) == ("2026-11-29", "2026-11-30")
     assert t.loc["H200", "bf16_tflops_min"] == 770.0 and "NVIDIA A100-SXM4-80GB" in t.index
+    assert t.loc["H200", "mma_sync_runs"] == 0   # none of these runs measured it
+    t = recorded_ceilings(rec.assign(mma_sync_tflops=[600.0, None, 620.0, 200.0])).set_index("gpu")
+    assert (t.loc["H200", "mma_sync_tflops"], t.loc["H200", "mma_sync_runs"]) == (610.0, 2)
     f = ceilings_frame(rec)
     measured = f[f["source"].str.startswith("measured")]
     assert len(measured) == 4 and set(measured["gpu"]) == {"H200", "NVIDIA A100-SXM4-80GB"}
     assert measured[(measured["gpu"] == "H200") & (measured["metric"] == "memory GB/s")]["value"].item() == 4150.0
+    assert set(measured[measured["gpu"] == "H200"]["source"]) == {
+        "measured, recorded: median of 3 runs, 2026-11-29 to 2026-11-30"}
+    inputs = f[~f["source"].str.startswith("measured")].set_index(["gpu", "metric"])["source"]
+    assert inputs[("RTX PRO 6000 Blackwell", "memory GB/s")] == "roofline input: spec"
+    assert inputs[("RTX PRO 6000 Blackwell", "bf16 TFLOP/s")] == "roofline input: measured by others"
+    assert set(inputs[["H200"]]) == {"roofline input: recorded median"}
     assert len(recorded_ceilings(None)) == 0 and len(ceilings_frame(None)) == 2 * 2
 
 
