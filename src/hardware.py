@@ -246,7 +246,8 @@ def ceilings_frame(records=None):
 
 
 def ceilings_chart(frame):
-    """Altair bars: memory and bf16 ceilings per GPU, target-table vs measured."""
+    """Altair bars: memory and bf16 ceilings per GPU, each bar labelled by its source (the
+    roofline's inputs by where they come from; the measured ones as recorded)."""
     import altair as alt
 
     return (

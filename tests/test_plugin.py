@@ -240,6 +240,12 @@ def test_an_mla_draft_whose_triton_maker_is_not_recognised_stays_on_triton_and_s
     assert f._create_backend("decode_attention_backend", {"triton": lambda: "wrapped-triton"},
                              "no {backend_type}") == "wrapped-triton"
     assert any("not SGLang 0.5.17's own Triton draft maker" in x for x in plugin_log), plugin_log
+    # judged only where sm120_mla is the name chosen: a triton server's draft says nothing
+    plugin_log.clear()
+    args.attention_backend = "triton"
+    assert f._create_backend("decode_attention_backend", {"triton": lambda: "wrapped-triton"},
+                             "no {backend_type}") == "wrapped-triton"
+    assert not any("Triton draft maker" in x for x in plugin_log), plugin_log
 
 
 def _mid_resolution_server_args(**fields):

@@ -360,7 +360,7 @@ _SGLANG_TRITON_SCRIPT = textwrap.dedent("""
                 c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["custom_mask"], mask is None,
                 c["mask_indptr"], max(q_lens), 1.0, 1.0, sm_scale=c["sm_scale"], lse_extend=lse)
         except TypeError:
-            raise   # SGLang's signature moved: the cross-check must fail, not skip
+            raise   # most likely SGLang's signature moved: fail rather than skip (it may be the interpreter's)
         except Exception as e:
             print(json.dumps({"skip": f"the Triton interpreter could not run extend_attention_fwd: {e!r}"}))
             sys.exit(0)
