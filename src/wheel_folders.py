@@ -1,9 +1,9 @@
 """Pack the GPU machine's SGLang wheels into folders that each fit one device call.
 
 The GPU machine has no network, so the wheels travel with the calls: one folder a call, beside
-the tree it ships (tracked files and untracked ones git does not ignore), 64 MiB in all. The tree (records, traces, code
-and notebooks) grows with every session, so
-folders made once by ../shared/device/wheelhouse.sh stop fitting. This repacks every wheel of
+the tree it ships (tracked files and untracked ones git does not ignore), 64 MiB in all. The
+tree (records, traces, code and notebooks) grows with every session, so folders made once by
+../shared/device/wheelhouse.sh stop fitting. This repacks every wheel of
 the `.whl*` folders into `.whl1`, `.whl2`, ... of at most the room the tree leaves, largest
 first (first-fit decreasing), writes each folder's install.sh, and removes the folders left over.
 

@@ -3,8 +3,9 @@
 A target such as "at least as fast as FlashMLA" is a ratio of two medians, and one benchmark
 run gives one ratio. From run to run FlashMLA's own time moves: at q16 h8 32k it measured 43.7
 to 50.7 µs over 28 H200 benchmark runs (11 between 49.3 and 50.7, 17 between 43.7 and 46.8),
-while this kernel's stayed within 50.4-51.3 µs over the last ten. So a ratio within a few percent of 1 says little on its
-own (METHOD.md: a difference smaller than the spread of repeated timings is noise).
+while this kernel's stayed within 50.4-51.3 µs over the last ten. So a ratio within a few
+percent of 1 says little on its own (METHOD.md: a difference smaller than the spread of repeated
+timings is noise).
 
 This tool times only the shapes the targets read: sm120_mla as the workspace runs it by
 default (the kernel, tile and split count it picks), each beside its target's baseline. It
