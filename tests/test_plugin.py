@@ -26,6 +26,8 @@ def clean_plugin_state():
     def reset():
         plugin.unregister_backend()
         plugin.uninstall_spec_compat()
+        plugin.uninstall_selection_hook()
+        os.environ.pop(plugin.SELECTED_ENV, None)
         kv_sort.uninstall()
         mha_draft.uninstall()
         plugin._last_message = None
@@ -85,7 +87,8 @@ def test_sglang_loader_in_a_fresh_process():
                              "kv_sort": plugin.kv_sort.is_installed(), "need_sort": a.need_sort,
                              "spec_compat": plugin.spec_compat_installed(),
                              "warmup": "sm120_long_prompt" in _warmup_registry,
-                             "mha_draft": plugin.mha_draft.is_installed()}
+                             "mha_draft": plugin.mha_draft.is_installed(),
+                             "selection": plugin.selection_hook_installed()}
         os.environ["SM120_KV_SORT"] = "1"
         plugin.load_plugin()
         a = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, False)
@@ -93,7 +96,7 @@ def test_sglang_loader_in_a_fresh_process():
                             "kv_sort": plugin.kv_sort.is_installed(), "need_sort": a.need_sort}
         print("RESULT " + json.dumps(out))
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("SM120_KV_SORT", "SGLANG_PLUGINS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("SM120_KV_SORT", "SGLANG_PLUGINS", plugin.SELECTED_ENV)}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -101,8 +104,8 @@ def test_sglang_loader_in_a_fresh_process():
     out = json.loads(line[len("RESULT "):])
     assert out["after_import"] == {"registry": False, "choices": False, "kv_sort": False, "warmup": False,
                                    "mha_draft": False}
-    assert out["after_load"] == {"registry": True, "choices": 1, "kv_sort": False,
-                                 "need_sort": False, "spec_compat": False, "warmup": True, "mha_draft": True}
+    assert out["after_load"] == {"registry": True, "choices": 1, "kv_sort": False, "need_sort": False,
+                                 "spec_compat": False, "warmup": True, "mha_draft": True, "selection": True}
     assert out["after_env"] == {"choices": 1, "kv_sort": True, "need_sort": True}
     # The plugin announces itself, with its pid, in the process's log (stderr).
     announcements = [x for x in proc.stderr.splitlines() if "sm120_workbook plugin (pid" in x]
@@ -117,6 +120,7 @@ def test_load_plugin_registers_with_sglang_and_is_idempotent(clean_plugin_state,
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 
     monkeypatch.delenv(kv_sort.ENV_VAR, raising=False)
+    monkeypatch.delenv(plugin.SELECTED_ENV, raising=False)
     monkeypatch.setattr(sys, "argv", ["pytest"])
     before = dict(ATTENTION_BACKENDS)
     plugin.load_plugin()
@@ -143,6 +147,76 @@ def test_load_plugin_with_env_and_command_line_selection(clean_plugin_state, plu
     assert any("KV sort override installed" in x for x in plugin_log)
     assert any("registered and selected" in x and "KV sort override on" in x for x in plugin_log)
     assert any("accept sm120_mla like triton" in x for x in plugin_log)
+
+
+_SELECTION_SCRIPT = textwrap.dedent("""
+    import json, multiprocessing, os, sys
+
+    def scheduler(server_args, queue):
+        # what run_scheduler_process does first: SGLang's load_plugins(), in a spawned process
+        # with the launcher's environment and argv, then a separate draft worker's backend check
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.speculative import draft_worker_common
+        import sm120_workbook.patches as plugin
+        load_plugins()
+        draft = draft_worker_common._resolve_draft_attention_backend_fallback(
+            draft_server_args=server_args, algo_label="DSPARK")
+        queue.put({"spec_compat": plugin.spec_compat_installed(), "draft_backend": draft})
+
+    if __name__ == "__main__":
+        target, config = sys.argv[1], sys.argv[2]
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.server_args import ServerArgs, prepare_server_args
+        import sm120_workbook.patches as plugin
+        common = ["--model-path", target, "--load-format", "dummy", "--skip-tokenizer-init",
+                  "--device", "cuda", "--speculative-algorithm", "NGRAM"]
+        out = {"in_argv": plugin.backend_selected_in_argv()}
+        prepare_server_args(common + ["--attention-backend", "flashinfer"])
+        out["other_backend"] = os.environ.get(plugin.SELECTED_ENV)
+        args = prepare_server_args(common + ["--config", config])
+        out["config"] = os.environ.pop(plugin.SELECTED_ENV, None)
+        ServerArgs(model_path=target, load_format="dummy", skip_tokenizer_init=True, device="cuda",
+                   speculative_algorithm="NGRAM", speculative_draft_attention_backend="sm120_mla")
+        out["engine_kwargs"] = os.environ.get(plugin.SELECTED_ENV)
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=scheduler, args=(args, queue))
+        child.start()
+        out["scheduler"] = queue.get(timeout=300)
+        child.join()
+        print("RESULT " + json.dumps(out))
+""")
+
+
+def test_a_draft_backend_named_in_a_config_file_or_engine_kwargs_reaches_the_schedulers(tmp_path):
+    """argv does not show a backend named in a --config file or as Engine keyword arguments, and a
+    separate draft worker checks its backend name before any target backend is built. With the
+    selection step, SGLang's own argument resolution (prepare_server_args with --config; ServerArgs
+    with keywords, as Engine builds it) sets SELECTED_ENV, and a spawned process running SGLang's
+    load_plugins() with that environment accepts the draft-only sm120_mla: SGLang's own
+    `_resolve_draft_attention_backend_fallback` keeps it instead of falling back to FlashInfer."""
+    from sm120_workbook.dummy_models import materialize_model
+
+    target = materialize_model("k2_tp8_slice", layers=4, dest=tmp_path / "target")
+    config = tmp_path / "server.yaml"
+    config.write_text("attention-backend: flashinfer\nspeculative-draft-attention-backend: sm120_mla\n")
+    script = tmp_path / "launcher.py"
+    script.write_text(_SELECTION_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", plugin.SELECTED_ENV)}
+    proc = subprocess.run([sys.executable, str(script), str(target), str(config)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert out == {"in_argv": False, "other_backend": None, "config": "1", "engine_kwargs": "1",
+                   "scheduler": {"spec_compat": True, "draft_backend": "sm120_mla"}}
+
+
+def test_the_selection_step_reads_the_four_backend_fields():
+    assert plugin._BACKEND_FIELDS == ("attention_backend", "decode_attention_backend",
+                                      "prefill_attention_backend", "speculative_draft_attention_backend")
+    assert plugin.backend_selected_in(SimpleNamespace(attention_backend="triton", decode_attention_backend="sm120_mla"))
+    assert not plugin.backend_selected_in(SimpleNamespace(attention_backend="triton", model_path="sm120_mla"))
 
 
 @pytest.mark.parametrize("argv,selected", [

@@ -23,9 +23,11 @@ What it does in each process:
   is not MLA (an EAGLE3 Llama head) under sm120_mla, with no draft backend named, drafts on
   FlashInfer instead of falling back to Triton. Servers that do not select sm120_mla are untouched.
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
-  the name wherever they accept `triton` (`install_spec_compat`). The backend's factory
-  installs the same patches when it first builds the backend, so an in-process `Engine`
-  gets them too. DFLASH's draft backend is SGLang's own choice: it takes the prefill backend
+  the name wherever they accept `triton` (`install_spec_compat`). A name given in a `--config`
+  file or as `Engine` keyword arguments, which argv does not show, reaches the scheduler
+  processes through $SM120_MLA_SELECTED, set by a step after SGLang resolves the server's
+  speculative arguments (`install_selection_hook`). The backend's factory also installs the
+  patches when it first builds the backend. DFLASH's draft backend is SGLang's own choice: it takes the prefill backend
   where its draft runs on it, and falls back to FlashInfer for `sm120_mla`.
 
 Importing this package changes nothing; `load_plugin()` is idempotent. Under an SGLang other
@@ -34,6 +36,7 @@ log before it patches anything.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -47,6 +50,11 @@ BACKEND_NAME = "sm120_mla"
 TESTED_SGLANG = "0.5.17"
 _BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
                   "--prefill-attention-backend", "--speculative-draft-attention-backend")
+_BACKEND_FIELDS = tuple(flag[2:].replace("-", "_") for flag in _BACKEND_FLAGS)   # ServerArgs' names
+# Set by the selection step (install_selection_hook) where a server's arguments name sm120_mla;
+# the scheduler processes inherit it.
+SELECTED_ENV = "SM120_MLA_SELECTED"
+_SELECTION_MARK = "_sm120_selection_original"
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +131,59 @@ def unregister_backend() -> None:
         del ATTENTION_BACKENDS[BACKEND_NAME]
     while BACKEND_NAME in ATTENTION_BACKEND_CHOICES:
         ATTENTION_BACKEND_CHOICES.remove(BACKEND_NAME)
+
+
+def backend_selected_in(server_args) -> bool:
+    """Whether a ServerArgs names `sm120_mla` in one of the fields the backend flags set."""
+    return any(getattr(server_args, field, None) == BACKEND_NAME for field in _BACKEND_FIELDS)
+
+
+def selection_hook_installed() -> bool:
+    from sglang.srt.arg_groups import speculative_hook
+
+    return hasattr(speculative_hook.handle_speculative_decoding, _SELECTION_MARK)
+
+
+def install_selection_hook() -> bool:
+    """Pass a server's `sm120_mla` selection on to the processes it starts, whatever spelt it.
+
+    argv shows a name given on the command line, not one given in a `--config` file (SGLang merges
+    that into a list of its own) or as `Engine` keyword arguments, and the scheduler processes see
+    only argv. So a step after SGLang's `handle_speculative_decoding`, which `ServerArgs.__post_init__`
+    imports at each call, sets SELECTED_ENV where the resolved arguments name the backend; the
+    schedulers, spawned after it with this environment, then install the draft-name patches in
+    their `load_plugin`. Without it a draft-only `sm120_mla` (a separate draft worker's check of
+    `_SUPPORTED_DRAFT_BACKENDS` comes before any target backend is built) falls back to FlashInfer.
+    Returns True if this call installed the step."""
+    from sglang.srt.arg_groups import speculative_hook
+
+    if selection_hook_installed():
+        return False
+    original = speculative_hook.handle_speculative_decoding
+
+    @functools.wraps(original)
+    def handle_speculative_decoding(server_args):
+        original(server_args)
+        if backend_selected_in(server_args):
+            os.environ[SELECTED_ENV] = "1"
+
+    setattr(handle_speculative_decoding, _SELECTION_MARK, original)
+    speculative_hook.handle_speculative_decoding = handle_speculative_decoding
+    return True
+
+
+def uninstall_selection_hook() -> None:
+    """Restore SGLang's function (for tests)."""
+    from sglang.srt.arg_groups import speculative_hook
+
+    original = getattr(speculative_hook.handle_speculative_decoding, _SELECTION_MARK, None)
+    if original is not None:
+        speculative_hook.handle_speculative_decoding = original
+
+
+def backend_selected() -> bool:
+    """Whether this process's command line, or its launcher's resolved arguments, name `sm120_mla`."""
+    return backend_selected_in_argv() or os.environ.get(SELECTED_ENV) == "1"
 
 
 def backend_selected_in_argv(argv: list[str] | None = None) -> bool:
@@ -274,7 +335,8 @@ def load_plugin() -> None:
     dflash_host_plan.install_from_env()
     _register_warmup_or_warn()
     install_or_warn(mha_draft.install, logger, "the draft backend step for non-MLA drafts")
-    selected = backend_selected_in_argv()
+    install_or_warn(install_selection_hook, logger, f"the step that passes on a server's {BACKEND_NAME} selection")
+    selected = backend_selected()
     if selected:
         _install_spec_compat_or_warn()
     message = (f"sm120_workbook plugin (pid {os.getpid()}): attention backend {BACKEND_NAME!r} "
@@ -293,6 +355,7 @@ _version_warned = False
 
 
 __all__ = ["BACKEND_NAME", "load_plugin", "register_backend", "is_registered",
-           "unregister_backend", "backend_selected_in_argv", "install_spec_compat",
+           "unregister_backend", "backend_selected", "backend_selected_in", "backend_selected_in_argv",
+           "install_selection_hook", "uninstall_selection_hook", "selection_hook_installed", "install_spec_compat",
            "uninstall_spec_compat", "spec_compat_installed", "kv_sort", "ngram_tail", "dflash_host_plan",
            "mha_draft", "warmup"]
