@@ -154,6 +154,8 @@ def install_selection_hook() -> bool:
     schedulers, spawned after it with this environment, then install the draft-name patches in
     their `load_plugin`. Without it a draft-only `sm120_mla` (a separate draft worker's check of
     `_SUPPORTED_DRAFT_BACKENDS` comes before any target backend is built) falls back to FlashInfer.
+    Once set, it stays for the servers this process starts later (a draft's own ServerArgs copy must
+    not clear it); the patches act only where the name reaches them, so that costs nothing.
     Returns True if this call installed the step."""
     from sglang.srt.arg_groups import speculative_hook
 
