@@ -80,3 +80,5 @@ def test_recorded_table_keeps_each_builds_newest_commit():
     assert list(zip(t["build"], t["tool"], t["clean"], t["commit"])) == [
         ("default", "racecheck", True, "bbbbbbb"), ("pv_lag", "racecheck", True, "ccccccc")]
     assert recorded_table(pd.concat([df, rtx]), gpu="RTX PRO 6000")["commit"].tolist() == ["ddddddd"]
+    tagged = recorded_table(df.assign(kernel_version=["v1", "v1", None, "v2", "v1"]))
+    assert tagged["kernel_version"].tolist() == ["untagged", "v2"]   # a run without --tag

@@ -188,6 +188,8 @@ def recorded_table(df=None, gpu: str = "H200"):
     t = newest[cols].copy()
     if "commit" in t:
         t["commit"] = t["commit"].astype(str).str[:7]
+    if "kernel_version" in t:   # a run without --tag names no version; its commit says what ran
+        t["kernel_version"] = t["kernel_version"].fillna("untagged")
     return t.sort_values(["build", "tool"]).reset_index(drop=True)
 
 
