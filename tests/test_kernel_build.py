@@ -689,11 +689,49 @@ def test_a_held_build_lock_is_named_after_the_timeout(tmp_path, monkeypatch):
     from sm120_workbook.kernels import build
 
     monkeypatch.setenv("SM120_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(build, "LOCK_TIMEOUT_S", 0.2)
+    monkeypatch.setenv(build.LOCK_TIMEOUT_ENV, "0.2")
     name = f"sm120_mla_{build.build_key((9, 0))}"
     with FileLock(str(tmp_path / name) + ".lock"):   # another process building the same key
-        with pytest.raises(RuntimeError, match=rf"build lock {tmp_path / name}\.lock"):
+        with pytest.raises(RuntimeError, match=rf"build lock {tmp_path / name}\.lock: a live process"):
             build._load_for.__wrapped__((9, 0), False, ())
+
+
+@pytest.mark.parametrize("raw", ["30m", "0", "-1", "nan", "inf", ""])
+def test_a_bad_lock_timeout_is_named_when_a_build_waits(monkeypatch, raw):
+    """Read at build time, not import time (a typo must not break `import sm120_workbook.kernels`);
+    filelock takes 0 as "fail at once" and a negative timeout as "wait forever"."""
+    from sm120_workbook.kernels import build
+
+    monkeypatch.setenv(build.LOCK_TIMEOUT_ENV, raw)
+    with pytest.raises(ValueError, match=rf"{build.LOCK_TIMEOUT_ENV}='{raw}': must be a number of seconds above 0"):
+        build.lock_timeout_s()
+    monkeypatch.setenv(build.LOCK_TIMEOUT_ENV, "90")
+    assert build.lock_timeout_s() == 90.0
+    monkeypatch.delenv(build.LOCK_TIMEOUT_ENV)
+    assert build.lock_timeout_s() == build.DEFAULT_LOCK_TIMEOUT_S
+
+
+def test_a_killed_builders_torch_lock_is_cleared_under_ours(tmp_path, monkeypatch):
+    """A builder killed inside load_inline can leave torch's lock file in the build folder (torch
+    releases that lock with a FileBaton); the next builder, holding the key's lock, removes it
+    before load_inline would wait on it forever."""
+    from torch.utils import cpp_extension
+
+    from sm120_workbook.kernels import build
+
+    monkeypatch.setenv("SM120_KERNEL_CACHE", str(tmp_path))
+    build_dir = tmp_path / f"sm120_mla_{build.build_key((9, 0))}"
+    build_dir.mkdir()
+    (build_dir / "lock").write_text("")          # what the killed builder left
+    seen = {}
+
+    def fake_load_inline(**kw):
+        seen["torch_lock_left"] = (Path(kw["build_directory"]) / "lock").exists()
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fake_load_inline)
+    assert build._load_for.__wrapped__((9, 0), False, ()) == "module"
+    assert seen == {"torch_lock_left": False}
 
 
 def test_the_build_key_names_the_toolchain(monkeypatch):
@@ -702,3 +740,30 @@ def test_the_build_key_names_the_toolchain(monkeypatch):
     key = build.build_key((9, 0))
     monkeypatch.setattr(build, "_toolchain", lambda: "torch 0.0 cuda 0 py3.0")
     assert build.build_key((9, 0)) != key
+
+
+@pytest.mark.parametrize("var", ["NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "PYTORCH_NVCC"])
+def test_the_build_key_names_what_nvcc_reads_from_the_environment(monkeypatch, var):
+    """nvcc appends $NVCC_APPEND_FLAGS itself (and torch runs $PYTORCH_NVCC), so ninja's command
+    line does not change: without them in the key, one process's `-G` build would be every later
+    process's cached default."""
+    from sm120_workbook.kernels import build
+
+    for v in build._COMPILER_ENV:
+        monkeypatch.delenv(v, raising=False)
+    key = build.build_key((9, 0))
+    monkeypatch.setenv(var, "-G")
+    assert build.build_key((9, 0)) != key
+
+
+def test_the_build_key_names_the_nvcc_load_inline_runs(monkeypatch):
+    from torch.utils import cpp_extension
+
+    from sm120_workbook.kernels import build
+
+    key = build.build_key((9, 0))
+    if cpp_extension.CUDA_HOME:
+        assert "Cuda compilation tools" in build._nvcc_identity(cpp_extension.CUDA_HOME)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/opt/another-cuda")
+    assert build.build_key((9, 0)) != key
+    assert "/opt/another-cuda/bin/nvcc" in build._nvcc_identity("/opt/another-cuda")

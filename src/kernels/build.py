@@ -2,8 +2,15 @@
 
 The CUDA source stays in real files (mla_verify.cuh, mla_verify.cu) that load_inline reads,
 so nvcc, editors and diffs see ordinary CUDA. The build is cached under a name that hashes
-the sources, the flags and the target arch, and a file lock serialises it: eight TP
-workers starting at once build it once and load the same .so.
+the sources, the flags, the target arch and the toolchain (torch, the nvcc that load_inline
+runs and the environment variables nvcc and torch read for it), and a file lock serialises it:
+eight TP workers starting at once build it once and load the same .so.
+
+Environment:
+- SM120_KERNEL_CACHE: the cache folder (default ~/.cache/sm120_workbook/torch_extensions, or
+  under $XDG_CACHE_HOME).
+- SM120_BUILD_LOCK_TIMEOUT_S: how long a process waits for another's build of the same key
+  (default 1800 s) before it gives up and names the lock.
 """
 from __future__ import annotations
 
@@ -74,12 +81,34 @@ def _define_flags(defines: tuple[str, ...]) -> list[str]:
     return [f"-D{d}" for d in sorted(defines)]
 
 
+# Read by nvcc itself or by torch's build for it: each changes the binary without changing the
+# command line ninja compares, so each must change the cache entry.
+_COMPILER_ENV = ("PYTORCH_NVCC", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS")
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_identity(cuda_home: str | None) -> str:
+    """The `nvcc --version` of the toolkit load_inline compiles with (torch's CUDA_HOME)."""
+    import subprocess
+
+    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else "nvcc"
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except OSError as e:
+        return f"{nvcc}: {e.strerror}"
+
+
 def _toolchain() -> str:
     # The .so links against this torch and CUDA runtime and this Python's ABI: two virtual
-    # environments sharing the cache must not load each other's builds.
+    # environments sharing the cache must not load each other's builds. And the compiler: a
+    # toolkit upgraded in place, or NVCC_APPEND_FLAGS="-G" in one process, must not become every
+    # later process's cached build.
     import torch
+    from torch.utils import cpp_extension
 
-    return f"torch {torch.__version__} cuda {torch.version.cuda} py{sys.version_info[0]}.{sys.version_info[1]}"
+    env = " ".join(f"{k}={os.environ[k]}" for k in _COMPILER_ENV if k in os.environ)
+    return (f"torch {torch.__version__} cuda {torch.version.cuda} py{sys.version_info[0]}.{sys.version_info[1]} "
+            f"{cpp_extension.CUDA_HOME} {_nvcc_identity(cpp_extension.CUDA_HOME)} {env}")
 
 
 def source_dir_of(source_dir=None, arg: str = "source_dir") -> Path:
@@ -120,7 +149,24 @@ def build_key(capability: tuple[int, int], defines: tuple[str, ...] = (), source
 
 # How long a process waits for another one's build of the same key (one build takes ~1 min on
 # the H200 machine, ~34 variants in parallel ~4 min) before it says which lock it waited on.
-LOCK_TIMEOUT_S = float(os.environ.get("SM120_BUILD_LOCK_TIMEOUT_S", 1800))
+LOCK_TIMEOUT_ENV = "SM120_BUILD_LOCK_TIMEOUT_S"
+DEFAULT_LOCK_TIMEOUT_S = 1800.0
+
+
+def lock_timeout_s() -> float:
+    """$SM120_BUILD_LOCK_TIMEOUT_S, read when a build waits: a number of seconds above 0 (filelock
+    would take 0 as "fail at once" and a negative one as "wait forever")."""
+    raw = os.environ.get(LOCK_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{LOCK_TIMEOUT_ENV}={raw!r}: must be a number of seconds above 0 "
+                         f"(default {DEFAULT_LOCK_TIMEOUT_S:.0f})")
+    return value
 
 
 def load_kernel_module(capability: tuple[int, int] | None = None, verbose: bool = False,
@@ -176,13 +222,20 @@ def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ..
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     cu = (src / "mla_verify.cu").read_text()
-    lock = FileLock(str(build_dir) + ".lock", timeout=LOCK_TIMEOUT_S)
+    timeout = lock_timeout_s()
+    lock = FileLock(str(build_dir) + ".lock", timeout=timeout)
     try:
         lock.acquire()
     except Timeout:
-        raise RuntimeError(f"waited {LOCK_TIMEOUT_S:.0f} s for the build lock {lock.lock_file}: another process "
-                           "is still building this kernel (a hung nvcc?); end it or remove the lock") from None
+        # an OS lock, released when its holder dies: a live process holds it
+        raise RuntimeError(f"waited {timeout:.0f} s for the build lock {lock.lock_file}: a live process is still "
+                           f"building this kernel (a hung nvcc?); find it with `fuser {lock.lock_file}` and end it, "
+                           f"or raise {LOCK_TIMEOUT_ENV}") from None
     try:
+        # torch's own lock inside the build folder: some torch releases use a lock file (FileBaton)
+        # that a builder killed mid-build leaves behind, and the next load_inline then waits on it
+        # forever. Every builder of this key holds our lock first, so none can be using it now.
+        (build_dir / "lock").unlink(missing_ok=True)
         return load_inline(
             name=name,
             cpp_sources=[CPP_DECLS],

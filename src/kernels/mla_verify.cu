@@ -141,8 +141,10 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   using namespace sm120_mla;
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == kDimQK &&
                   q.is_contiguous(), "q must be a contiguous CUDA bf16 tensor [T, H, 576]");
-  TORCH_CHECK(kv_pool.scalar_type() == at::kBFloat16 && kv_pool.is_contiguous() &&
-                  kv_pool.size(-1) == kDimQK, "kv_pool must be contiguous bf16 [P, 576]");
+  // [P, 1, 576] is SGLang's MLA pool buffer; any other middle size would put rows 576 x it apart
+  TORCH_CHECK(kv_pool.scalar_type() == at::kBFloat16 && kv_pool.is_contiguous() && kv_pool.size(-1) == kDimQK &&
+                  (kv_pool.dim() == 2 || (kv_pool.dim() == 3 && kv_pool.size(1) == 1)),
+              "kv_pool must be contiguous bf16 [P, 576] or [P, 1, 576]");
   // Host metadata only (no sync): mla_verify_attention checks all of this with named errors
   // first; these keep a direct call to the extension from faulting the device.
   const auto dev = q.device();
@@ -160,6 +162,8 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   TORCH_CHECK((kv_indices.scalar_type() == at::kInt || kv_indices.scalar_type() == at::kLong) &&
                   kv_indices.is_contiguous(), "kv_indices must be contiguous int32 or int64");
   TORCH_CHECK(ws_o.is_contiguous() && ws_lse.is_contiguous(), "workspace tensors must be contiguous");
+  // the attention kernels store their partial rows (fp32 or bf16) in 16-byte pieces
+  TORCH_CHECK(aligned16(ws_o), "the workspace's partial rows must start on a 16-byte boundary");
   // 16-byte pieces: the gathers read kv_pool and k_extend rows, the combine step writes out rows
   TORCH_CHECK(aligned16(kv_pool) && aligned16(out) && (!k_extend.has_value() || aligned16(*k_extend)),
               "kv_pool, out and k_extend must start on a 16-byte boundary");
