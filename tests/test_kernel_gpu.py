@@ -282,6 +282,22 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(ValueError, match="^check_values:"):
         with torch.cuda.graph(g):
             mla_verify_attention(*args, **kw, check_values=True)
+    # the extension's own checks, for a direct call that skips mla_verify_attention's
+    from sm120_workbook.kernels.build import load_kernel_module
+
+    mod = load_kernel_module()
+
+    def direct(pool, ws_o):
+        mod.mla_verify_forward(case["q"], pool, case["qo_indptr"], case["kv_indptr"], case["kv_indices"],
+                               case["k_extend"], None, None, out, lse, ws_o, ws.partial_lse, case["sm_scale"],
+                               4, 1, 16, 32)
+
+    direct(case["kv_pool"], ws.partial_o)   # the same call with these two right runs
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=r"kv_pool must be contiguous bf16 \[P, 576\] or \[P, 1, 576\]"):
+        direct(torch.zeros(case["kv_pool"].shape[0], 2, 576, device="cuda", dtype=torch.bfloat16), ws.partial_o)
+    with pytest.raises(RuntimeError, match="partial rows must start on a 16-byte boundary"):
+        direct(case["kv_pool"], ws.partial_o[1:])
 
 
 def test_int32_indices(seed):
