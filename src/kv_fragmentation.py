@@ -509,7 +509,7 @@ def kernel_layout_timing(layouts: dict[str, np.ndarray], batch: int = 8, heads: 
         layout = index_layout(idx, row_bytes, page_bytes)
         rows.append(dict(layout=name, batch=batch, heads=heads, q_len=q_len, keys_per_request=n,
                          runs=layout["runs"], pages_touched=layout["pages_touched"],
-                         time_us=timing["time_us"], time_us_min=timing["time_us_min"],
+                         time_us=timing["time_us"], time_us_min=timing["time_us_min"], l2_flush=timing["l2_flush"],
                          kv_gb_per_s=batch * n * KV_BYTES_PER_TOKEN / (timing["time_us"] * 1e-6) / 1e9))
     return pd.DataFrame(rows)
 

@@ -147,8 +147,8 @@ def main(argv=None):
         ap.error("--baseline: that is the shipped sources' own folder; give another revision's")
     if not args.tag:
         ap.error("--tag: an A/B run's records need the shipped build's kernel version label")
-    if args.rounds < 1 or args.reps < 1:
-        ap.error("--rounds and --reps must be positive")
+    if args.rounds < 1 or args.reps < 2:
+        ap.error("--rounds must be positive and --reps at least 2 (a median and a spread)")
     if not torch.cuda.is_available():
         sys.exit("the A/B run needs a CUDA GPU; none is visible to torch")
     variant = "src_" + args.baseline_name

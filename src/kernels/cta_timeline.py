@@ -196,7 +196,7 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("the CTA timeline needs a CUDA GPU; none is visible to torch")
-    from .bench import L2_FLUSH_BYTES, Inputs, diagnostic_and_shipped, shape_from_args
+    from .bench import L2_FLUSH, Inputs, L2Flush, diagnostic_and_shipped, shape_from_args
     from .build import load_kernel_module
 
     defines = tuple(a.define) + (TIMELINE_DEFINE,)
@@ -205,7 +205,7 @@ def main(argv=None) -> None:
                                                               cta_rows=a.cta_rows)
     times = {"stamped_us": stamped_us, "untraced_us": untraced_us}
     module = load_kernel_module(defines=defines)
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = L2Flush()
     stamped()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -214,7 +214,7 @@ def main(argv=None) -> None:
     module.cta_timeline()   # clear what the eager call and the capture left
     milestones, spans, steps = [], [], []
     for _ in range(a.replays):
-        flush.zero_()
+        flush()
         graph.replay()
         torch.cuda.synchronize()
         stamps = module.cta_timeline().numpy()
@@ -235,7 +235,7 @@ def main(argv=None) -> None:
     from ..results import append_cli_records
 
     common = {"impl": "sm120_mla", **shape.__dict__, "cta_rows": a.cta_rows, "defines": list(a.define), **times,
-              "timer_step_ns": res, "replays": a.replays, "kernel_version": a.tag}
+              "timer_step_ns": res, "replays": a.replays, "kernel_version": a.tag, "l2_flush": L2_FLUSH}
     records = ([dict(common, kind="milestone", **r) for r in m.to_dict("records")]
                + [dict(common, kind="span", **r) for r in s.to_dict("records")])
     path = append_cli_records("kernel_timeline", records, "sm120_workbook.kernels.cta_timeline", argv, a.out)
