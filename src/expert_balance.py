@@ -31,15 +31,25 @@ EP_GPUS = 8
 
 
 @functools.lru_cache(maxsize=1)
-def sglang_eplb():
-    """sglang.srt.eplb.expert_distribution when importable here, else None (then replicas run)."""
+def _sglang_eplb_import():
+    """(the module, None), or (None, why it would not import)."""
     try:
         with warnings.catch_warnings():  # SGLang warns about every missing accelerator on import
             warnings.simplefilter("ignore")
             import sglang.srt.eplb.expert_distribution as m
-    except Exception:  # noqa: BLE001 - a partial SGLang install fails in various ways
-        return None
-    return m
+    except Exception as e:  # noqa: BLE001 - a partial SGLang install fails in various ways
+        return None, repr(e)
+    return m, None
+
+
+def sglang_eplb():
+    """sglang.srt.eplb.expert_distribution when importable here, else None (then replicas run)."""
+    return _sglang_eplb_import()[0]
+
+
+def sglang_eplb_error() -> str | None:
+    """Why sglang_eplb() is None (the import's error), or None where it imports."""
+    return _sglang_eplb_import()[1]
 
 
 def load_expert_dump(path: str | Path) -> dict:

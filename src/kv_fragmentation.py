@@ -593,6 +593,7 @@ def main(argv=None) -> int:
     """
     import argparse
 
+    from .kernels.bench import replays
     from .results import append_records, cli_command
 
     defaults = ChurnConfig()
@@ -601,7 +602,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--q-len", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=replays, default=50)
     ap.add_argument("--tokens-per-step", type=int, default=4, help="churn scenario of the probe")
     ap.add_argument("--capacity-tokens", type=int, default=defaults.capacity_tokens)
     ap.add_argument("--prompt-len-range", type=int, nargs=2, metavar=("LOW", "HIGH"),

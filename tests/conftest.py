@@ -22,6 +22,19 @@ def _gpu_reason() -> str | None:
     return None
 
 
+def pytest_configure(config):
+    """In CI the CPU tests must run against real SGLang code: an install where it does not import
+    stops the run, instead of letting every module that imports it skip (`make setup` installs it)."""
+    import os
+
+    if os.environ.get("CI"):
+        try:
+            import sglang  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any failure to import counts
+            raise pytest.UsageError(f"CI is set but SGLang does not import ({e!r}): the CPU tests run "
+                                    "against real SGLang code; run `make setup`") from None
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_reason = _gpu_reason()
     nvcc_reason = None if shutil.which("nvcc") else "nvcc is not on PATH"

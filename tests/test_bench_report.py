@@ -86,6 +86,25 @@ def test_missing_baselines_come_only_from_runs_on_the_same_gpu():
     assert table.loc[table.impl == "triton_verify", "time_us"].tolist() == [30000.0]
 
 
+def test_missing_baselines_and_pooled_rounds_keep_to_one_l2_flush():
+    """Times after a written flush (records without `l2_flush`, before session 51) carry the dirty
+    lines' write-back: a run timed after a read flush takes no baseline from them, and its rounds
+    are not pooled with theirs, even under the same kernel tag."""
+    df = pd.DataFrame([
+        dict(_rec("20261203T100000Z", "v31", "flashmla", 57.0), gpu=H200),
+        dict(_rec("20261204T100000Z", "v31", "triton_verify", 12000.0), gpu=H200, l2_flush="read"),
+        dict(_rec("20261204T110000Z", "v31", "sm120_mla", 30.0), gpu=H200, l2_flush="read"),
+    ])
+    table = br.with_missing_baselines(br.latest_run(df), df)
+    assert sorted(table["impl"]) == ["sm120_mla", "triton_verify"]
+    assert br.l2_flush_of(df).tolist() == ["write", "read", "read"]
+    rounds = pd.DataFrame([{"run_id": "20261203T1", "commit": "a", "gpu": H200, "kernel_version": "v31"},
+                           {"run_id": "20261204T1", "commit": "b", "gpu": H200, "kernel_version": "v31", "l2_flush": "read"},
+                           {"run_id": "20261204T2", "commit": "b", "gpu": H200, "kernel_version": "v31", "l2_flush": "read"}])
+    assert list(br.latest_rounds(rounds)["run_id"]) == ["20261204T1", "20261204T2"]
+    assert list(br.latest_rounds(rounds.iloc[:1])["run_id"]) == ["20261203T1"]
+
+
 def test_version_history_is_one_gpus():
     df = pd.DataFrame([dict(_rec("a", "v20", "sm120_mla", 85.0), gpu=H200), dict(_rec("a", "v20", "flashmla", 57.0), gpu=H200),
                        dict(_rec("b", "v21", "sm120_mla", 110.0), gpu=RTX_GPU)])

@@ -70,7 +70,7 @@ def test_ab_refuses_a_baseline_that_is_not_another_revision(tmp_path, capsys):
     assert "--rounds must be positive" in capsys.readouterr().err
     with pytest.raises(SystemExit):   # statistics.quantiles needs two replays
         ab.main(["--baseline", str(tmp_path), "--baseline-name", "x", "--tag", "v9", "--reps", "1"])
-    assert "--reps at least 2" in capsys.readouterr().err
+    assert "--reps: at least 2 replays" in capsys.readouterr().err
 
 
 def test_ab_times_the_target_shapes():
@@ -161,7 +161,7 @@ def test_a_baselines_sources_digest_names_its_revision(tmp_path):
     assert sources_sha256(copy) != sources_sha256()
 
 
-def test_the_timing_flush_reads_and_records_how():
+def test_the_timing_flush_reads_and_records_how(monkeypatch):
     """The L2 flush before each timed replay reads its buffer (clean lines: a written one left dirty
     lines whose write-back landed inside memory-bound timings, +21% on decode at 64k on the H200),
     and every timing says which flush it had."""
@@ -170,8 +170,10 @@ def test_the_timing_flush_reads_and_records_how():
     from sm120_workbook.kernels import bench
 
     assert bench.L2_FLUSH == "read" and bench.L2_FLUSH_BYTES >= 2 * (128 << 20)   # twice an RTX PRO 6000's L2
+    monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 1 << 20)   # a small one on the CPU
     flush = bench.L2Flush(device="cpu")
-    flush.buf[::4096] = 1
+    assert flush.buf.numel() * 8 == 1 << 20
+    flush.buf[::1024] = 1
     before = flush.buf.clone()
     flush()
     assert torch.equal(flush.buf, before) and flush.sink.item() == before.sum().item()

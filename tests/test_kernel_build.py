@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import random
 import re
 from pathlib import Path
@@ -742,7 +743,18 @@ def test_the_build_key_names_the_toolchain(monkeypatch):
     assert build.build_key((9, 0)) != key
 
 
-@pytest.mark.parametrize("var", ["NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "PYTORCH_NVCC"])
+@pytest.mark.nvcc
+def test_the_nvcc_identity_is_the_toolkits_version():
+    from torch.utils import cpp_extension
+
+    from sm120_workbook.kernels import build
+
+    if not cpp_extension.CUDA_HOME or not os.path.isfile(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")):
+        pytest.skip(f"torch's CUDA toolkit ({cpp_extension.CUDA_HOME}) has no bin/nvcc to ask")
+    assert "Cuda compilation tools" in build._nvcc_identity(cpp_extension.CUDA_HOME)
+
+
+@pytest.mark.parametrize("var", ["NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "PYTORCH_NVCC", "NVCC_CCBIN"])
 def test_the_build_key_names_what_nvcc_reads_from_the_environment(monkeypatch, var):
     """nvcc appends $NVCC_APPEND_FLAGS itself (and torch runs $PYTORCH_NVCC), so ninja's command
     line does not change: without them in the key, one process's `-G` build would be every later
@@ -762,8 +774,6 @@ def test_the_build_key_names_the_nvcc_load_inline_runs(monkeypatch):
     from sm120_workbook.kernels import build
 
     key = build.build_key((9, 0))
-    if cpp_extension.CUDA_HOME:
-        assert "Cuda compilation tools" in build._nvcc_identity(cpp_extension.CUDA_HOME)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/opt/another-cuda")
     assert build.build_key((9, 0)) != key
-    assert "/opt/another-cuda/bin/nvcc" in build._nvcc_identity("/opt/another-cuda")
+    assert build._nvcc_identity("/opt/another-cuda").startswith("/opt/another-cuda/bin/nvcc: FileNotFoundError")

@@ -636,9 +636,11 @@ def test_wrapping_indptrs_write_nothing(cta_rows, heads, qo_values, seed):
     assert (out.float() == 0).all() and (lse == -math.inf).all(), "tokens past qo_indptr[-1] are padding"
 
 
-@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer_clean(tool):
+    # checked here, not in a skipif mark: pytest would give that reason before the GPU one
+    if shutil.which("compute-sanitizer") is None:
+        pytest.skip("compute-sanitizer not on PATH")
     from sm120_workbook.kernels import sanitize
 
     sanitize.build()
@@ -669,3 +671,19 @@ def test_schedule_variant_build_matches_reference(defines, cta_rows, seed):
         out, lse = run_kernel(case, max_q_len=q_len, kernel_defines=defines, cta_rows=cta_rows)
         res = compare(case, out, lse)
         assert res["passed"], (batch, heads, q_len, ctx, mask, res)
+
+
+def test_timings_flush_l2_by_reading_and_say_so():
+    """Every timing's record says how L2 was emptied before it (bench.L2_FLUSH: read, since session
+    51); the flush leaves its buffer as it was."""
+    from sm120_workbook.kernels import bench
+
+    x = torch.ones(1 << 20, device="cuda")
+    t = bench.time_graph_us(lambda: x.mul_(1.0), reps=3)
+    assert t["l2_flush"] == "read" and t["reps"] == 3 and t["time_us"] > 0
+    flush = bench.L2Flush()
+    flush.buf[::4096] = 7
+    before = flush.buf.clone()
+    flush()
+    torch.cuda.synchronize()
+    assert torch.equal(flush.buf, before) and flush.sink.item() == before.sum().item()

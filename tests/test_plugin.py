@@ -21,13 +21,14 @@ GROUP = "sglang.srt.plugins"
 
 
 @pytest.fixture
-def clean_plugin_state():
+def clean_plugin_state(monkeypatch):
     """Each test starts and ends with nothing registered or installed by the plugin."""
+    monkeypatch.delenv(plugin.SELECTED_ENV, raising=False)   # restored afterwards
+
     def reset():
         plugin.unregister_backend()
         plugin.uninstall_spec_compat()
         plugin.uninstall_selection_hook()
-        os.environ.pop(plugin.SELECTED_ENV, None)
         kv_sort.uninstall()
         mha_draft.uninstall()
         plugin._last_message = None
@@ -163,39 +164,50 @@ _SELECTION_SCRIPT = textwrap.dedent("""
             draft_server_args=server_args, algo_label="DSPARK")
         queue.put({"spec_compat": plugin.spec_compat_installed(), "draft_backend": draft})
 
-    if __name__ == "__main__":
-        target, config = sys.argv[1], sys.argv[2]
+    def launched(args):
+        # what Engine._launch_subprocesses does before it spawns a scheduler
         from sglang.srt.plugins import load_plugins
         load_plugins()
+        args.check_server_args()
+        return os.environ.pop(plugin.SELECTED_ENV, None)
+
+    if __name__ == "__main__":
+        target, config = sys.argv[1], sys.argv[2]
         from sglang.srt.server_args import ServerArgs, prepare_server_args
         import sm120_workbook.patches as plugin
+        # an Engine(server_args=...) whose ServerArgs was built before any plugin loaded
+        prebuilt = ServerArgs(model_path=target, load_format="dummy", skip_tokenizer_init=True, device="cuda",
+                              speculative_algorithm="NGRAM", speculative_draft_attention_backend="sm120_mla")
+        out = {"prebuilt": launched(prebuilt)}
         common = ["--model-path", target, "--load-format", "dummy", "--skip-tokenizer-init",
                   "--device", "cuda", "--speculative-algorithm", "NGRAM"]
-        out = {"in_argv": plugin.backend_selected_in_argv()}
-        prepare_server_args(common + ["--attention-backend", "flashinfer"])
-        out["other_backend"] = os.environ.get(plugin.SELECTED_ENV)
+        out["in_argv"] = plugin.backend_selected_in_argv()
+        out["other_backend"] = launched(prepare_server_args(common + ["--attention-backend", "flashinfer"]))
+        out["engine_kwargs"] = launched(ServerArgs(model_path=target, load_format="dummy", skip_tokenizer_init=True,
+                                                   device="cuda", speculative_algorithm="NGRAM",
+                                                   speculative_draft_attention_backend="sm120_mla"))
         args = prepare_server_args(common + ["--config", config])
-        out["config"] = os.environ.pop(plugin.SELECTED_ENV, None)
-        ServerArgs(model_path=target, load_format="dummy", skip_tokenizer_init=True, device="cuda",
-                   speculative_algorithm="NGRAM", speculative_draft_attention_backend="sm120_mla")
-        out["engine_kwargs"] = os.environ.get(plugin.SELECTED_ENV)
+        out["config"] = launched(args)
+        os.environ[plugin.SELECTED_ENV] = out["config"] or ""   # as the launcher leaves it for its schedulers
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
-        child = ctx.Process(target=scheduler, args=(args, queue))
+        child = ctx.Process(target=scheduler, args=(args, queue), daemon=True)
         child.start()
-        out["scheduler"] = queue.get(timeout=300)
-        child.join()
+        out["scheduler"] = queue.get(timeout=200)
+        child.join(timeout=30)
         print("RESULT " + json.dumps(out))
 """)
 
 
 def test_a_draft_backend_named_in_a_config_file_or_engine_kwargs_reaches_the_schedulers(tmp_path):
-    """argv does not show a backend named in a --config file or as Engine keyword arguments, and a
-    separate draft worker checks its backend name before any target backend is built. With the
-    selection step, SGLang's own argument resolution (prepare_server_args with --config; ServerArgs
-    with keywords, as Engine builds it) sets SELECTED_ENV, and a spawned process running SGLang's
-    load_plugins() with that environment accepts the draft-only sm120_mla: SGLang's own
-    `_resolve_draft_attention_backend_fallback` keeps it instead of falling back to FlashInfer."""
+    """argv does not show a backend named in a --config file or given to Engine, and a separate
+    draft worker checks its backend name before any target backend is built. With the selection
+    step, SGLang's own launch sequence (load_plugins(), then check_server_args(), as
+    Engine._launch_subprocesses runs them) sets SELECTED_ENV for ServerArgs from --config
+    (prepare_server_args), from keywords and built before the plugin loaded, and not for another
+    backend; a spawned process running SGLang's load_plugins() with that environment accepts the
+    draft-only sm120_mla: SGLang's own `_resolve_draft_attention_backend_fallback` keeps it
+    instead of falling back to FlashInfer."""
     from sm120_workbook.dummy_models import materialize_model
 
     target = materialize_model("k2_tp8_slice", layers=4, dest=tmp_path / "target")
@@ -205,10 +217,10 @@ def test_a_draft_backend_named_in_a_config_file_or_engine_kwargs_reaches_the_sch
     script.write_text(_SELECTION_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", plugin.SELECTED_ENV)}
     proc = subprocess.run([sys.executable, str(script), str(target), str(config)], capture_output=True,
-                          text=True, env=env, timeout=600)
+                          text=True, env=env, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
-    assert out == {"in_argv": False, "other_backend": None, "config": "1", "engine_kwargs": "1",
+    assert out == {"prebuilt": "1", "in_argv": False, "other_backend": None, "engine_kwargs": "1", "config": "1",
                    "scheduler": {"spec_compat": True, "draft_backend": "sm120_mla"}}
 
 

@@ -149,12 +149,15 @@ def test_load_plugin_registers_the_warmup(monkeypatch):
     monkeypatch.setattr("sys.argv", ["pytest"])
     monkeypatch.delenv(plugin.kv_sort.ENV_VAR, raising=False)        # nothing else installed
     monkeypatch.delenv(plugin.ngram_tail.ENV_VAR, raising=False)
+    monkeypatch.delenv(plugin.SELECTED_ENV, raising=False)
     try:
         plugin.load_plugin()
         assert _warmup_registry.get(warmup.WARMUP_NAME) is warmup.long_prompt_warmup
     finally:
         warmup.unregister_warmup()
         plugin.unregister_backend()
+        plugin.mha_draft.uninstall()   # load_plugin's SGLang hooks stay out of later tests
+        plugin.uninstall_selection_hook()
 
 
 # ---- the launcher side: ServerConfig.warmups and decode_bench --warmups ---------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..results import NotRecorded, add_record_args
-from .bench import Inputs, Shape, build_sm120_mla, time_graph_us
+from .bench import Inputs, Shape, build_sm120_mla, replays, time_graph_us
 from .build import build_in_parallel
 
 
@@ -308,7 +308,7 @@ def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_record_args(ap, "kernel_ablation", no_record=False)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=replays, default=30)
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                     help="run only these (default: all)")
     ap.add_argument("--ctx", type=int, nargs="+", default=[65536],

@@ -311,6 +311,17 @@ BUILDERS = {
 }
 
 
+def replays(text: str) -> int:
+    """The argparse type of every timing tool's --reps: graph replays a timing, at least 2 (each
+    timing keeps their median and spread)."""
+    import argparse
+
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"at least 2 replays (a median and a spread), got {n}")
+    return n
+
+
 def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
     """Median µs of CUDA-graph replays of fn, each after an L2 flush (L2Flush), timed with CUDA events."""
     if reps < 2:
@@ -511,7 +522,7 @@ def summary_table(records) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Benchmark sm120_mla against SGLang's attention paths")
     ap.add_argument("--quick", action="store_true", help="fewer contexts")
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=replays, default=50)
     ap.add_argument("--impls", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
     add_record_args(ap, "kernel_bench")
     args = ap.parse_args(argv)

@@ -84,6 +84,14 @@ def comparison_run(df: pd.DataFrame, run_id: str = "") -> pd.DataFrame:
     return latest_run(df) if not ids else df[df["run_id"] == ids[-1]].copy()
 
 
+def l2_flush_of(df: pd.DataFrame) -> pd.Series:
+    """Each record's L2 flush before its timings (bench.L2_FLUSH): records from before the field
+    (session 51) were timed after a written flush."""
+    if "l2_flush" not in df:
+        return pd.Series("write", index=df.index)
+    return df["l2_flush"].fillna("write")
+
+
 def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
     """`run` plus, for each baseline impl it lacks (e.g. a run made without SGLang's Triton
     kernels installed), that impl's rows from the newest run on the same GPU that has it and is
@@ -95,6 +103,8 @@ def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.Data
         return run
     if "gpu" in run and "gpu" in all_runs:
         all_runs = all_runs[all_runs["gpu"].isin(set(run["gpu"]))]
+    # nor are times taken after another L2 flush (bench.L2_FLUSH: a written one inflated memory-bound times)
+    all_runs = all_runs[l2_flush_of(all_runs).isin(set(l2_flush_of(run)))]
     parts = [run]
     for impl in IMPL_ORDER:
         if impl == "sm120_mla" or (run["impl"] == impl).any():
@@ -407,8 +417,9 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     """Of the records of `python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl), the
-    runs of the newest run's kernel on its GPU, pooled: the same kernel version (its `--tag`;
-    commits that change no device code keep it), else, untagged, the same commit. An untagged
+    runs of the newest run's kernel on its GPU and with its L2 flush (l2_flush_of), pooled: the same
+    kernel version (its `--tag`; commits that change no device code keep it), else, untagged, the
+    same commit. An untagged
     run from a dirty tree stands alone: two such runs of one commit may have timed different code."""
     if df.empty:
         return df
@@ -417,7 +428,8 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     if not tagged and str(newest["commit"]).endswith("+dirty"):
         return df[df["run_id"] == newest["run_id"]].copy()
     key = "kernel_version" if tagged else "commit"
-    return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"])].copy()
+    flush = l2_flush_of(df)   # a written flush inflated memory-bound times: never pooled with a read one
+    return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"]) & (flush == flush[newest.name])].copy()
 
 
 def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:

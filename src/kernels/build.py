@@ -83,7 +83,7 @@ def _define_flags(defines: tuple[str, ...]) -> list[str]:
 
 # Read by nvcc itself or by torch's build for it: each changes the binary without changing the
 # command line ninja compares, so each must change the cache entry.
-_COMPILER_ENV = ("PYTORCH_NVCC", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS")
+_COMPILER_ENV = ("PYTORCH_NVCC", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN")
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,9 +93,9 @@ def _nvcc_identity(cuda_home: str | None) -> str:
 
     nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else "nvcc"
     try:
-        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
-    except OSError as e:
-        return f"{nvcc}: {e.strerror}"
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:   # no such nvcc, or one that hangs
+        return f"{nvcc}: {type(e).__name__}: {e}"
 
 
 def _toolchain() -> str:

@@ -117,7 +117,7 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("the phase trace needs a CUDA GPU; none is visible to torch")
-    from .bench import Inputs, diagnostic_and_shipped, shape_from_args
+    from .bench import L2_FLUSH, Inputs, diagnostic_and_shipped, shape_from_args
     from .build import load_kernel_module
 
     defines = tuple(a.define) + (TRACE_DEFINE,)
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
 
     records = [{k: v for k, v in r.items() if not (isinstance(v, float) and np.isnan(v))}
                | {"impl": "sm120_mla", **shape.__dict__, "cta_rows": 64, "defines": list(a.define), **times,
-                  "kernel_version": a.tag}
+                  "kernel_version": a.tag, "l2_flush": L2_FLUSH}
                for r in table.to_dict("records")]
     path = append_cli_records("kernel_phase_trace", records, "sm120_workbook.kernels.phase_trace", argv, a.out)
     print(f"appended to {path}")

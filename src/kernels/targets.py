@@ -23,7 +23,7 @@ import argparse
 import sys
 
 from ..results import add_record_args
-from .bench import Shape
+from .bench import Shape, replays
 
 VERIFY_CTXS = (16384, 32768, 65536, 131072)   # "at least as fast as FlashMLA at every context from 16k to 128k"
 TRITON_VERIFY_CTX = 65536                     # "at least 100x faster than SGLang's Triton verify path at 65k"
@@ -62,7 +62,7 @@ def run_rounds(rounds: int, reps: int = 50, grid=None) -> tuple[list[dict], dict
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Time the kernel issue's target shapes in interleaved rounds")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=50, help="graph replays a timing (Triton verify: a fifth)")
+    ap.add_argument("--reps", type=replays, default=50, help="graph replays a timing (Triton verify: a fifth)")
     add_record_args(ap, "kernel_targets")
     args = ap.parse_args(argv)
     if args.rounds < 2:

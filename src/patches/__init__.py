@@ -24,9 +24,9 @@ What it does in each process:
   FlashInfer instead of falling back to Triton. Servers that do not select sm120_mla are untouched.
 - when the command line selects `sm120_mla`, lets the speculative-decoding draft paths accept
   the name wherever they accept `triton` (`install_spec_compat`). A name given in a `--config`
-  file or as `Engine` keyword arguments, which argv does not show, reaches the scheduler
-  processes through $SM120_MLA_SELECTED, set by a step after SGLang resolves the server's
-  speculative arguments (`install_selection_hook`). The backend's factory also installs the
+  file or to `Engine`, which argv does not show, reaches the scheduler processes through
+  $SM120_MLA_SELECTED, set by a step after SGLang checks the server's arguments before it
+  launches them (`install_selection_hook`). The backend's factory also installs the
   patches when it first builds the backend. DFLASH's draft backend is SGLang's own choice: it takes the prefill backend
   where its draft runs on it, and falls back to FlashInfer for `sm120_mla`.
 
@@ -139,48 +139,50 @@ def backend_selected_in(server_args) -> bool:
 
 
 def selection_hook_installed() -> bool:
-    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.server_args import ServerArgs
 
-    return hasattr(speculative_hook.handle_speculative_decoding, _SELECTION_MARK)
+    return hasattr(ServerArgs.__dict__["check_server_args"], _SELECTION_MARK)
 
 
 def install_selection_hook() -> bool:
     """Pass a server's `sm120_mla` selection on to the processes it starts, whatever spelt it.
 
     argv shows a name given on the command line, not one given in a `--config` file (SGLang merges
-    that into a list of its own) or as `Engine` keyword arguments, and the scheduler processes see
-    only argv. So a step after SGLang's `handle_speculative_decoding`, which `ServerArgs.__post_init__`
-    imports at each call, sets SELECTED_ENV where the resolved arguments name the backend; the
-    schedulers, spawned after it with this environment, then install the draft-name patches in
+    that into a list of its own) or to `Engine` (keywords, or a ServerArgs built before the plugin
+    loaded), and the scheduler processes see only argv. So a step after `ServerArgs.check_server_args`,
+    which SGLang's `Engine._launch_subprocesses` calls on every launch path (after its own
+    `load_plugins()`, before it spawns a scheduler), sets SELECTED_ENV where the arguments name the
+    backend; the schedulers, spawned with this environment, then install the draft-name patches in
     their `load_plugin`. Without it a draft-only `sm120_mla` (a separate draft worker's check of
     `_SUPPORTED_DRAFT_BACKENDS` comes before any target backend is built) falls back to FlashInfer.
     Once set, it stays for the servers this process starts later (a draft's own ServerArgs copy must
     not clear it); the patches act only where the name reaches them, so that costs nothing.
     Returns True if this call installed the step."""
-    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.server_args import ServerArgs
 
     if selection_hook_installed():
         return False
-    original = speculative_hook.handle_speculative_decoding
+    original = ServerArgs.__dict__["check_server_args"]
 
     @functools.wraps(original)
-    def handle_speculative_decoding(server_args):
-        original(server_args)
-        if backend_selected_in(server_args):
+    def check_server_args(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if backend_selected_in(self):
             os.environ[SELECTED_ENV] = "1"
+        return result
 
-    setattr(handle_speculative_decoding, _SELECTION_MARK, original)
-    speculative_hook.handle_speculative_decoding = handle_speculative_decoding
+    setattr(check_server_args, _SELECTION_MARK, original)
+    ServerArgs.check_server_args = check_server_args
     return True
 
 
 def uninstall_selection_hook() -> None:
-    """Restore SGLang's function (for tests)."""
-    from sglang.srt.arg_groups import speculative_hook
+    """Restore SGLang's method (for tests)."""
+    from sglang.srt.server_args import ServerArgs
 
-    original = getattr(speculative_hook.handle_speculative_decoding, _SELECTION_MARK, None)
+    original = getattr(ServerArgs.__dict__["check_server_args"], _SELECTION_MARK, None)
     if original is not None:
-        speculative_hook.handle_speculative_decoding = original
+        ServerArgs.check_server_args = original
 
 
 def backend_selected() -> bool:
