@@ -155,7 +155,7 @@ def describe_provenance(df) -> str:
     import pandas as pd
 
     parts = []
-    for key in ("gpu", "driver", "torch", "sglang", "triton", "commit"):
+    for key in ("gpu", "driver", "torch", "sglang", "triton", "l2_flush", "commit"):
         if key in df:
             vals = sorted({str(v) for v in df[key].dropna()})
             if key == "commit" and len(vals) > 3:   # many runs: their count, the newest, and any from a dirty tree

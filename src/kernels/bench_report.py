@@ -89,7 +89,8 @@ def l2_flush_of(df: pd.DataFrame) -> pd.Series:
     (session 51) were timed after a written flush."""
     if "l2_flush" not in df:
         return pd.Series("write", index=df.index)
-    return df["l2_flush"].fillna("write")
+    flush = df["l2_flush"].astype(object)
+    return flush.where(flush.notna(), "write")
 
 
 def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
@@ -429,7 +430,8 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
         return df[df["run_id"] == newest["run_id"]].copy()
     key = "kernel_version" if tagged else "commit"
     flush = l2_flush_of(df)   # a written flush inflated memory-bound times: never pooled with a read one
-    return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"]) & (flush == flush[newest.name])].copy()
+    newest_flush = flush[df["run_id"] == newest["run_id"]].iloc[0]
+    return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"]) & (flush == newest_flush)].copy()
 
 
 def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:

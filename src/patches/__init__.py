@@ -150,8 +150,9 @@ def install_selection_hook() -> bool:
     argv shows a name given on the command line, not one given in a `--config` file (SGLang merges
     that into a list of its own) or to `Engine` (keywords, or a ServerArgs built before the plugin
     loaded), and the scheduler processes see only argv. So a step after `ServerArgs.check_server_args`,
-    which SGLang's `Engine._launch_subprocesses` calls on every launch path (after its own
-    `load_plugins()`, before it spawns a scheduler), sets SELECTED_ENV where the arguments name the
+    which SGLang's `Engine._launch_subprocesses` calls on every launch path that spawns processes
+    (after its own `load_plugins()`, before it spawns a scheduler; Ray's actors do not inherit the
+    environment), sets SELECTED_ENV where the arguments name the
     backend; the schedulers, spawned with this environment, then install the draft-name patches in
     their `load_plugin`. Without it a draft-only `sm120_mla` (a separate draft worker's check of
     `_SUPPORTED_DRAFT_BACKENDS` comes before any target backend is built) falls back to FlashInfer.
