@@ -54,6 +54,8 @@ class L2Flush:
 
     def __call__(self) -> None:
         torch.sum(self.buf, dim=0, out=self.sink)
+
+
 REF_TOLERANCE = 1e-2   # relative, as the kernel's own tests (checks.py): bf16 output and probabilities
 
 
