@@ -152,9 +152,8 @@ def install_selection_hook() -> bool:
     loaded), and the scheduler processes see only argv. So a step after `ServerArgs.check_server_args`,
     which SGLang's `Engine._launch_subprocesses` calls on every launch path that spawns processes
     (after its own `load_plugins()`, before it spawns a scheduler; Ray's actors do not inherit the
-    environment), sets SELECTED_ENV where the arguments name the
-    backend; the schedulers, spawned with this environment, then install the draft-name patches in
-    their `load_plugin`. Without it a draft-only `sm120_mla` (a separate draft worker's check of
+    environment), sets SELECTED_ENV where the arguments name the backend; the schedulers, spawned
+    with this environment, then install the draft-name patches in their `load_plugin`. Without it a draft-only `sm120_mla` (a separate draft worker's check of
     `_SUPPORTED_DRAFT_BACKENDS` comes before any target backend is built) falls back to FlashInfer.
     Once set, it stays for the servers this process starts later (a draft's own ServerArgs copy must
     not clear it); the patches act only where the name reaches them, so that costs nothing.
