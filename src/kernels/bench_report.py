@@ -420,8 +420,8 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     """Of the records of `python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl), the
     runs of the newest run's kernel on its GPU and with its L2 flush (l2_flush_of), pooled: the same
     kernel version (its `--tag`; commits that change no device code keep it), else, untagged, the
-    same commit. An untagged
-    run from a dirty tree stands alone: two such runs of one commit may have timed different code."""
+    same commit. An untagged run from a dirty tree stands alone: two such runs of one commit may
+    have timed different code."""
     if df.empty:
         return df
     newest = df[df["run_id"] == df["run_id"].max()].iloc[0]

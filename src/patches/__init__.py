@@ -26,9 +26,9 @@ What it does in each process:
   the name wherever they accept `triton` (`install_spec_compat`). A name given in a `--config`
   file or to `Engine`, which argv does not show, reaches the scheduler processes through
   $SM120_MLA_SELECTED, set by a step after SGLang checks the server's arguments before it
-  launches them (`install_selection_hook`). The backend's factory also installs the
-  patches when it first builds the backend. DFLASH's draft backend is SGLang's own choice: it takes the prefill backend
-  where its draft runs on it, and falls back to FlashInfer for `sm120_mla`.
+  launches them (`install_selection_hook`). The backend's factory also installs the patches
+  when it first builds the backend. DFLASH's draft backend is SGLang's own choice: it takes the
+  prefill backend where its draft runs on it, and falls back to FlashInfer for `sm120_mla`.
 
 Importing this package changes nothing; `load_plugin()` is idempotent. Under an SGLang other
 than the one it was tested with (TESTED_SGLANG, pyproject's pin) it says so in every process's
@@ -153,8 +153,9 @@ def install_selection_hook() -> bool:
     which SGLang's `Engine._launch_subprocesses` calls on every launch path that spawns processes
     (after its own `load_plugins()`, before it spawns a scheduler; Ray's actors do not inherit the
     environment), sets SELECTED_ENV where the arguments name the backend; the schedulers, spawned
-    with this environment, then install the draft-name patches in their `load_plugin`. Without it a draft-only `sm120_mla` (a separate draft worker's check of
-    `_SUPPORTED_DRAFT_BACKENDS` comes before any target backend is built) falls back to FlashInfer.
+    with this environment, then install the draft-name patches in their `load_plugin`. Without it
+    a draft-only `sm120_mla` (a separate draft worker's check of `_SUPPORTED_DRAFT_BACKENDS` comes
+    before any target backend is built) falls back to FlashInfer.
     Once set, it stays for the servers this process starts later (a draft's own ServerArgs copy must
     not clear it); the patches act only where the name reaches them, so that costs nothing.
     Returns True if this call installed the step."""

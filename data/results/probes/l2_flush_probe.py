@@ -22,7 +22,8 @@ def graph_of(fn):
     g.replay(); torch.cuda.synchronize(); return g
 
 def times(g, flusher, reps=50):
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]; en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         flusher(); st[i].record(); g.replay(); en[i].record()
     torch.cuda.synchronize()
