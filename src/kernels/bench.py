@@ -279,8 +279,10 @@ def build_flashinfer_mla(x: Inputs, backend: str = "auto"):
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
     kv_lens = torch.tensor(x.keys, device=dev, dtype=torch.int32)
+    # causal as SGLang's flashinfer_mla backend plans: False for decode, True for the drafts of a verify
+    causal = s.q_len > 1
     wrapper.plan(x.qo_indptr, x.kv_indptr_full, x.kv_indices_full.to(torch.int32), kv_lens, s.heads,
-                 DIM_V, DIM_QK - DIM_V, 1, True, SM_SCALE, torch.bfloat16, torch.bfloat16)
+                 DIM_V, DIM_QK - DIM_V, 1, causal, SM_SCALE, torch.bfloat16, torch.bfloat16)
     q_nope, q_pe = x.q[..., :DIM_V].contiguous(), x.q[..., DIM_V:].contiguous()
     ckv, kpe = x.pool[:, :, :DIM_V], x.pool[:, :, DIM_V:]
     out = torch.empty(s.batch * s.q_len, s.heads, DIM_V, device=dev, dtype=torch.bfloat16)
