@@ -46,7 +46,9 @@ L2_FLUSH = "read"
 
 class L2Flush:
     """Empties L2 by reading L2_FLUSH_BYTES (a reduction into one value, so it also runs in a
-    stream's order like the timed replay)."""
+    stream's order like the timed replay). FlashMLA's batch-1 times depend on what ran before
+    them: 8-24% higher after this flush than after a written one, and not through L2's lines
+    (NOTES.md, session 52; data/results/probes/l2_flush_baselines.jsonl)."""
 
     def __init__(self, device="cuda"):
         self.buf = torch.zeros(L2_FLUSH_BYTES // 8, dtype=torch.int64, device=device)
