@@ -485,6 +485,30 @@ def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
         br.targets_over_rounds(pd.DataFrame([_rec("r", "v", "sm120_mla", 50.0)]))
 
 
+def test_targets_by_flush_puts_each_flushs_verdict_side_by_side():
+    """The newest kernel's rounds under each flush, newest flush first: a verdict that the flush
+    changes (FlashMLA's batch-1 times depend on the kernels before them) is marked; a target one
+    flush lacks is not; another kernel version's rounds stay out."""
+    def run(run_id, flush, fm_32k, tag="v31"):
+        recs = _round_records(fm_32k) + _round_records([57.0] * len(fm_32k), ours=85.0, ctx=65536)
+        return pd.DataFrame(recs).assign(run_id=run_id, kernel_version=tag, commit="c", gpu=H200,
+                                         **({"l2_flush": flush} if flush else {}))
+    written = run("20261203T1", None, [49.5, 49.0])              # records from before the field: written
+    read = run("20261204T1", "read", [55.0, 55.5, 56.0])
+    old_kernel = run("20261202T1", None, [60.0, 60.0], tag="v30")
+    t = br.targets_by_flush(pd.concat([old_kernel, written, read])).set_index("target")
+    assert [c for c in t.columns if c.endswith("verdict")] == ["read: verdict", "write: verdict"]
+    row = t.loc["q16 h8 32k: <= FlashMLA"]
+    assert (row["read: verdict"], row["write: verdict"], row["verdicts differ"]) == (
+        "met in every round", "missed in every round", True)
+    assert (row["read: runs"], row["write: runs"], row["write: range"]) == (1, 1, "0.98-0.99")   # v30's run left out
+    assert not t.loc["q16 h8 64k: <= FlashMLA", "verdicts differ"]
+    assert t.loc["q16 h8 64k: >= 100x Triton verify", "read: verdict"] == "not measured"
+    one_flush = br.targets_by_flush(read)
+    assert list(one_flush.columns[-2:]) == ["read: verdict", "verdicts differ"] and not one_flush["verdicts differ"].any()
+    assert br.targets_by_flush(pd.DataFrame()).empty
+
+
 def test_targets_cli_asks_for_two_rounds_and_a_gpu(capsys):
     from sm120_workbook.kernels.targets import main
 

@@ -416,6 +416,17 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _newest_kernel_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """The runs of the newest run's kernel on its GPU, whatever their L2 flush: the same kernel
+    version (its `--tag`), else, untagged, the same commit; an untagged run from a dirty tree alone."""
+    newest = df[df["run_id"] == df["run_id"].max()].iloc[0]
+    tagged = "kernel_version" in df and pd.notna(newest["kernel_version"])
+    if not tagged and str(newest["commit"]).endswith("+dirty"):
+        return df[df["run_id"] == newest["run_id"]]
+    key = "kernel_version" if tagged else "commit"
+    return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"])]
+
+
 def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     """Of the records of `python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl), the
     runs of the newest run's kernel on its GPU and with its L2 flush (l2_flush_of), pooled: the same
@@ -424,14 +435,36 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     have timed different code."""
     if df.empty:
         return df
-    newest = df[df["run_id"] == df["run_id"].max()].iloc[0]
-    tagged = "kernel_version" in df and pd.notna(newest["kernel_version"])
-    if not tagged and str(newest["commit"]).endswith("+dirty"):
-        return df[df["run_id"] == newest["run_id"]].copy()
-    key = "kernel_version" if tagged else "commit"
-    flush = l2_flush_of(df)   # a written flush inflated memory-bound times: never pooled with a read one
-    newest_flush = flush[df["run_id"] == newest["run_id"]].iloc[0]
-    return df[(df[key] == newest[key]) & (df["gpu"] == newest["gpu"]) & (flush == newest_flush)].copy()
+    runs = _newest_kernel_runs(df)
+    flush = l2_flush_of(runs)   # a written flush inflated memory-bound times: never pooled with a read one
+    newest_flush = flush[runs["run_id"] == runs["run_id"].max()].iloc[0]
+    return runs[flush == newest_flush].copy()
+
+
+def targets_by_flush(df: pd.DataFrame) -> pd.DataFrame:
+    """The newest kernel's targets on its GPU (as latest_rounds picks them) under each L2 flush its
+    runs were timed after, side by side: per flush the pooled ratio, its range and verdict
+    (targets_over_rounds), and whether the verdicts differ. FlashMLA's batch-1 times depend on the
+    kernels that ran before them (NOTES.md, session 52), so a verdict that differs is the harness's,
+    not the kernel's. The newest run's flush comes first."""
+    if df.empty:
+        return pd.DataFrame(columns=["target", "ratio_is", "verdicts differ"])
+    runs = _newest_kernel_runs(df)
+    flush = l2_flush_of(runs)
+    by_run = pd.DataFrame({"run_id": runs["run_id"].to_numpy(), "flush": flush.to_numpy()})
+    order = list(dict.fromkeys(by_run.sort_values("run_id", ascending=False, kind="stable")["flush"]))
+    out = None
+    for f in order:
+        t = targets_over_rounds(runs[flush == f])
+        t = t.assign(range=[f"{lo:.2f}-{hi:.2f}" if pd.notna(lo) else "" for lo, hi in zip(t["ratio_min"], t["ratio_max"])])
+        t = t[["target", "ratio_is", "runs", "ratio", "range", "verdict"]].rename(
+            columns={c: f"{f}: {c}" for c in ("runs", "ratio", "range", "verdict")})
+        targets = list(dict.fromkeys([*([] if out is None else out["target"]), *t["target"]]))
+        out = t if out is None else out.merge(t.drop(columns="ratio_is"), on="target", how="outer")
+        out = out.set_index("target").loc[targets].reset_index()   # the newest flush's order; others' extras after
+    verdicts = out[[f"{f}: verdict" for f in order]]
+    out["verdicts differ"] = verdicts.nunique(axis=1) > 1   # a target one flush lacks differs from nothing
+    return out
 
 
 def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
