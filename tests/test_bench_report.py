@@ -504,6 +504,24 @@ def test_targets_by_flush_puts_each_flushs_verdict_side_by_side():
     assert (row["read: runs"], row["write: runs"], row["write: range"]) == (1, 1, "0.98-0.99")   # v30's run left out
     assert not t.loc["q16 h8 64k: <= FlashMLA", "verdicts differ"]
     assert t.loc["q16 h8 64k: >= 100x Triton verify", "read: verdict"] == "not measured"
+    # a mixed verdict against another mixed one is the same kind; "not measured" differs from nothing
+    mixed = pd.concat([run("20261203T1", None, [49.5, 51.0]), run("20261204T1", "read", [49.0, 51.0, 52.0])])
+    assert br.targets_by_flush(mixed).set_index("target").loc["q16 h8 32k: <= FlashMLA", "read: verdict"].startswith(
+        "mixed") and not br.targets_by_flush(mixed)["verdicts differ"].any()
+    unmeasured = read[~((read["impl"] == "flashmla") & (read["ctx"] == 65536))]
+    t = br.targets_by_flush(pd.concat([written, unmeasured])).set_index("target")
+    assert t.loc["q16 h8 64k: <= FlashMLA", "read: verdict"] == "not measured"
+    assert not t.loc["q16 h8 64k: <= FlashMLA", "verdicts differ"]
+    # a target only the older flush's runs have keeps its ratio_is and sits after the newest flush's
+    only_written = read[read["ctx"] != 65536]
+    t = br.targets_by_flush(pd.concat([written, only_written]))
+    targets = list(t["target"])
+    assert targets.index("q16 h8 64k: <= FlashMLA") > targets.index("b32 q16 h16 16k: within 10% of FlashMLA")
+    row = t.set_index("target").loc["q16 h8 64k: <= FlashMLA"]
+    assert row["ratio_is"] == "FlashMLA / ours" and row["read: verdict"] != row["read: verdict"]   # NaN: not timed
+    # the newest run naming no GPU pools with nothing (as latest_rounds)
+    no_gpu = read.assign(gpu=float("nan"))
+    assert br.targets_by_flush(pd.concat([written, no_gpu])).empty and br.latest_rounds(pd.concat([written, no_gpu])).empty
     one_flush = br.targets_by_flush(read)
     assert list(one_flush.columns[-2:]) == ["read: verdict", "verdicts differ"] and not one_flush["verdicts differ"].any()
     assert br.targets_by_flush(pd.DataFrame()).empty

@@ -436,6 +436,8 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     runs = _newest_kernel_runs(df)
+    if runs.empty:   # the newest run names no GPU (or, untagged, no commit): nothing pools with it
+        return runs.copy()
     flush = l2_flush_of(runs)   # a written flush inflated memory-bound times: never pooled with a read one
     newest_flush = flush[runs["run_id"] == runs["run_id"].max()].iloc[0]
     return runs[flush == newest_flush].copy()
@@ -444,27 +446,32 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
 def targets_by_flush(df: pd.DataFrame) -> pd.DataFrame:
     """The newest kernel's targets on its GPU (as latest_rounds picks them) under each L2 flush its
     runs were timed after, side by side: per flush the pooled ratio, its range and verdict
-    (targets_over_rounds), and whether the verdicts differ. FlashMLA's batch-1 times depend on the
-    kernels that ran before them (NOTES.md, session 52), so a verdict that differs is the harness's,
-    not the kernel's. The newest run's flush comes first."""
-    if df.empty:
+    (targets_over_rounds), and whether the verdicts differ in kind (met, missed, mixed; a target a
+    flush did not measure differs from nothing). FlashMLA's batch-1 times depend on the kernels
+    that ran before them (NOTES.md, session 52), so such a verdict is the harness's, not the
+    kernel's. The newest run's flush comes first."""
+    runs = _newest_kernel_runs(df) if len(df) else df
+    if runs.empty:
         return pd.DataFrame(columns=["target", "ratio_is", "verdicts differ"])
-    runs = _newest_kernel_runs(df)
     flush = l2_flush_of(runs)
     by_run = pd.DataFrame({"run_id": runs["run_id"].to_numpy(), "flush": flush.to_numpy()})
     order = list(dict.fromkeys(by_run.sort_values("run_id", ascending=False, kind="stable")["flush"]))
-    out = None
+    tables = []
     for f in order:
         t = targets_over_rounds(runs[flush == f])
         t = t.assign(range=[f"{lo:.2f}-{hi:.2f}" if pd.notna(lo) else "" for lo, hi in zip(t["ratio_min"], t["ratio_max"])])
-        t = t[["target", "ratio_is", "runs", "ratio", "range", "verdict"]].rename(
-            columns={c: f"{f}: {c}" for c in ("runs", "ratio", "range", "verdict")})
-        targets = list(dict.fromkeys([*([] if out is None else out["target"]), *t["target"]]))
-        out = t if out is None else out.merge(t.drop(columns="ratio_is"), on="target", how="outer")
-        out = out.set_index("target").loc[targets].reset_index()   # the newest flush's order; others' extras after
-    verdicts = out[[f"{f}: verdict" for f in order]]
-    out["verdicts differ"] = verdicts.nunique(axis=1) > 1   # a target one flush lacks differs from nothing
-    return out
+        tables.append(t[["target", "ratio_is", "runs", "ratio", "range", "verdict"]].rename(
+            columns={c: f"{f}: {c}" for c in ("runs", "ratio", "range", "verdict")}).set_index("target"))
+    targets = list(dict.fromkeys(t for table in tables for t in table.index))   # the newest flush's order first
+    ratio_is = pd.concat([table["ratio_is"] for table in tables]).groupby(level=0).first()
+    out = pd.concat([table.drop(columns="ratio_is") for table in tables], axis=1).loc[targets]
+    out.insert(0, "ratio_is", ratio_is.loc[targets])
+    # met, missed or mixed, whatever the counts; a target a flush did not measure differs from nothing
+    kinds = pd.DataFrame({f: out[f"{f}: verdict"].map(lambda v: None if pd.isna(v) or v == "not measured"
+                                                      else str(v).split(" ")[0].rstrip(":"))
+                          for f in order})
+    out["verdicts differ"] = kinds.nunique(axis=1) > 1
+    return out.reset_index().rename(columns={"index": "target"})
 
 
 def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
