@@ -179,3 +179,25 @@ def test_the_timing_flush_reads_and_records_how(monkeypatch):
     assert torch.equal(flush.buf, before) and flush.sink.item() == before.sum().item()
     with pytest.raises(ValueError, match="^reps: .* at least 2"):
         bench.time_graph_us(lambda: None, reps=1)
+    # the written flush on request (--l2-flush write), for a side-by-side with the read one
+    written = bench.L2Flush("write", device="cpu")
+    written.buf[::1024] = 1
+    written()
+    assert written.kind == "write" and not written.buf.any()
+    with pytest.raises(ValueError, match="^kind: 'flushed' is no L2 flush"):
+        bench.L2Flush("flushed", device="cpu")
+    monkeypatch.setattr(bench, "L2_FLUSH", "read")   # restored after the test, whatever use_l2_flush sets
+    bench.use_l2_flush("write")
+    assert bench.L2_FLUSH == "write" and bench.L2Flush(device="cpu").kind == "write"
+    with pytest.raises(ValueError, match="^kind: 'none' is no L2 flush"):
+        bench.use_l2_flush("none")
+
+
+@pytest.mark.parametrize("tool", ["bench", "targets"])
+def test_the_timing_tools_take_the_flush_by_name(tool, capsys):
+    import importlib
+
+    main = importlib.import_module(f"sm120_workbook.kernels.{tool}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--l2-flush", "zero", "--no-record"])
+    assert e.value.code == 2 and "--l2-flush: invalid choice: 'zero'" in capsys.readouterr().err

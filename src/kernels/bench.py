@@ -40,22 +40,45 @@ L2_FLUSH_BYTES = 256 << 20
 # dirty lines, whose write-back then landed inside the timed replay of any kernel that reads more
 # than L2 holds: +6.6 us (21%) on the decode step at 64k keys on the H200, +6.7 us on a bare 75.5 MB
 # read, nothing on the compute-bound q16 step (NOTES.md, session 51). Records carry it as `l2_flush`;
-# those without the field were timed after a write.
+# those without the field were timed after a write. `--l2-flush write` (bench, targets) times after the
+# old flush again, to set the two side by side (bench_report.targets_by_flush).
+L2_FLUSHES = ("read", "write")
 L2_FLUSH = "read"
 
 
 class L2Flush:
-    """Empties L2 by reading L2_FLUSH_BYTES (a reduction into one value, so it also runs in a
-    stream's order like the timed replay). FlashMLA's batch-1 times depend on what ran before
-    them: 8-24% higher after this flush than after a written one, and not through L2's lines
-    (NOTES.md, session 52; data/results/probes/l2_flush_baselines.jsonl)."""
+    """Empties L2 before a timing as `kind` says (default: L2_FLUSH when made). "read" reads
+    L2_FLUSH_BYTES (a reduction into one value, so it also runs in a stream's order like the timed
+    replay); "write" zeroes them, leaving dirty lines. FlashMLA's batch-1 times depend on which:
+    8-24% higher after the read, and not through L2's lines (NOTES.md, session 52;
+    data/results/probes/l2_flush_baselines.jsonl)."""
 
-    def __init__(self, device="cuda"):
+    def __init__(self, kind: str | None = None, device="cuda"):
+        self.kind = L2_FLUSH if kind is None else kind
+        if self.kind not in L2_FLUSHES:
+            raise ValueError(f"kind: {self.kind!r} is no L2 flush; one of {L2_FLUSHES}")
         self.buf = torch.zeros(L2_FLUSH_BYTES // 8, dtype=torch.int64, device=device)
         self.sink = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
-        torch.sum(self.buf, dim=0, out=self.sink)
+        if self.kind == "read":
+            torch.sum(self.buf, dim=0, out=self.sink)
+        else:
+            self.buf.zero_()
+
+
+def add_l2_flush_arg(ap) -> None:
+    ap.add_argument("--l2-flush", choices=L2_FLUSHES, default="read",
+                    help="how L2 is emptied before each timing (recorded as l2_flush): read (the default since "
+                         "session 51) or write (the flush before it, for a side-by-side)")
+
+
+def use_l2_flush(kind: str) -> None:
+    """The flush every later timing of this process uses and records (L2_FLUSH)."""
+    global L2_FLUSH
+    if kind not in L2_FLUSHES:
+        raise ValueError(f"kind: {kind!r} is no L2 flush; one of {L2_FLUSHES}")
+    L2_FLUSH = kind
 
 
 REF_TOLERANCE = 1e-2   # relative, as the kernel's own tests (checks.py): bf16 output and probabilities
@@ -333,6 +356,7 @@ def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
     if reps < 2:
         raise ValueError(f"reps: the median and spread of the replays need at least 2, got {reps}")
     flush = L2Flush()
+    kind = flush.kind
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):   # warm-up compiles / autotunes outside the capture
@@ -357,7 +381,7 @@ def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
     del graph, flush
     return {"time_us": statistics.median(times), "time_us_min": min(times),
             "time_us_iqr": statistics.quantiles(times, n=4)[2] - statistics.quantiles(times, n=4)[0],
-            "reps": reps, "l2_flush": L2_FLUSH}
+            "reps": reps, "l2_flush": kind}
 
 
 def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_rows: int = 64):
@@ -530,10 +554,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer contexts")
     ap.add_argument("--reps", type=replays, default=50)
     ap.add_argument("--impls", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
+    add_l2_flush_arg(ap)
     add_record_args(ap, "kernel_bench")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("kernel bench needs a CUDA GPU; none is visible to torch")
+    use_l2_flush(args.l2_flush)
     impls = set(args.impls.split(","))
     unknown = impls - set(BUILDERS)
     if unknown:

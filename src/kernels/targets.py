@@ -23,7 +23,7 @@ import argparse
 import sys
 
 from ..results import add_record_args
-from .bench import Shape, replays
+from .bench import Shape, add_l2_flush_arg, replays, use_l2_flush
 
 VERIFY_CTXS = (16384, 32768, 65536, 131072)   # "at least as fast as FlashMLA at every context from 16k to 128k"
 TRITON_VERIFY_CTX = 65536                     # "at least 100x faster than SGLang's Triton verify path at 65k"
@@ -63,6 +63,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Time the kernel issue's target shapes in interleaved rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=replays, default=50, help="graph replays a timing (Triton verify: a fifth)")
+    add_l2_flush_arg(ap)
     add_record_args(ap, "kernel_targets")
     args = ap.parse_args(argv)
     if args.rounds < 2:
@@ -73,6 +74,7 @@ def main(argv=None):
         sys.exit("the targets' rounds need a CUDA GPU; none is visible to torch")
     from .bench_report import targets_over_rounds
 
+    use_l2_flush(args.l2_flush)
     records, _ = run_rounds(args.rounds, reps=args.reps)
     import pandas as pd
 
