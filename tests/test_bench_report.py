@@ -103,6 +103,17 @@ def test_missing_baselines_and_pooled_rounds_keep_to_one_l2_flush():
                            {"run_id": "20261204T2", "commit": "b", "gpu": H200, "kernel_version": "v31", "l2_flush": "read"}])
     assert list(br.latest_rounds(rounds)["run_id"]) == ["20261204T1", "20261204T2"]
     assert list(br.latest_rounds(rounds.iloc[:1])["run_id"]) == ["20261203T1"]
+    # a later run after the written flush (`--l2-flush write`, a side-by-side) takes over neither the
+    # pooled rounds nor the run the notebook shows; asked for by id, it is shown
+    later = {"run_id": "20261204T3", "commit": "b", "gpu": H200, "kernel_version": "v31", "l2_flush": "write"}
+    assert list(br.latest_rounds(pd.concat([rounds, pd.DataFrame([later])]))["run_id"]) == ["20261204T1", "20261204T2"]
+    bench_runs = pd.concat([df, pd.DataFrame([dict(_rec("20261205T100000Z", "v31", "flashmla", 50.0), gpu=H200,
+                                                   l2_flush="write")])])
+    assert set(br.comparison_run(bench_runs)["run_id"]) == {"20261204T100000Z"}
+    assert set(br.comparison_run(bench_runs, "20261205T100000Z")["run_id"]) == {"20261205T100000Z"}
+    from sm120_workbook.kernels import bench
+
+    assert br.DEFAULT_L2_FLUSH == bench.L2_FLUSH == bench.L2_FLUSHES[0]   # the tools' default is the tables'
 
 
 def test_version_history_is_one_gpus():

@@ -62,6 +62,10 @@ def uniform_and_skewed(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return df[short == 0], df[short > 0]
 
 
+# bench's default flush (bench.L2_FLUSH before any --l2-flush): the one the tables show unless asked
+DEFAULT_L2_FLUSH = "read"
+
+
 def latest_run(df: pd.DataFrame) -> pd.DataFrame:
     """The records of the newest benchmark run (one run = one GPU, one set of ceilings)."""
     if df.empty:
@@ -81,6 +85,10 @@ def comparison_run(df: pd.DataFrame, run_id: str = "") -> pd.DataFrame:
         return df[df["run_id"] == run_id].copy()
     compared = df.groupby("run_id")["impl"].agg(lambda s: (s != "sm120_mla").any())
     ids = sorted(compared[compared].index)
+    # a run timed after another flush than the default (`--l2-flush write`, for a side-by-side) is
+    # shown only when asked for by id, or where no run of the default flush compared
+    default = set(df.loc[l2_flush_of(df) == DEFAULT_L2_FLUSH, "run_id"])
+    ids = [i for i in ids if i in default] or ids
     return latest_run(df) if not ids else df[df["run_id"] == ids[-1]].copy()
 
 
@@ -429,7 +437,8 @@ def _newest_kernel_runs(df: pd.DataFrame) -> pd.DataFrame:
 
 def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     """Of the records of `python -m sm120_workbook.kernels.targets` (kernel_targets.jsonl), the
-    runs of the newest run's kernel on its GPU and with its L2 flush (l2_flush_of), pooled: the same
+    runs of the newest run's kernel on its GPU and with one L2 flush (l2_flush_of: the default,
+    DEFAULT_L2_FLUSH, where that kernel has runs of it, else the newest run's), pooled: the same
     kernel version (its `--tag`; commits that change no device code keep it), else, untagged, the
     same commit. An untagged run from a dirty tree stands alone: two such runs of one commit may
     have timed different code."""
@@ -439,8 +448,10 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     if runs.empty:   # the newest run names no GPU (or, untagged, no commit): nothing pools with it
         return runs.copy()
     flush = l2_flush_of(runs)   # a written flush inflated memory-bound times: never pooled with a read one
-    newest_flush = flush[runs["run_id"] == runs["run_id"].max()].iloc[0]
-    return runs[flush == newest_flush].copy()
+    # the default flush's runs where the kernel has any (a later `--l2-flush write` run is a side-by-side)
+    newest = flush[runs["run_id"] == runs["run_id"].max()].iloc[0]
+    chosen = DEFAULT_L2_FLUSH if (flush == DEFAULT_L2_FLUSH).any() else newest
+    return runs[flush == chosen].copy()
 
 
 def targets_by_flush(df: pd.DataFrame) -> pd.DataFrame:
@@ -449,13 +460,14 @@ def targets_by_flush(df: pd.DataFrame) -> pd.DataFrame:
     (targets_over_rounds), and whether the verdicts differ in kind (met, missed, mixed; a target a
     flush did not measure differs from nothing). FlashMLA's batch-1 times depend on the kernels
     that ran before them (NOTES.md, session 52), so such a verdict is the harness's, not the
-    kernel's. The newest run's flush comes first."""
+    kernel's. The default flush (DEFAULT_L2_FLUSH) comes first, then the newest run's."""
     runs = _newest_kernel_runs(df) if len(df) else df
     if runs.empty:
         return pd.DataFrame(columns=["target", "ratio_is", "verdicts differ"])
     flush = l2_flush_of(runs)
     by_run = pd.DataFrame({"run_id": runs["run_id"].to_numpy(), "flush": flush.to_numpy()})
     order = list(dict.fromkeys(by_run.sort_values("run_id", ascending=False, kind="stable")["flush"]))
+    order.sort(key=lambda f: f != DEFAULT_L2_FLUSH)   # the default flush first, then the newest first
     tables = []
     for f in order:
         t = targets_over_rounds(runs[flush == f])
