@@ -201,3 +201,24 @@ def test_the_timing_tools_take_the_flush_by_name(tool, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--l2-flush", "zero", "--no-record"])
     assert e.value.code == 2 and "--l2-flush: invalid choice: 'zero'" in capsys.readouterr().err
+
+
+def test_the_targets_time_after_the_flush_they_are_given(monkeypatch):
+    """`targets --l2-flush write` sets the flush before its first timing (each record then says so)."""
+    import torch
+
+    from sm120_workbook.kernels import bench, targets
+
+    class Timed(Exception):
+        pass
+
+    def run_rounds(rounds, reps):
+        assert bench.L2_FLUSH == "write" and bench.L2Flush(device="cpu").kind == "write"
+        raise Timed
+
+    monkeypatch.setattr(bench, "L2_FLUSH", "read")   # restored after the test
+    monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 1 << 20)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(targets, "run_rounds", run_rounds)
+    with pytest.raises(Timed):
+        targets.main(["--l2-flush", "write", "--no-record"])
