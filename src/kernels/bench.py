@@ -54,9 +54,7 @@ class L2Flush:
     data/results/probes/l2_flush_baselines.jsonl)."""
 
     def __init__(self, kind: str | None = None, device="cuda"):
-        self.kind = L2_FLUSH if kind is None else kind
-        if self.kind not in L2_FLUSHES:
-            raise ValueError(f"kind: {self.kind!r} is no L2 flush; one of {L2_FLUSHES}")
+        self.kind = L2_FLUSH if kind is None else _l2_flush_kind(kind)
         self.buf = torch.zeros(L2_FLUSH_BYTES // 8, dtype=torch.int64, device=device)
         self.sink = torch.empty((), dtype=torch.int64, device=device)
 
@@ -65,6 +63,12 @@ class L2Flush:
             torch.sum(self.buf, dim=0, out=self.sink)
         else:
             self.buf.zero_()
+
+
+def _l2_flush_kind(kind: str) -> str:
+    if kind not in L2_FLUSHES:
+        raise ValueError(f"kind: {kind!r} is no L2 flush; one of {L2_FLUSHES}")
+    return kind
 
 
 def add_l2_flush_arg(ap) -> None:
@@ -76,9 +80,7 @@ def add_l2_flush_arg(ap) -> None:
 def use_l2_flush(kind: str) -> None:
     """The flush every later timing of this process uses and records (L2_FLUSH)."""
     global L2_FLUSH
-    if kind not in L2_FLUSHES:
-        raise ValueError(f"kind: {kind!r} is no L2 flush; one of {L2_FLUSHES}")
-    L2_FLUSH = kind
+    L2_FLUSH = _l2_flush_kind(kind)
 
 
 REF_TOLERANCE = 1e-2   # relative, as the kernel's own tests (checks.py): bf16 output and probabilities

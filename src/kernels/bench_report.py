@@ -427,6 +427,8 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
 def _newest_kernel_runs(df: pd.DataFrame) -> pd.DataFrame:
     """The runs of the newest run's kernel on its GPU, whatever their L2 flush: the same kernel
     version (its `--tag`), else, untagged, the same commit; an untagged run from a dirty tree alone."""
+    if df.empty:
+        return df
     newest = df[df["run_id"] == df["run_id"].max()].iloc[0]
     tagged = "kernel_version" in df and pd.notna(newest["kernel_version"])
     if not tagged and str(newest["commit"]).endswith("+dirty"):
@@ -442,10 +444,8 @@ def latest_rounds(df: pd.DataFrame) -> pd.DataFrame:
     kernel version (its `--tag`; commits that change no device code keep it), else, untagged, the
     same commit. An untagged run from a dirty tree stands alone: two such runs of one commit may
     have timed different code."""
-    if df.empty:
-        return df
     runs = _newest_kernel_runs(df)
-    if runs.empty:   # the newest run names no GPU (or, untagged, no commit): nothing pools with it
+    if runs.empty:   # no records, or the newest run names no GPU (or, untagged, no commit): nothing pools
         return runs.copy()
     flush = l2_flush_of(runs)   # a written flush inflated memory-bound times: never pooled with a read one
     # the default flush's runs where the kernel has any (a later `--l2-flush write` run is a side-by-side)
@@ -461,7 +461,7 @@ def targets_by_flush(df: pd.DataFrame) -> pd.DataFrame:
     flush did not measure differs from nothing). FlashMLA's batch-1 times depend on the kernels
     that ran before them (NOTES.md, session 52), so such a verdict is the harness's, not the
     kernel's. The default flush (DEFAULT_L2_FLUSH) comes first, then the newest run's."""
-    runs = _newest_kernel_runs(df) if len(df) else df
+    runs = _newest_kernel_runs(df)
     if runs.empty:
         return pd.DataFrame(columns=["target", "ratio_is", "verdicts differ"])
     flush = l2_flush_of(runs)
