@@ -186,6 +186,16 @@ def test_the_timing_flush_reads_and_records_how(monkeypatch):
     assert written.kind == "write" and not written.buf.any()
     with pytest.raises(ValueError, match="^kind: 'flushed' is no L2 flush"):
         bench.L2Flush("flushed", device="cpu")
+    # the layer flush: the read, then what a served MLA layer runs before attention (LayerPrelude)
+    layer = bench.L2Flush("layer", device="cpu")
+    layer.buf[::1024] = 3
+    layer()
+    assert layer.sink.item() == 3 * 128 and layer.prelude is not None and flush.prelude is None
+    p = layer.prelude
+    assert p.q_out.shape == (p.HEADS, p.TOKENS, p.KV_RANK) and p.q_out.isfinite().all() and p.q_out.abs().sum() > 0
+    written_rows = p.kv_pool[p.slots]   # the step's latent rows written, the pool's other rows untouched
+    assert written_rows.shape[-1] == bench.DIM_QK and (written_rows != 0).any(dim=-1).all()
+    assert not p.kv_pool[: p.TOKENS].any() and not p.kv_pool[2 * p.TOKENS:].any()
     monkeypatch.setattr(bench, "L2_FLUSH", "read")   # restored after the test, whatever use_l2_flush sets
     bench.use_l2_flush("write")
     assert bench.L2_FLUSH == "write" and bench.L2Flush(device="cpu").kind == "write"

@@ -41,28 +41,73 @@ L2_FLUSH_BYTES = 256 << 20
 # than L2 holds: +6.6 us (21%) on the decode step at 64k keys on the H200, +6.7 us on a bare 75.5 MB
 # read, nothing on the compute-bound q16 step (NOTES.md, session 51). Records carry it as `l2_flush`;
 # those without the field were timed after a write. `--l2-flush write` (bench, targets) times after the
-# old flush again, to set the two side by side (bench_report.targets_by_flush).
-L2_FLUSHES = ("read", "write")
+# old flush again, to set the two side by side (bench_report.targets_by_flush). "layer" is the read
+# flush followed by the kernels a served MLA layer runs just before its attention (LayerPrelude):
+# FlashMLA's time depends on the kernels before it, not only on L2 (session 52).
+L2_FLUSHES = ("read", "write", "layer")
 L2_FLUSH = "read"
+
+
+class LayerPrelude:
+    """What a served MLA layer runs between its input and its attention call, as one TP8 rank of
+    Kimi K2 runs it for a 16-token verify step (8 heads), in bf16: the fused q/kv down-projection
+    GEMM (7168 -> 1536 + 576, 30 MB of weights), the two RMSNorms, the q up-projection (1536 -> 8 x
+    192), the absorb bmm (q_nope x w_kc, 8 x 128 x 512), RoPE's elementwise products, and the KV
+    write of the step's latent rows. Fixed at that size whatever shape is timed: it stands for the
+    kinds of kernel that precede attention (GEMMs, a reduction, elementwise), not their exact cost,
+    which lies outside the timed replay. K2's own weights are fp8 (other GEMM kernels): a proxy."""
+
+    HIDDEN, Q_RANK, KV_RANK, ROPE, NOPE, HEADS, TOKENS = 7168, 1536, 512, 64, 128, 8, 16
+
+    def __init__(self, device="cuda"):
+        g = torch.Generator(device=device).manual_seed(0)
+        bf16 = functools.partial(torch.randn, device=device, generator=g, dtype=torch.bfloat16)
+        T, H = self.TOKENS, self.HEADS
+        self.x = bf16(T, self.HIDDEN)
+        self.w_qkv_a = bf16(self.HIDDEN, self.Q_RANK + self.KV_RANK + self.ROPE) * 0.01
+        self.w_q_b = bf16(self.Q_RANK, H * (self.NOPE + self.ROPE)) * 0.03
+        self.w_kc = bf16(H, self.NOPE, self.KV_RANK) * 0.1
+        self.q_norm = torch.ones(self.Q_RANK, device=device, dtype=torch.bfloat16)
+        self.kv_norm = torch.ones(self.KV_RANK, device=device, dtype=torch.bfloat16)
+        self.cos, self.sin = bf16(T, 1, self.ROPE), bf16(T, 1, self.ROPE)
+        self.kv_pool = torch.zeros(4 * T, DIM_QK, device=device, dtype=torch.bfloat16)
+        self.slots = torch.arange(T, 2 * T, device=device)
+        self.q_out = torch.empty(H, T, self.KV_RANK, device=device, dtype=torch.bfloat16)
+
+    def __call__(self) -> None:
+        T, H = self.TOKENS, self.HEADS
+        qkv = self.x @ self.w_qkv_a
+        q_a, kv_a, k_pe = qkv.split([self.Q_RANK, self.KV_RANK, self.ROPE], dim=-1)
+        q_a = torch.nn.functional.rms_norm(q_a, (self.Q_RANK,), self.q_norm)
+        kv_a = torch.nn.functional.rms_norm(kv_a, (self.KV_RANK,), self.kv_norm)
+        q = (q_a @ self.w_q_b).view(T, H, self.NOPE + self.ROPE)
+        q_nope, q_pe = q.split([self.NOPE, self.ROPE], dim=-1)
+        torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=self.q_out)
+        q_pe = q_pe * self.cos + q_pe.flip(-1) * self.sin
+        k_pe = k_pe.unsqueeze(1) * self.cos + k_pe.unsqueeze(1).flip(-1) * self.sin
+        self.kv_pool.index_copy_(0, self.slots, torch.cat([kv_a, k_pe.squeeze(1)], dim=-1))
 
 
 class L2Flush:
     """Empties L2 before a timing as `kind` says (default: L2_FLUSH when made). "read" reads
     L2_FLUSH_BYTES (a reduction into one value, so it also runs in a stream's order like the timed
-    replay); "write" zeroes them, leaving dirty lines. FlashMLA's batch-1 times depend on which:
-    8-24% higher after the read, and not through L2's lines (NOTES.md, session 52;
-    data/results/probes/l2_flush_baselines.jsonl)."""
+    replay); "write" zeroes them, leaving dirty lines; "layer" reads them, then runs LayerPrelude.
+    FlashMLA's batch-1 times depend on which: 8-24% higher after the read than after the write, and
+    not through L2's lines (NOTES.md, session 52; data/results/probes/l2_flush_baselines.jsonl)."""
 
     def __init__(self, kind: str | None = None, device="cuda"):
         self.kind = L2_FLUSH if kind is None else _l2_flush_kind(kind)
         self.buf = torch.zeros(L2_FLUSH_BYTES // 8, dtype=torch.int64, device=device)
         self.sink = torch.empty((), dtype=torch.int64, device=device)
+        self.prelude = LayerPrelude(device) if self.kind == "layer" else None
 
     def __call__(self) -> None:
-        if self.kind == "read":
-            torch.sum(self.buf, dim=0, out=self.sink)
-        else:
+        if self.kind == "write":
             self.buf.zero_()
+            return
+        torch.sum(self.buf, dim=0, out=self.sink)
+        if self.prelude is not None:
+            self.prelude()
 
 
 def _l2_flush_kind(kind: str) -> str:
@@ -74,7 +119,8 @@ def _l2_flush_kind(kind: str) -> str:
 def add_l2_flush_arg(ap) -> None:
     ap.add_argument("--l2-flush", choices=L2_FLUSHES, default="read",
                     help="how L2 is emptied before each timing (recorded as l2_flush): read (the default since "
-                         "session 51) or write (the flush before it, for a side-by-side)")
+                         "session 51), write (the flush before it, for a side-by-side) or layer (the read, then "
+                         "the kernels a served MLA layer runs before attention: bench.LayerPrelude)")
 
 
 def use_l2_flush(kind: str) -> None:
