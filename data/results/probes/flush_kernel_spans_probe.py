@@ -8,35 +8,21 @@ flush, which CUDA events count)? Per case and flush (bench.L2Flush: write, read,
 replays each after its flush, their kernels split by position: the flush's, then the graph's.
 Printed per case and flush: the event time (as bench times it), the gap from the flush's last
 kernel's end to the graph's first kernel's start, each graph kernel's median duration, and the
-span from the first graph kernel's start to the last one's end (all medians, us)."""
+span from the first graph kernel's start to the last one's end (all medians, us). The first run
+(commit 441862d) launched the layer flush's kernels one by one, and its gaps (40-111 us: the GPU outran
+the CPU's launches) showed that timing broken; the layer flush is one graph since."""
 import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sm120_workbook.kernels.bench import BUILDERS, Inputs, L2Flush, Shape
+from sm120_workbook.kernels.bench import BUILDERS, Inputs, L2Flush, Shape, captured_graph
 
 CASES = [("flashmla", Shape(1, 8, 16, 65536)), ("flashmla", Shape(1, 8, 16, 16384)),
          ("sm120_mla", Shape(1, 8, 16, 65536)), ("flashinfer_mla_fa2", Shape(1, 8, 16, 1024)),
          ("flashinfer_mla_fa2", Shape(1, 8, 1, 1024)), ("flashinfer_mla_fa2", Shape(1, 8, 16, 65536))]
 FLUSHES = ("write", "read", "layer")
 REPS = 40
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
 
 
 def kernels(prof):
@@ -59,7 +45,7 @@ print("case | flush | event us | gap us | graph kernels' durations us | span us"
 for impl, shape in CASES:
     x = Inputs(shape)
     fn = BUILDERS[impl](x)   # kept alive with x while the graph replays
-    g = graph_of(fn)
+    g = captured_graph(fn)
     n_graph = count_kernels(g.replay)
     for kind in FLUSHES:
         flush = L2Flush(kind)
