@@ -30,7 +30,14 @@ def test_version_history_compares_runs_through_flashmla_in_the_same_run():
     assert set(dirty["commit"]) == {"4d14ecc+dirty"}   # a dirty tree's run says so
     assert br.version_history(df, q_len=1)["flashmla_us"].isna().all()   # no FlashMLA decode row: NaN, not 0
     assert br.version_history(df, ctx=4096).empty
-    br.version_history_chart(hist, "t").to_dict()
+    chart = br.version_history_chart(hist, "t").to_dict()
+    # each run says its L2 flush (records without the field had the written one); the chart names a
+    # flush other than the default in the run's label
+    assert list(hist["l2_flush"]) == ["write", "write"]
+    flushed = br.version_history(df.assign(l2_flush=["read"] * 3 + ["layer"] * 4))
+    assert list(flushed["l2_flush"]) == ["read", "layer"]
+    runs = {r["run"] for r in br.version_history_chart(flushed, "t").to_dict()["datasets"].popitem()[1]}
+    assert runs == {"v1 (1200)", "v2 (1300, layer)"} and "v1 (1200, write)" in str(chart)
 
 
 def test_targets_table_says_missed_when_missed():

@@ -188,10 +188,12 @@ def test_the_timing_flush_reads_and_records_how(monkeypatch):
         bench.L2Flush("flushed", device="cpu")
     # the layer flush: the read, then what a served MLA layer runs before attention (LayerPrelude)
     layer = bench.L2Flush("layer", device="cpu")
+    assert layer.kind == "layer" and layer.graph is None   # on the CPU eagerly; one graph launch on a GPU
+    p = layer.prelude
+    p.q_out.fill_(float("nan"))
     layer.buf[::1024] = 3
     layer()
-    assert layer.sink.item() == 3 * 128 and layer.prelude is not None and flush.prelude is None
-    p = layer.prelude
+    assert layer.sink.item() == 3 * 128 and p is not None and flush.prelude is None
     assert p.q_out.shape == (p.HEADS, p.TOKENS, p.KV_RANK) and p.q_out.isfinite().all() and p.q_out.abs().sum() > 0
     written_rows = p.kv_pool[p.slots]   # the step's latent rows written, the pool's other rows untouched
     assert written_rows.shape[-1] == bench.DIM_QK and (written_rows != 0).any(dim=-1).all()
@@ -213,8 +215,10 @@ def test_the_timing_tools_take_the_flush_by_name(tool, capsys):
     assert e.value.code == 2 and "--l2-flush: invalid choice: 'zero'" in capsys.readouterr().err
 
 
-def test_the_targets_time_after_the_flush_they_are_given(monkeypatch):
-    """`targets --l2-flush write` sets the flush before its first timing (each record then says so)."""
+@pytest.mark.parametrize("kind", ["write", "layer"])
+def test_the_targets_time_after_the_flush_they_are_given(kind, monkeypatch):
+    """`targets --l2-flush write` (or layer) sets the flush before its first timing (each record
+    then says so)."""
     import torch
 
     from sm120_workbook.kernels import bench, targets
@@ -223,7 +227,7 @@ def test_the_targets_time_after_the_flush_they_are_given(monkeypatch):
         pass
 
     def run_rounds(rounds, reps):
-        assert bench.L2_FLUSH == "write" and bench.L2Flush(device="cpu").kind == "write"
+        assert bench.L2_FLUSH == kind and bench.L2Flush(device="cpu").kind == kind
         raise Timed
 
     monkeypatch.setattr(bench, "L2_FLUSH", "read")   # restored after the test
@@ -231,4 +235,4 @@ def test_the_targets_time_after_the_flush_they_are_given(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(targets, "run_rounds", run_rounds)
     with pytest.raises(Timed):
-        targets.main(["--l2-flush", "write", "--no-record"])
+        targets.main(["--l2-flush", kind, "--no-record"])

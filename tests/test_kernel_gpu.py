@@ -687,3 +687,30 @@ def test_timings_flush_l2_by_reading_and_say_so():
     flush()
     torch.cuda.synchronize()
     assert torch.equal(flush.buf, before) and flush.sink.item() == before.sum().item()
+
+
+def test_the_layer_flush_replays_the_layer_as_one_graph(monkeypatch):
+    """`--l2-flush layer`: one graph launch runs the read flush and a served MLA layer's kernels
+    before attention (bench.LayerPrelude), and the replay computes what the prelude computes eagerly
+    (launched one by one, its kernels once left the GPU idle before the timed replay: session 53)."""
+    from sm120_workbook.kernels import bench
+
+    monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 1 << 24)   # a small buffer: the graph is the point here
+    flush = bench.L2Flush("layer")
+    assert flush.graph is not None and flush.prelude is not None
+    p = flush.prelude
+    p.kv_pool.fill_(float("nan"))
+    p.q_out.fill_(float("nan"))
+    flush.buf[::4096] = 5
+    flush()
+    torch.cuda.synchronize()
+    assert flush.sink.item() == 5 * (flush.buf.numel() // 4096)
+    replayed_q, replayed_kv = p.q_out.clone(), p.kv_pool[p.slots].clone()
+    assert replayed_q.isfinite().all() and replayed_kv.isfinite().all()
+    p.q_out.fill_(float("nan"))
+    p.kv_pool.fill_(float("nan"))
+    p()   # eagerly, on the same inputs
+    torch.cuda.synchronize()
+    # bf16 at torch's default tolerance for it: the same kernels, in a graph or not
+    torch.testing.assert_close(p.q_out, replayed_q)
+    torch.testing.assert_close(p.kv_pool[p.slots], replayed_kv)

@@ -649,10 +649,11 @@ def nsplit_chart(df: pd.DataFrame, source: str = ""):
 
 
 def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu: str | None = None) -> pd.DataFrame:
-    """One row per recorded benchmark run at one shape: the kernel version, its time and
-    FlashMLA's time in the same run (so runs on different days compare through the ratio).
-    `gpu` keeps the runs on GPUs whose name contains it (a history is one GPU's: an RTX PRO
-    6000 run has no FlashMLA to compare through)."""
+    """One row per recorded benchmark run at one shape: the kernel version, the L2 flush its
+    timings had (l2_flush_of: FlashMLA's time moves with it, so ratios compare within a flush),
+    its time and FlashMLA's time in the same run (so runs on different days compare through the
+    ratio). `gpu` keeps the runs on GPUs whose name contains it (a history is one GPU's: an RTX
+    PRO 6000 run has no FlashMLA to compare through)."""
     if gpu is not None:
         df = df[on_gpu(df, gpu)]
     rows = []
@@ -664,7 +665,8 @@ def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu
             continue
         t, r = float(ours["time_us"].iloc[0]), float(ref["time_us"].iloc[0]) if len(ref) else float("nan")
         rows.append({"kernel_version": ours["kernel_version"].iloc[0] if "kernel_version" in ours else None,
-                     "run_id": run_id, "commit": short_commit(ours["commit"].iloc[0]), "sm120_mla_us": round(t, 1),
+                     "run_id": run_id, "commit": short_commit(ours["commit"].iloc[0]),
+                     "l2_flush": l2_flush_of(ours).iloc[0], "sm120_mla_us": round(t, 1),
                      "flashmla_us": round(r, 1), "flashmla / sm120_mla": round(r / t, 2)})
     return pd.DataFrame(rows).sort_values("run_id").reset_index(drop=True) if rows else pd.DataFrame()
 
@@ -672,15 +674,17 @@ def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu
 def version_history_chart(hist: pd.DataFrame, title: str):
     import altair as alt
 
-    long = hist.melt(id_vars=["run_id", "kernel_version"], value_vars=["sm120_mla_us", "flashmla_us"],
+    long = hist.melt(id_vars=["run_id", "kernel_version", "l2_flush"], value_vars=["sm120_mla_us", "flashmla_us"],
                      var_name="impl", value_name="time_us")
     long["impl"] = long["impl"].str.removesuffix("_us")
-    long["run"] = long["kernel_version"].fillna("?") + " (" + long["run_id"].str[9:13] + ")"
+    # the flush in the label where it is not the default: a step in the line there is the harness's
+    flush = np.where(long["l2_flush"] == DEFAULT_L2_FLUSH, "", ", " + long["l2_flush"])
+    long["run"] = long["kernel_version"].fillna("?") + " (" + long["run_id"].str[9:13] + flush + ")"
     return alt.Chart(long).mark_line(point=True).encode(
         x=alt.X("run:N", sort=None, title="kernel version (run time, UTC)"),
         y=alt.Y("time_us:Q", title="time (µs)", scale=alt.Scale(zero=True)),
         color=alt.Color("impl:N", sort=IMPL_ORDER),
-        tooltip=["run", "impl", alt.Tooltip("time_us:Q", format=".1f")],
+        tooltip=["run", "impl", "l2_flush", alt.Tooltip("time_us:Q", format=".1f")],
     ).properties(width=420, height=240, title=title)
 
 

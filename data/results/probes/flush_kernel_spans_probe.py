@@ -9,8 +9,9 @@ replays each after its flush, their kernels split by position: the flush's, then
 Printed per case and flush: the event time (as bench times it), the gap from the flush's last
 kernel's end to the graph's first kernel's start, each graph kernel's median duration, and the
 span from the first graph kernel's start to the last one's end (all medians, us). The first run
-(commit 441862d) launched the layer flush's kernels one by one, and its gaps (40-111 us: the GPU outran
-the CPU's launches) showed that timing broken; the layer flush is one graph since."""
+(commit 441862d) launched the layer flush's kernels one by one, and its gaps (42-111 us under the
+profiler: the GPU outran the CPU's launches; the events counted 11-33 us of them) showed that timing
+broken; the layer flush is one graph since."""
 import statistics
 
 import torch
