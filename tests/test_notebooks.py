@@ -17,7 +17,7 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
     # an RTX PRO 6000's records: the runs it lacks (every study so far ran on the H200) are said, not shown
     "03_benchmark_kernel.ipynb": {"run_live": False, "quick": True, "reps": 10, "record": False,
                                   "explore_heads": 16, "explore_ctx": 16384, "recorded_gpu": "RTX PRO 6000",
-                                  "split_sweep": "v30-rtx"},
+                                  "split_sweep": "v30-rtx", "l2_flush": "layer"},
     "04_patch_sglang.ipynb": {"capacity_tokens": 8192, "num_requests": 80, "max_running": 12,
                               "prompt_len_range": [16, 1024], "output_len_range": [8, 256],
                               "tokens_per_step_list": [3], "probe_prompt_len": 512,
