@@ -196,7 +196,8 @@ def batched_decode_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def skewed_batch_table(df: pd.DataFrame) -> pd.DataFrame:
     """time_us of skewed batches (`load_bench(skewed=True)`): one row per (batch, heads, q_len,
-    ctx, short_ctx), impls as columns; the newest run that has them."""
+    ctx, short_ctx), impls as columns; the run comparison_run picks (the newest that has them, of the
+    default flush where there is one)."""
     if df.empty:
         return pd.DataFrame()
     run = comparison_run(df)
