@@ -475,6 +475,9 @@ def test_targets_over_rounds_gives_the_spread_and_calls_a_split_verdict_mixed():
     assert t.loc["q16 h8 64k: <= FlashMLA", "verdict"] == "missed in every round"
     assert t.loc["q16 h8 16k: <= FlashMLA", "verdict"] == "met in every round"
     assert br.targets_over_rounds(df.drop(columns="run_id")).equals(br.targets_over_rounds(df))   # one unnamed run
+    counted = br.targets_over_rounds(df, with_counts=True).set_index("target")   # the rounds that met each, on request
+    assert "met_rounds" not in t and counted.loc["q16 h8 32k: <= FlashMLA", "met_rounds"] == 2
+    assert counted.drop(columns="met_rounds").equals(t)
     # not timed in any round: kept, as "not measured", never "missed" (and never dropped)
     untimed = t.loc["q16 h8 64k: >= 100x Triton verify"]
     assert (untimed["rounds"], untimed["verdict"]) == (0, "not measured") and untimed["ratio"] != untimed["ratio"]

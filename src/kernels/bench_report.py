@@ -469,30 +469,39 @@ def targets_by_flush(df: pd.DataFrame) -> pd.DataFrame:
     by_run = pd.DataFrame({"run_id": runs["run_id"].to_numpy(), "flush": flush.to_numpy()})
     order = list(dict.fromkeys(by_run.sort_values("run_id", ascending=False, kind="stable")["flush"]))
     order.sort(key=lambda f: f != DEFAULT_L2_FLUSH)   # the default flush first, then the newest first
-    tables = []
+    tables, kinds = [], {}
     for f in order:
-        t = targets_over_rounds(runs[flush == f])
+        t = targets_over_rounds(runs[flush == f], with_counts=True)
         t = t.assign(range=[f"{lo:.2f}-{hi:.2f}" if pd.notna(lo) else "" for lo, hi in zip(t["ratio_min"], t["ratio_max"])])
+        # met, missed or mixed, whatever the counts; a target a flush did not measure differs from nothing
+        kinds[f] = pd.Series([_verdict_kind(m, n) for m, n in zip(t["met_rounds"], t["rounds"])], index=t["target"])
         tables.append(t[["target", "ratio_is", "runs", "ratio", "range", "verdict"]].rename(
             columns={c: f"{f}: {c}" for c in ("runs", "ratio", "range", "verdict")}).set_index("target"))
     targets = list(dict.fromkeys(t for table in tables for t in table.index))   # the newest flush's order first
     ratio_is = pd.concat([table["ratio_is"] for table in tables]).groupby(level=0).first()
     out = pd.concat([table.drop(columns="ratio_is") for table in tables], axis=1).loc[targets]
     out.insert(0, "ratio_is", ratio_is.loc[targets])
-    # met, missed or mixed, whatever the counts; a target a flush did not measure differs from nothing
-    kinds = pd.DataFrame({f: out[f"{f}: verdict"].map(lambda v: None if pd.isna(v) or v == "not measured"
-                                                      else str(v).split(" ")[0].rstrip(":"))
-                          for f in order})
+    kinds = pd.DataFrame({f: k.reindex(targets) for f, k in kinds.items()})
     out["verdicts differ"] = kinds.nunique(axis=1) > 1
     return out.reset_index().rename(columns={"index": "target"})
 
 
-def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
+def _verdict_kind(met_rounds, rounds) -> str | None:
+    """met, missed or mixed from the rounds that met a target; None where no round measured it."""
+    if not rounds or pd.isna(rounds):
+        return None
+    return "met" if met_rounds == rounds else "missed" if met_rounds == 0 else "mixed"
+
+
+def targets_over_rounds(df: pd.DataFrame, with_counts: bool = False) -> pd.DataFrame:
     """The targets of runs timed in rounds (`python -m sm120_workbook.kernels.targets`): each
     round's `targets_table`, then per target the runs (processes) and rounds that measured it,
     the median ratio and its range over the rounds, and a verdict. A target met in some rounds
-    and missed in others is within the noise of this GPU, not met."""
+    and missed in others is within the noise of this GPU, not met. with_counts: also the rounds
+    that met it (`met_rounds`)."""
     cols = ["target", "runs", "rounds", "ratio", "ratio_min", "ratio_max", "ratio_is", "verdict", "note"]
+    if with_counts:
+        cols.append("met_rounds")
     if df.empty:
         return pd.DataFrame(columns=cols)
     if "round" not in df:
@@ -512,8 +521,8 @@ def targets_over_rounds(df: pd.DataFrame) -> pd.DataFrame:
            .reset_index())
     several = (out["runs"] > 1) & (out["note"] != "")
     out.loc[several, "note"] = out.loc[several, "note"] + " (newest run, " + out.loc[several, "note_run"] + ")"
-    out["verdict"] = [("met in every round" if met == n else "missed in every round" if met == 0
-                       else f"mixed: met in {met} of {n} rounds")
+    out["verdict"] = [{"met": "met in every round", "missed": "missed in every round"}.get(
+                          _verdict_kind(met, n), f"mixed: met in {met} of {n} rounds")
                       for met, n in zip(out["met_rounds"], out["rounds"])]
     # a target no round could measure (its baseline failed or was not timed) stays in the table
     unmeasured = [{"target": t, "runs": g["run_id"].nunique(), "rounds": 0, "ratio_is": g["ratio_is"].iloc[0],
