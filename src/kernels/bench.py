@@ -52,7 +52,7 @@ class LayerPrelude:
     """What a served MLA layer runs between its input and its attention call, as one TP8 rank of
     Kimi K2 runs it for a 16-token verify step (8 heads), in bf16: the fused q/kv down-projection
     GEMM (7168 -> 1536 + 576, 30 MB of weights), the two RMSNorms, the q up-projection (1536 -> 8 x
-    192), the absorb bmm (q_nope x w_kc, 8 x 128 x 512), RoPE's elementwise products, and the KV
+    192), the absorb bmm (q_nope x w_kc, 8 x 128 x 512), RoPE-like elementwise products, and the KV
     write of the step's latent rows. Fixed at that size whatever shape is timed: it stands for the
     kinds of kernel that precede attention (GEMMs, a reduction, elementwise), not their exact cost,
     which lies outside the timed replay. K2's own weights are fp8 (other GEMM kernels): a proxy."""
@@ -93,7 +93,8 @@ class L2Flush:
     L2_FLUSH_BYTES (a reduction into one value, so it also runs in a stream's order like the timed
     replay); "write" zeroes them, leaving dirty lines; "layer" reads them, then runs LayerPrelude.
     FlashMLA's batch-1 times depend on which: 8-24% higher after the read than after the write, and
-    not through L2's lines (NOTES.md, session 52; data/results/probes/l2_flush_baselines.jsonl)."""
+    not through L2's lines (NOTES.md, session 52; data/results/probes/l2_flush_baselines.jsonl); as
+    high after the layer flush as after the read (session 53)."""
 
     def __init__(self, kind: str | None = None, device="cuda"):
         self.kind = L2_FLUSH if kind is None else _l2_flush_kind(kind)
