@@ -236,3 +236,22 @@ def test_the_targets_time_after_the_flush_they_are_given(kind, monkeypatch):
     monkeypatch.setattr(targets, "run_rounds", run_rounds)
     with pytest.raises(Timed):
         targets.main(["--l2-flush", kind, "--no-record"])
+
+
+def test_interleaved_medians_alternate_the_order_and_take_medians(monkeypatch):
+    """The L2 probes' rounds (bench.interleaved_medians_us): every `before` once a round, the order
+    reversed every other round, and per name the median over rounds of each round's median."""
+    from sm120_workbook.kernels import bench
+
+    calls, times = [], {"a": iter([[1.0, 2.0, 9.0], [3.0], [5.0]]), "b": iter([[7.0], [4.0, 6.0], [8.0]])}
+    befores = {"a": lambda: None, "b": lambda: None}
+
+    def replay_times_us(graph, before, reps):
+        name = next(n for n, f in befores.items() if f is before)
+        calls.append((name, reps))
+        return next(times[name])
+
+    monkeypatch.setattr(bench, "replay_times_us", replay_times_us)
+    med = bench.interleaved_medians_us("graph", befores, rounds=3, reps=7)
+    assert [n for n, _ in calls] == ["a", "b", "b", "a", "a", "b"] and {r for _, r in calls} == {7}
+    assert med == {"a": 3.0, "b": 7.0}   # a: medians 2, 3, 5; b: 7, 5, 8

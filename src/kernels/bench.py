@@ -44,8 +44,8 @@ L2_FLUSH_BYTES = 256 << 20
 # old flush again, to set the two side by side (bench_report.targets_by_flush). "layer" is the read
 # flush followed by the kernels a served MLA layer runs just before its attention (LayerPrelude):
 # FlashMLA's time depends on the kernels before it, not only on L2 (session 52).
-L2_FLUSHES = ("read", "write", "layer")
-L2_FLUSH = "read"
+L2_FLUSHES = ("read", "write", "layer")   # the first is the default
+L2_FLUSH = L2_FLUSHES[0]
 
 
 class LayerPrelude:
@@ -104,22 +104,21 @@ class L2Flush:
         # The layer flush is one graph launch: launched one by one, the prelude's dozen kernels took the
         # CPU longer than the GPU, so the timed replay's launch was no longer hidden behind the flush and
         # the events counted it (6-33 us more than after the read flush in session 53's first layer run).
-        self.graph = (captured_graph(self._read_then_prelude)
+        self.graph = (captured_graph(self._read)
                       if self.prelude is not None and torch.device(device).type == "cuda" else None)
 
-    def _read_then_prelude(self) -> None:
+    def _read(self) -> None:
         torch.sum(self.buf, dim=0, out=self.sink)
-        self.prelude()
+        if self.prelude is not None:
+            self.prelude()
 
     def __call__(self) -> None:
         if self.kind == "write":
             self.buf.zero_()
         elif self.graph is not None:
             self.graph.replay()
-        elif self.prelude is not None:
-            self._read_then_prelude()
         else:
-            torch.sum(self.buf, dim=0, out=self.sink)
+            self._read()
 
 
 def _l2_flush_kind(kind: str) -> str:
@@ -129,7 +128,7 @@ def _l2_flush_kind(kind: str) -> str:
 
 
 def add_l2_flush_arg(ap) -> None:
-    ap.add_argument("--l2-flush", choices=L2_FLUSHES, default="read",
+    ap.add_argument("--l2-flush", choices=L2_FLUSHES, default=L2_FLUSHES[0],
                     help="how L2 is emptied before each timing (recorded as l2_flush): read (the default since "
                          "session 51), write (the flush before it, for a side-by-side) or layer (the read, then "
                          "the kernels a served MLA layer runs before attention: bench.LayerPrelude)")
@@ -429,6 +428,32 @@ def captured_graph(fn, warmup: int = 3) -> "torch.cuda.CUDAGraph":
     return graph
 
 
+def replay_times_us(graph, before, reps: int) -> list[float]:
+    """µs of `reps` replays of graph, each timed with CUDA events after `before()` (an L2 flush)
+    runs outside the timed span."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        before()
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
+def interleaved_medians_us(graph, befores: dict, rounds: int = 5, reps: int = 50) -> dict:
+    """For each named `before` (a way of flushing L2, or of running other kernels first), the median
+    over `rounds` of the median µs of `reps` replays of graph after it; the names' order alternates
+    from round to round, so that drift within the process falls on each alike (the L2 probes in
+    data/results/probes)."""
+    per = {name: [] for name in befores}
+    for r in range(rounds):
+        for name in (list(befores) if r % 2 == 0 else list(befores)[::-1]):
+            per[name].append(statistics.median(replay_times_us(graph, befores[name], reps)))
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
 def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
     """Median µs of CUDA-graph replays of fn, each after an L2 flush (L2Flush), timed with CUDA events."""
     if reps < 2:
@@ -436,15 +461,7 @@ def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
     flush = L2Flush()
     kind = flush.kind
     graph = captured_graph(fn, warmup)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush()
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    times = replay_times_us(graph, flush, reps)
     del graph, flush
     return {"time_us": statistics.median(times), "time_us_min": min(times),
             "time_us_iqr": statistics.quantiles(times, n=4)[2] - statistics.quantiles(times, n=4)[0],

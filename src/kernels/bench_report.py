@@ -493,6 +493,11 @@ def _verdict_kind(met_rounds, rounds) -> str | None:
     return "met" if met_rounds == rounds else "missed" if met_rounds == 0 else "mixed"
 
 
+def _verdict(met_rounds, rounds) -> str:
+    kind = _verdict_kind(met_rounds, rounds)
+    return f"mixed: met in {met_rounds} of {rounds} rounds" if kind == "mixed" else f"{kind} in every round"
+
+
 def targets_over_rounds(df: pd.DataFrame, with_counts: bool = False) -> pd.DataFrame:
     """The targets of runs timed in rounds (`python -m sm120_workbook.kernels.targets`): each
     round's `targets_table`, then per target the runs (processes) and rounds that measured it,
@@ -521,9 +526,7 @@ def targets_over_rounds(df: pd.DataFrame, with_counts: bool = False) -> pd.DataF
            .reset_index())
     several = (out["runs"] > 1) & (out["note"] != "")
     out.loc[several, "note"] = out.loc[several, "note"] + " (newest run, " + out.loc[several, "note_run"] + ")"
-    out["verdict"] = [{"met": "met in every round", "missed": "missed in every round"}.get(
-                          _verdict_kind(met, n), f"mixed: met in {met} of {n} rounds")
-                      for met, n in zip(out["met_rounds"], out["rounds"])]
+    out["verdict"] = [_verdict(met, n) for met, n in zip(out["met_rounds"], out["rounds"])]
     # a target no round could measure (its baseline failed or was not timed) stays in the table
     unmeasured = [{"target": t, "runs": g["run_id"].nunique(), "rounds": 0, "ratio_is": g["ratio_is"].iloc[0],
                    "verdict": "not measured", "note": g["note"].iloc[0]}

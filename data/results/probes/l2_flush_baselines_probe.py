@@ -8,10 +8,9 @@ zero_read (zero_, then the read). Runs B-G (the arguments in RUNS) asked what ab
 does it: the lines' values (ones, a random buffer, a copy), a write after the read (8 B to 256 MiB),
 a GEMM (a served layer's projection) before the timing, and a tiny kernel of each kind after the
 written flush (a reduction, an elementwise add, a GEMM)."""
-import statistics
 import sys
 import torch
-from sm120_workbook.kernels.bench import BUILDERS, L2_FLUSH_BYTES, Inputs, Shape
+from sm120_workbook.kernels.bench import BUILDERS, L2_FLUSH_BYTES, Inputs, Shape, captured_graph, interleaved_medians_us
 
 flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 sink = torch.empty((), dtype=torch.int64, device="cuda")
@@ -52,22 +51,6 @@ def f_read_add8(): f_read(); tiny.add_(1)   # the read flush, then a tiny elemen
 MODES.update(read_w8=f_read_w8, read_w1m=f_read_w1m, read_w64m=f_read_w64m, read_w256m=f_read_w256m, gemm=f_gemm,
              gemm_only=f_gemm_only, zero_sum8=f_zero_sum8, zero_add8=f_zero_add8, zero_mm64=f_zero_mm64,
              read_add8=f_read_add8)
-def graph_of(fn):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3): fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g): fn()
-    g.replay(); torch.cuda.synchronize(); return g
-
-def times(g, flusher, reps=50):
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flusher(); st[i].record(); g.replay(); en[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(st, en))
 
 # each run's argument: (its modes, its cases); the docstring says what each run asked
 FLASHMLA_64K_128K = [("flashmla", Shape(1, 8, 16, 65536)), ("flashmla", Shape(1, 8, 16, 131072)),
@@ -94,11 +77,6 @@ print("case | " + " | ".join(MODES) + " | read/zero  (median of 5 rounds, each a
 for impl, sh in cases:
     x = Inputs(sh)
     fn = BUILDERS[impl](x)   # both kept alive while the graph replays: it holds no reference to their tensors
-    g = graph_of(fn)
-    per = {m: [] for m in MODES}
-    for r in range(5):
-        for m in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-            per[m].append(times(g, MODES[m]))
-    med = {m: statistics.median(v) for m, v in per.items()}
+    med = interleaved_medians_us(captured_graph(fn), MODES)
     print(f"{impl} {sh.label} | " + " | ".join(f"{med[m]:.1f}" for m in MODES)
           + f" | {med['read'] / med['zero']:.3f}", flush=True)

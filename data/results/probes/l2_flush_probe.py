@@ -2,8 +2,8 @@
 Does the L2 flush's write (zero_) put a write-back of dirty lines inside the timed replay?
 Modes, interleaved in rounds on the same graph: zero (the bench's until session 51), read (a 256 MiB read: clean
 lines), zero_read (zero_, then the read, which evicts the dirty lines before the timing)."""
-import statistics, sys, torch
-from sm120_workbook.kernels.bench import Shape, Inputs, build_sm120_mla, L2_FLUSH_BYTES
+import torch
+from sm120_workbook.kernels.bench import Shape, Inputs, build_sm120_mla, L2_FLUSH_BYTES, captured_graph, interleaved_medians_us
 
 flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 sink = torch.empty((), dtype=torch.int64, device="cuda")
@@ -11,23 +11,6 @@ def f_zero(): flush.zero_()
 def f_read(): torch.sum(flush.view(torch.int64), dim=0, out=sink)
 def f_zero_read(): flush.zero_(); torch.sum(flush.view(torch.int64), dim=0, out=sink)
 MODES = {"zero": f_zero, "read": f_read, "zero_read": f_zero_read}
-
-def graph_of(fn):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3): fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g): fn()
-    g.replay(); torch.cuda.synchronize(); return g
-
-def times(g, flusher, reps=50):
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flusher(); st[i].record(); g.replay(); en[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(st, en))
 
 cases = {}
 x = torch.randn(75_497_472 // 2, device="cuda").bfloat16()   # 75.5 MB, the KV of 65,536 keys
@@ -37,10 +20,5 @@ for sh in (Shape(1, 8, 1, 65536), Shape(1, 8, 16, 65536), Shape(32, 8, 1, 16384)
     cases[f"sm120_mla {sh.label}"] = build_sm120_mla(Inputs(sh))
 print("case | " + " | ".join(MODES) + " | zero/read  (median of 5 rounds, each a median of 50 replays, us)")
 for name, fn in cases.items():
-    g = graph_of(fn)
-    per = {m: [] for m in MODES}
-    for r in range(5):
-        for m in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-            per[m].append(times(g, MODES[m]))
-    med = {m: statistics.median(v) for m, v in per.items()}
+    med = interleaved_medians_us(captured_graph(fn), MODES)
     print(f"{name} | " + " | ".join(f"{med[m]:.1f}" for m in MODES) + f" | {med['zero']/med['read']:.3f}", flush=True)

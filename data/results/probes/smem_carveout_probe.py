@@ -11,12 +11,11 @@ runs after the written flush (which leaves the split alone) or the read one. Pre
 hypothesis holds: FlashMLA and fa2 fast (as after the written flush alone) after 0 B and after 200
 KB, slow after 16 KB, fast after 16 KB with a preference of 100; sm120_mla (at most 99 KB) the same
 in every mode."""
-import statistics
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from sm120_workbook.kernels.bench import BUILDERS, Inputs, L2Flush, Shape, captured_graph
+from sm120_workbook.kernels.bench import BUILDERS, Inputs, L2Flush, Shape, captured_graph, interleaved_medians_us
 
 SRC = r"""
 #include <torch/extension.h>
@@ -62,15 +61,6 @@ CASES = [("flashmla", Shape(1, 8, 16, 65536)), ("flashinfer_mla_fa2", Shape(1, 8
          ("sm120_mla", Shape(1, 8, 16, 65536)), ("flashmla", Shape(1, 8, 16, 16384))]
 
 
-def times(g, flusher, reps=50):
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flusher(); st[i].record(); g.replay(); en[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(st, en))
-
-
 for m in MODES.values():   # the attributes set and the kernel loaded before any timing
     m()
 torch.cuda.synchronize()
@@ -78,9 +68,5 @@ print("case | " + " | ".join(MODES) + "  (median of 5 interleaved rounds, each a
 for impl, sh in CASES:
     x = Inputs(sh)
     fn = BUILDERS[impl](x)   # kept alive with x while the graph replays
-    g = captured_graph(fn)
-    per = {m: [] for m in MODES}
-    for r in range(5):
-        for m in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-            per[m].append(times(g, MODES[m]))
-    print(f"{impl} {sh.label} | " + " | ".join(f"{statistics.median(v):.1f}" for v in per.values()), flush=True)
+    med = interleaved_medians_us(captured_graph(fn), MODES)
+    print(f"{impl} {sh.label} | " + " | ".join(f"{v:.1f}" for v in med.values()), flush=True)
