@@ -355,6 +355,12 @@ def churn_records(layout: pd.DataFrame, summary: pd.DataFrame, runs: pd.DataFram
     return records
 
 
+def kernel_layout_records(kernel_times: pd.DataFrame, scenario: str) -> list[dict]:
+    """Records of kernel_layout_timing's table for append_records("kv_fragmentation", ...),
+    each naming the churn scenario whose layouts were timed."""
+    return [{"kind": "kernel_layout", "scenario": scenario, **row} for row in kernel_times.to_dict("records")]
+
+
 # ---------------------------------------------------------------- charts
 _COLORS = {"need_sort=False": "#4c78a8", "need_sort=True": "#f58518",
            "contiguous (ideal)": "#9d9d9d"}

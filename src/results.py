@@ -148,6 +148,23 @@ def short_commit(commit, digits: int = 7) -> str:
     return sha[:digits] + plus + rest
 
 
+def source_label(df, live: bool) -> str:
+    """Where a chart's numbers come from, for its subtitle: "measured here" (this run) or
+    "recorded", with the GPU, the commits (the newest named) and the dates."""
+    where = "measured here" if live else "recorded"
+    if df is None or len(df) == 0:
+        return where
+    parts = [", ".join(sorted(set(df["gpu"].dropna().astype(str))))] if "gpu" in df else []
+    if "commit" in df:
+        d = df.sort_values("date") if "date" in df else df
+        commits = list(dict.fromkeys(short_commit(c) for c in d["commit"]))
+        parts.append(f"commit {commits[0]}" if len(commits) == 1 else f"{len(commits)} commits, newest {commits[-1]}")
+    if "date" in df:
+        dates = sorted(str(v)[:10] for v in df["date"].dropna())
+        parts.append(dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}")
+    return f"{where}: {'; '.join(p for p in parts if p)}"
+
+
 def describe_provenance(df) -> str:
     """One line naming where recorded results came from, for a notebook to print."""
     if df is None or len(df) == 0:

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .results import short_commit  # noqa: F401 - charts name commits so; notebooks import it from here
+from .results import short_commit, source_label  # noqa: F401 - charts name commits so; notebooks import them from here
 from .service import DRAFT_MODEL_SPECS, usual_draft_backend
 
 # A point is one configuration: records differing in any of these are never pooled or paired.
@@ -442,6 +442,20 @@ def _pairs_in_one_commit(points, key: str, first, second, suffixes) -> pd.DataFr
 HOST_PLAN_PROBE = ("probe", "on")
 
 
+HOST_PLAN_PROBE_RECORDS = "probes/dflash_host_plan_decode.jsonl"   # under data/results
+
+
+def host_plan_probe(model: str, gpu: str, path=None) -> pd.DataFrame:
+    """The host-plan timing probe's decode records (HOST_PLAN_PROBE_RECORDS: kept apart from
+    service_decode.jsonl, since the probe's draft attention is wrong and its tok/s only times
+    the step) of `model` on a GPU whose name contains `gpu`, to set beside the usual records
+    in host_plan_cost."""
+    from .results import load_records, on_gpu, results_dir
+
+    probe = load_records("service_decode", path=path or results_dir() / HOST_PLAN_PROBE_RECORDS)
+    return probe[on_gpu(probe, gpu) & (probe["model"] == model)] if len(probe) else probe
+
+
 def host_plan_cost(points) -> pd.DataFrame:
     """What the DFlash draft's host round-trips cost a step: each point of the host-plan timing probe
     (patches/dflash_host_plan.py) beside the point of the same configuration and commit as SGLang
@@ -584,23 +598,6 @@ def first_token_chart(tt, title: str = "", source: str = ""):
 def _spec_order(d) -> list[str]:
     present = set(d["spec_title"])
     return [t for t in SPEC_TITLES.values() if t in present] + sorted(present - set(SPEC_TITLES.values()))
-
-
-def source_label(df, live: bool) -> str:
-    """Where a chart's numbers come from, for its subtitle: "measured here" (this run) or
-    "recorded", with the GPU, the commits (the newest named) and the dates."""
-    where = "measured here" if live else "recorded"
-    if df is None or len(df) == 0:
-        return where
-    parts = [", ".join(sorted(set(df["gpu"].dropna().astype(str))))] if "gpu" in df else []
-    if "commit" in df:
-        d = df.sort_values("date") if "date" in df else df
-        commits = list(dict.fromkeys(short_commit(c) for c in d["commit"]))
-        parts.append(f"commit {commits[0]}" if len(commits) == 1 else f"{len(commits)} commits, newest {commits[-1]}")
-    if "date" in df:
-        dates = sorted(str(v)[:10] for v in df["date"].dropna())
-        parts.append(dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}")
-    return f"{where}: {'; '.join(p for p in parts if p)}"
 
 
 def chart_title(text: str, source: str = ""):

@@ -158,6 +158,10 @@ def test_an_rtx_run_is_measured_beside_the_projection_not_projected():
         assert set(measured["gpu"]) == {RTX_GPU} and (measured.impl == "sm120_mla").sum() == 3
     assert br.projection_runs(br.default_rows(h200), h200)[1] is None
     assert br.run_label(rtx) == f"{RTX_GPU} (run b)" and br.run_label(None) == ""
+    # a chart's provenance: the run's commit and date where the records have them
+    dated = rtx.assign(commit="abc1234def", date="2026-12-04T10:30:18+00:00")
+    assert br.run_label(dated) == f"{RTX_GPU} (run b, commit abc1234, 2026-12-04)"
+    assert br.run_label(pd.concat([dated, h200.assign(commit=None)])) == f"{H200} (run a), {RTX_GPU} (run b, commit abc1234, 2026-12-04)"
 
 
 def test_a_target_without_a_baseline_is_not_measured_rather_than_missed():
@@ -652,3 +656,30 @@ def test_each_target_is_judged_at_its_own_threshold(heads):
     assert verdicts(130.0, 130.0, 13000.0, 1.1 * 100.0, 100.0, 40.0, 120.0, 20.0, 20.0) == [True] * 6
     # just past it: missed
     assert verdicts(130.2, 130.1, 13010.0, 110.2, 100.0, 40.1, 120.0, 20.1, 20.0) == [False] * 6
+
+
+def test_notebook_03s_runs_live_or_recorded_with_their_provenance_and_ceilings(tmp_path):
+    import json
+
+    recs = [dict(_rec("20261204T075719Z", "v31", "sm120_mla", 85.0), status="ok", gpu=H200, copy_gbps=4216.6,
+                 matmul_tflops=777.2, mma_sync_tflops=629.0, date="2026-12-04T07:57:19+00:00", l2_flush="read"),
+            dict(_rec("20261204T075719Z", "v31", "flashmla", 69.0), status="ok", gpu=H200, copy_gbps=4216.6,
+                 matmul_tflops=777.2, mma_sync_tflops=629.0, date="2026-12-04T07:57:19+00:00", l2_flush="read"),
+            dict(_rec("20261204T075719Z", "v31", "sm120_mla", 40.0), status="ok", gpu=H200, short_ctx=1024,
+                 copy_gbps=4216.6, matmul_tflops=777.2, date="2026-12-04T07:57:19+00:00", l2_flush="read"),
+            dict(_rec("20261204T075719Z", "v31", "triton_verify", 0.0), status="error", gpu=H200)]
+    path = tmp_path / "kernel_bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    runs, skewed, source = br.shown_runs(path=path)
+    assert sorted(runs["impl"]) == ["flashmla", "sm120_mla"] and len(skewed) == 1   # failed records left out
+    assert source.startswith("RECORDED: recorded results: gpu=NVIDIA H200") and "commit=abc1234def" in source
+    assert br.ceilings_line(runs) == ("ceilings: copy 4,217 GB/s, bf16 matmul 777 TFLOP/s, mma.sync 629 TFLOP/s; "
+                                      "kernel version v31")
+    with pytest.raises(ValueError, match="^bench_run: no run 'x' recorded"):
+        br.shown_runs("x", path=path)
+    live, live_skewed, live_source = br.live_runs(recs)
+    assert len(live) == 2 and len(live_skewed) == 1
+    assert live_source == f"measured in this run on {H200}, commit abc1234def"
+    untagged = live.assign(kernel_version=None).drop(columns="mma_sync_tflops")
+    assert br.ceilings_line(untagged).endswith("TFLOP/s; kernel version untagged (a live build)")
+    assert br.live_runs([recs[-1]])[2] == "measured in this run (no record ok)" and br.ceilings_line(untagged[:0]) == "no run to show"

@@ -102,6 +102,7 @@ def test_recorded_table_puts_versions_side_by_side():
     assert recorded_table(df, gpu="RTX PRO 6000")["v4"].tolist() == [8.0]
     assert t["milestone"].tolist() == ["entry", "exit", "exit"]
     assert t.loc[1, "v2"] == 12.5                                          # the newest record
+    assert t.attrs["source"].startswith("recorded: NVIDIA H200")            # the chart's provenance
     assert recorded_table(df, versions=["v2"]).columns.tolist() == ["kernel", "milestone", "v2"]
     with pytest.raises(ValueError, match="versions"):
         recorded_table(df, versions=["v9"])
@@ -136,7 +137,10 @@ def test_timeline_chart_has_a_bar_per_segment_and_version():
     names = [("attention", m) for m in ("entry", "indices staged", "tile 0 landed", "tile 1 landed", "loop end", "exit")]
     names += [("combine", m) for m in ("entry", "weights ready", "exit")]
     t = pd.DataFrame([{"kernel": k, "milestone": m, "v1": float(i), "v2": i / 2} for i, (k, m) in enumerate(names)])
-    data = timeline_chart(t).data
+    t.attrs["source"] = "recorded: NVIDIA H200; commit abc1234; 2026-12-04"
+    chart = timeline_chart(t)
+    assert chart.title.subtitle == t.attrs["source"]
+    data = chart.data
     assert len(data) == 2 * len(SEGMENTS)
     merge = data[(data["version"] == "v2") & (data["segment"] == "combine: merge")].iloc[0]
     assert (merge["start_us"], merge["end_us"]) == (3.5, 4.0)   # combine weights ready -> exit

@@ -255,3 +255,23 @@ def test_interleaved_medians_alternate_the_order_and_take_medians(monkeypatch):
     med = bench.interleaved_medians_us("graph", befores, rounds=3, reps=7)
     assert [n for n, _ in calls] == ["a", "b", "b", "a", "a", "b"] and {r for _, r in calls} == {7}
     assert med == {"a": 3.0, "b": 7.0}   # a: medians 2, 3, 5; b: 7, 5, 8
+
+
+def test_the_nsplit_explorer_times_a_forced_schedule_and_names_a_refused_one(monkeypatch):
+    """Notebook 03's explorer line (bench.nsplit_retime): the forced schedule timed against the
+    workspace's choice; a schedule the workspace refuses is shown in its words, not raised."""
+    from types import SimpleNamespace
+
+    from sm120_workbook.kernels import bench
+
+    def build(x, num_splits, tile_keys, cta_rows):
+        if cta_rows == 64 and tile_keys != 16:
+            raise ValueError("tile_keys: the 64-row kernel has 16-key tiles only, got 32")
+        return SimpleNamespace(cta_rows=cta_rows)
+
+    monkeypatch.setattr(bench, "build_sm120_mla", build)
+    monkeypatch.setattr(bench, "time_graph_us", lambda fn, reps: {"time_us": 90.0})
+    assert bench.nsplit_retime(None, 33, 32, 16, auto_us=60.0) == \
+        "splits  33, 32-row kernel, 16-key tiles: 90.0 µs (1.50x the workspace's choice)"
+    assert bench.nsplit_retime(None, 66, 64, 32, auto_us=60.0) == \
+        "not a schedule the kernel has: tile_keys: the 64-row kernel has 16-key tiles only, got 32"

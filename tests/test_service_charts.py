@@ -495,3 +495,18 @@ def test_draft_tokens_name_a_point_only_where_they_tell_two_apart():
     assert "draft tokens" not in "".join(pts["line"])
     assert sc.config_label("triton", draft_tokens=None) == "triton"
     assert sc.label_of(_rec("triton", 4096, 1.0, "c", "d"), draft_tokens=True) == "triton + ngram_tail, 8 draft tokens"
+
+
+def test_the_host_plan_probe_is_read_apart_and_kept_to_one_model_and_gpu(tmp_path):
+    import json
+
+    path = tmp_path / "probe.jsonl"
+    rows = [dict(model="k2_tp8_slice", gpu="NVIDIA H200", ctx=4096), dict(model="k2_tp8_slice", gpu="NVIDIA H100", ctx=4096),
+            dict(model="dsv3_tp8_slice", gpu="NVIDIA H200", ctx=4096)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    probe = sc.host_plan_probe("k2_tp8_slice", "H200", path=path)
+    assert probe[["model", "gpu"]].to_dict("records") == [{"model": "k2_tp8_slice", "gpu": "NVIDIA H200"}]
+    assert sc.host_plan_probe("k2_tp8_slice", "H200", path=tmp_path / "none.jsonl").empty
+    from sm120_workbook.results import results_dir
+
+    assert (results_dir() / sc.HOST_PLAN_PROBE_RECORDS).exists()   # the committed probe records

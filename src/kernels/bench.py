@@ -468,6 +468,43 @@ def time_graph_us(fn, reps: int = 50, warmup: int = 3) -> dict:
             "reps": reps, "l2_flush": kind}
 
 
+def nsplit_retime(x: Inputs, splits: int, cta_rows: int, tile_keys: int, auto_us: float, reps: int = 50) -> str:
+    """One line of the NSPLIT explorer: the call at batch `x` with the split count, kernel and
+    tile forced, timed as a serving step is (time_graph_us), against `auto_us`, the workspace's
+    own choice; a schedule the workspace refuses is said in its words (its ValueError)."""
+    try:
+        fn = build_sm120_mla(x, num_splits=splits, tile_keys=tile_keys, cta_rows=cta_rows)
+    except ValueError as e:
+        return f"not a schedule the kernel has: {e}"
+    t = time_graph_us(fn, reps=reps)["time_us"]
+    return (f"splits {splits:3d}, {fn.cta_rows}-row kernel, {tile_keys}-key tiles: {t:.1f} µs "
+            f"({t / auto_us:.2f}x the workspace's choice)")
+
+
+def nsplit_explorer(heads: int = 8, ctx: int = 65536, reps: int = 50):
+    """Notebook 03's NSPLIT explorer (needs a GPU): the workspace's choice at batch 1, q_len 16,
+    `heads` and `ctx` timed once, then sliders for the split count, the kernel (32 or 64 rows)
+    and the tile, each setting timed live by nsplit_retime. Returns the widget."""
+    import ipywidgets as W
+
+    x = Inputs(Shape(1, heads, 16, ctx))
+    auto = build_sm120_mla(x)
+    auto_us = time_graph_us(auto, reps=reps)["time_us"]
+    out = W.Output()
+
+    def retime(splits, cta_rows, tile_keys):
+        with out:
+            out.clear_output()
+            print(nsplit_retime(x, splits, cta_rows, tile_keys, auto_us, reps))
+
+    controls = W.interactive(retime, splits=W.IntSlider(value=auto.num_splits, min=1, max=MAX_SPLITS),
+                             cta_rows=W.Dropdown(options=[32, 64], value=auto.cta_rows),
+                             tile_keys=W.Dropdown(options=[16, 32], value=auto.tile_keys))
+    chosen = W.HTML(f"the workspace's choice: {auto.num_splits} splits, {auto.cta_rows}-row kernel, "
+                    f"{auto.tile_keys}-key tiles: {auto_us:.1f} µs")
+    return W.VBox([chosen, controls, out])
+
+
 def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_rows: int = 64):
     """The call of a diagnostic build (`defines` plus the `diagnostic` define, e.g. WIDE_TRACE)
     and the time of both it and the same build without it, since the stamps cost a little:

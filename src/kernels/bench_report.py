@@ -127,6 +127,44 @@ def with_missing_baselines(run: pd.DataFrame, all_runs: pd.DataFrame) -> pd.Data
     return pd.concat(parts, ignore_index=True)
 
 
+def shown_runs(bench_run: str = "", path=None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """What notebook 03 shows without a live run: the recorded run `bench_run` (default: the
+    newest that compared, comparison_run), with SGLang's Triton baselines from the newest run
+    that has them where it lacks them (with_missing_baselines); the skewed batches (of
+    `bench_run` only, where one is asked for); and a provenance line for the run."""
+    from ..results import describe_provenance
+
+    all_runs = load_bench(path)
+    shown = comparison_run(all_runs, bench_run)
+    skewed = load_bench(path, skewed=True)
+    if bench_run and len(skewed):
+        skewed = skewed[skewed["run_id"] == bench_run]
+    return with_missing_baselines(shown, all_runs), skewed, "RECORDED: " + describe_provenance(shown)
+
+
+def live_runs(records: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """The same three for a benchmark just run here (bench.run's records; failed ones left out)."""
+    runs = pd.DataFrame([r for r in records if r.get("status") == "ok"])
+    if runs.empty:
+        return runs, runs, "measured in this run (no record ok)"
+    uniform, skewed = uniform_and_skewed(runs)
+    first = runs.iloc[0]
+    return uniform, skewed, f"measured in this run on {first['gpu']}, commit {short_commit(first['commit'], 12)}"
+
+
+def ceilings_line(runs: pd.DataFrame) -> str:
+    """The run's measured ceilings and kernel version, as notebook 03 prints them above its tables."""
+    if runs.empty:
+        return "no run to show"
+    r = runs.iloc[0]
+    mma = r.get("mma_sync_tflops", float("nan"))
+    tagged = runs["kernel_version"].dropna() if "kernel_version" in runs else pd.Series(dtype=object)
+    version = str(tagged.iloc[0]) if len(tagged) and tagged.iloc[0] else None
+    return (f"ceilings: copy {r['copy_gbps']:,.0f} GB/s, bf16 matmul {r['matmul_tflops']:,.0f} TFLOP/s"
+            + (f", mma.sync {mma:,.0f} TFLOP/s" if mma == mma else "")
+            + f"; kernel version {version or 'untagged (a live build)'}")
+
+
 def baselines_from(table: pd.DataFrame) -> dict[str, str]:
     """impl -> run_id for the impls whose rows come from another run than sm120_mla's."""
     if table.empty or not (table["impl"] == "sm120_mla").any():
@@ -273,11 +311,22 @@ def projection_runs(table: pd.DataFrame, all_runs: pd.DataFrame) -> tuple[pd.Dat
 
 
 def run_label(df: pd.DataFrame | None) -> str:
-    """'NVIDIA H200 (run 20261130T103353Z)' for each GPU and run of the records; "" for none."""
+    """'NVIDIA H200 (run 20261130T103353Z, commit 84fe64d, 2026-11-30)' for each GPU and run of the
+    records (a chart's provenance: the commits and dates where the records have them); "" for none."""
     if df is None or df.empty or "run_id" not in df:
         return ""
-    gpus = df["gpu"].fillna("unknown GPU") if "gpu" in df else pd.Series("unknown GPU", index=df.index)
-    return ", ".join(f"{gpu} (run {run})" for gpu, run in sorted(set(zip(gpus, df["run_id"]))))
+    df = df.assign(_gpu=df["gpu"].fillna("unknown GPU") if "gpu" in df else "unknown GPU")
+    labels = []
+    for (gpu, run), rows in df.groupby(["_gpu", "run_id"], sort=True):
+        parts = [f"run {run}"]
+        if "commit" in rows:
+            commits = sorted({short_commit(c) for c in rows["commit"].dropna()})
+            parts += [f"commit {'/'.join(commits)}"] if commits else []
+        if "date" in rows:
+            dates = sorted(str(d)[:10] for d in rows["date"].dropna())
+            parts += [dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}"] if dates else []
+        labels.append(f"{gpu} ({', '.join(parts)})")
+    return ", ".join(labels)
 
 
 def _tile_keys(table: pd.DataFrame) -> int | None:

@@ -118,7 +118,7 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
     from the newest record of each. Only builds without extra defines are compared, and only
     timelines of one attention kernel (`cta_rows`: 64, or 32 for the split kernel), on a GPU
     whose name contains `gpu`."""
-    from ..results import load_records, on_gpu
+    from ..results import load_records, on_gpu, source_label
 
     df = load_records("kernel_timeline") if df is None else df
     if len(df) == 0:
@@ -141,7 +141,11 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 4096, ve
     t = newest.pivot_table(index=["kernel", kind], columns="kernel_version", values="median_us", sort=False)
     t = t.reindex(index=[o for o in order if o in t.index], columns=versions)
     t.columns.name = None
-    return t.reset_index()
+    t = t.reset_index()
+    # the chart's provenance (GPU, commits, dates of the records shown); attrs, so that the
+    # table's columns stay one per version
+    t.attrs["source"] = source_label(newest, live=False)
+    return t
 
 
 # Consecutive milestones of the median CTA, as the segments of a call (timeline_chart).
@@ -158,8 +162,11 @@ SEGMENTS = (
 
 def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k", gpu: str = "H200"):
     """The median CTA's call as bars, one row per version, from a `recorded_table` of milestones
-    (columns kernel, milestone, then one per version) recorded on `gpu`."""
+    (columns kernel, milestone, then one per version) recorded on `gpu`; the table's provenance
+    (`attrs["source"]`, from recorded_table) is the subtitle."""
     import altair as alt
+
+    from .bench_report import _title
 
     versions = [c for c in milestones.columns if c not in ("kernel", "milestone")]
     at = milestones.set_index(["kernel", "milestone"])
@@ -176,7 +183,8 @@ def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k", gpu: str 
         y=alt.Y("version:N", sort=versions, title=None),
         color=alt.Color("segment:N", sort=order, scale=alt.Scale(domain=order), title=None),
         tooltip=["version", "segment", alt.Tooltip("start_us:Q", format=".2f"), alt.Tooltip("end_us:Q", format=".2f")],
-    ).properties(title=f"Where a call goes, CTA timeline, {title} (recorded, {gpu})", width=460, height=28 * len(versions))
+    ).properties(title=_title(f"Where a call goes, CTA timeline, {title} (recorded, {gpu})",
+                              milestones.attrs.get("source", "")), width=460, height=28 * len(versions))
 
 
 def main(argv=None) -> None:
