@@ -44,6 +44,8 @@ help:
 	@echo "make run      run the workbook (papermill) into runs/<timestamp>/"
 	@echo "make test     pytest + nbval over every notebook"
 	@echo "make lab      JupyterLab with widgets"
+	@echo "make setup [TORCH=cpu|gpu]   only the .venv (run and test make it on first use)"
+	@echo "make clean    remove .venv, build folders and runs/ (the executed notebooks and server logs)"
 	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
 	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1, .whl2, ...: one device call each)"
 	@echo "make device-wheel       this project's committed code as a wheel for the GPU machine (.whlp; sets up .venv first)"
@@ -113,7 +115,7 @@ wheelhouse:
 	@# imports deep_gemm as it captures its CUDA graphs, so without it an EAGLE server cannot start
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux2014_x86_64 -d .whl-pool $(EXTRA_DEVICE_WHEELS) $(NOTEBOOK_DEVICE_WHEELS)
-	@# a call ships the tree (~7 MiB since session 50 archived the records; it grows) beside its folder, within
+	@# a call ships the tree (it grows with the records) beside its folder, within
 	@# 64 MiB: repack the wheels into as many folders as that leaves room for (stdlib only: no venv needed)
 	$(PYTHON) src/wheel_folders.py
 

@@ -355,10 +355,11 @@ def churn_records(layout: pd.DataFrame, summary: pd.DataFrame, runs: pd.DataFram
     return records
 
 
-def kernel_layout_records(kernel_times: pd.DataFrame, scenario: str) -> list[dict]:
+def kernel_layout_records(kernel_times: pd.DataFrame, config: ChurnConfig) -> list[dict]:
     """Records of kernel_layout_timing's table for append_records("kv_fragmentation", ...),
-    each naming the churn scenario whose layouts were timed."""
-    return [{"kind": "kernel_layout", "scenario": scenario, **row} for row in kernel_times.to_dict("records")]
+    each naming the churn scenario whose layouts were timed, and its config."""
+    return [{"kind": "kernel_layout", "scenario": config.scenario, "config": asdict(config), **row}
+            for row in kernel_times.to_dict("records")]
 
 
 # ---------------------------------------------------------------- charts
@@ -600,7 +601,7 @@ def main(argv=None) -> int:
     import argparse
 
     from .kernels.bench import replays
-    from .results import append_records, cli_command
+    from .results import add_record_args, append_records, cli_command
 
     defaults = ChurnConfig()
     ap = argparse.ArgumentParser(description="KV layout cost on the sm120 kernel (GPU)", epilog=main.__doc__,
@@ -616,6 +617,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-prompt-len", type=int, default=defaults.probe_prompt_len)
     ap.add_argument("--probe-output-len", type=int, default=defaults.probe_output_len)
     ap.add_argument("--seed", type=int, default=defaults.seed)
+    add_record_args(ap, "kv_fragmentation")   # --out: the GPU machine returns only what is under $OUT
     args = ap.parse_args(argv)
     try:
         config = ChurnConfig(tokens_per_step=args.tokens_per_step, capacity_tokens=args.capacity_tokens,
@@ -626,9 +628,10 @@ def main(argv=None) -> int:
     times = kernel_layout_timing(probe_layouts(config), batch=args.batch, heads=args.heads,
                                  q_len=args.q_len, reps=args.reps)
     print(times.round(1).to_string(index=False))
-    rows = [{"kind": "kernel_layout", "scenario": config.scenario, "config": asdict(config), **r}
-            for r in times.to_dict("records")]
-    print("appended to", append_records("kv_fragmentation", rows,
+    if args.no_record:
+        return 0
+    rows = [dict(r, kernel_version=args.tag) if args.tag else r for r in kernel_layout_records(times, config)]
+    print("appended to", append_records("kv_fragmentation", rows, path=args.out,
                                         command=cli_command("sm120_workbook.kv_fragmentation", argv)))
     return 0
 

@@ -103,9 +103,10 @@ def test_frames_records_and_charts():
     assert {r["kind"] for r in records} == {"churn_layout", "churn_timing", "churn_run"}
     assert all("config" in r for r in records if r["kind"] == "churn_layout")
     timed = pd.DataFrame([{"layout": "contiguous", "time_us": 30.5}, {"layout": "scattered", "time_us": 31.0}])
-    assert kf.kernel_layout_records(timed, "decode") == [
-        {"kind": "kernel_layout", "scenario": "decode", "layout": "contiguous", "time_us": 30.5},
-        {"kind": "kernel_layout", "scenario": "decode", "layout": "scattered", "time_us": 31.0}]
+    recs = kf.kernel_layout_records(timed, configs[-1])
+    assert [(r["kind"], r["scenario"], r["layout"], r["time_us"]) for r in recs] == [
+        ("kernel_layout", configs[-1].scenario, "contiguous", 30.5), ("kernel_layout", configs[-1].scenario, "scattered", 31.0)]
+    assert all(r["config"]["tokens_per_step"] == configs[-1].tokens_per_step for r in recs)
     for chart in (kf.layout_chart(layout), kf.pages_chart(layout), kf.sort_cost_chart(summary)):
         spec = chart.to_dict()
         assert spec["data"] or spec.get("datasets")
