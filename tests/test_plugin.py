@@ -636,3 +636,53 @@ def test_a_kv_sort_failure_leaves_the_other_steps_and_says_so(clean_plugin_state
     assert any("the KV sort override (SM120_KV_SORT) failed: RuntimeError('no need_sort here')" in x
                for x in plugin_log)
     assert any("KV sort override NOT installed although SM120_KV_SORT=1" in x for x in plugin_log)
+
+
+def test_dflash_verify_metadata_drops_the_capture_mask_on_every_path(monkeypatch):
+    """SGLang's graph runner hands a DFlash capture of this backend an all-ones mask (its list of
+    causal backends names TritonAttnBackend, not the subclass), which the parent binds and no
+    replay refills. The metadata drops it, so that the kernel and the parent's Triton path (a
+    non-MLA model: kernel_ops None) both run DFlash's chain causally; an EAGLE tree keeps its mask."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+    from sglang.srt.speculative.dflash_utils import resolve_dflash_verify_mask_policy
+    from sglang.srt.speculative.spec_info import SpecInputType
+
+    from sm120_workbook.patches.backend import Sm120MlaAttnBackend
+
+    def parent(self, forward_batch, in_capture=False):   # the capture: the mask buffer bound
+        self.forward_metadata = SimpleNamespace(custom_mask=torch.ones(8, dtype=torch.bool))
+
+    monkeypatch.setattr(TritonAttnBackend, "init_forward_metadata_out_graph", parent)
+    backend = object.__new__(Sm120MlaAttnBackend)
+    backend.kernel_ops = None   # a non-MLA model: every phase on the parent's Triton kernels
+    assert resolve_dflash_verify_mask_policy(backend)[1], "SGLang now captures this class without a mask"
+    dflash = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY,
+                             spec_info=DFlashVerifyInput(draft_token=None, positions=None, draft_token_num=4))
+    backend.init_forward_metadata_out_graph(dflash, in_capture=True)
+    assert backend.forward_metadata.custom_mask is None
+    eagle = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY,
+                            spec_info=SimpleNamespace(spec_input_type=SpecInputType.EAGLE_VERIFY))
+    backend.init_forward_metadata_out_graph(eagle, in_capture=True)
+    assert backend.forward_metadata.custom_mask is not None
+
+
+def test_a_registration_failure_leaves_the_other_steps_and_says_so(clean_plugin_state, plugin_log, monkeypatch):
+    """SGLang only logs a plugin's exception: an unguarded registration would skip every step after
+    it. Guarded, the opt-in steps still install and the status line says what is missing."""
+    def broken():
+        raise RuntimeError("no attention registry here")
+
+    monkeypatch.setattr(plugin, "register_backend", broken)
+    monkeypatch.setattr(plugin, "is_registered", lambda: False)
+    monkeypatch.setenv(kv_sort.ENV_VAR, "1")
+    plugin.load_plugin()
+    assert mha_draft.is_installed()
+    assert any("registering the sm120_mla attention backend failed: RuntimeError('no attention registry here')" in x
+               for x in plugin_log)
+    assert any("attention backend 'sm120_mla' NOT registered (see the warning above)" in x
+               and "KV sort override on (SM120_KV_SORT=1)" in x for x in plugin_log)

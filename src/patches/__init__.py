@@ -221,7 +221,7 @@ def spec_compat_installed() -> bool:
 
 
 def install_spec_compat() -> bool:
-    """Let the draft-side backend choices accept `sm120_mla` wherever they accept `triton`.
+    """Let the draft-side backend choices accept `sm120_mla` where they accept `triton` (but one).
 
     Two places in SGLang 0.5.17 check draft backends by name:
     - `DraftBackendFactory._create_backend` (sglang/srt/speculative/draft_utils.py): the
@@ -231,7 +231,12 @@ def install_spec_compat() -> bool:
       TritonAttnBackend; any other map (a non-MLA draft, a factory of another SGLang) gets the
       `triton` entry. `--speculative-draft-attention-backend triton` keeps the draft on Triton.
     - `_SUPPORTED_DRAFT_BACKENDS` (sglang/srt/speculative/draft_worker_common.py): the
-      separate draft workers (DSpark); the name is added to the tuple.
+      separate draft workers (DSpark); the name is added to the tuple. A DSpark draft is not MLA,
+      so there it runs the Triton backend (the backend's log line says so, and names
+      `--speculative-draft-attention-backend flashinfer`).
+    Not patched: Frozen-KV MTP with topk > 1 (frozen_kv_mtp_worker_v2) accepts only `triton` and
+    `trtllm_mha` by name and refuses `sm120_mla` at start-up in its own words; there
+    `--speculative-draft-attention-backend triton` keeps the draft on Triton.
     A third, `_resolve_dflash_draft_attention_backend` (sglang/srt/arg_groups/speculative_hook.py),
     is left as it is: DFLASH's draft, with no backend named, takes the prefill backend, and for
     `sm120_mla` SGLang's fallback, FlashInfer, whose draft step at 64k is a fraction of Triton's
@@ -334,7 +339,10 @@ def load_plugin() -> None:
     if warning:
         logger.warning(warning)
         _version_warned = True
-    register_backend()
+    # Guarded like every step: a registry this SGLang lacks leaves the opt-in steps below working
+    # (SGLang only logs a plugin's exception, and would skip them all) and says so.
+    registered = install_or_warn(lambda: register_backend() or is_registered(), logger,
+                                 f"registering the {BACKEND_NAME} attention backend")
     kv_sort_on = install_or_warn(kv_sort.install_from_env, logger, f"the KV sort override ({kv_sort.ENV_VAR})")
     ngram_tail.install_from_env()
     dflash_host_plan.install_from_env()
@@ -345,7 +353,8 @@ def load_plugin() -> None:
     if selected:
         _install_spec_compat_or_warn()
     message = (f"sm120_workbook plugin (pid {os.getpid()}): attention backend {BACKEND_NAME!r} "
-               f"registered{' and selected' if selected else ''}; KV sort override "
+               + ("registered" if registered else "NOT registered (see the warning above)")
+               + f"{' and selected' if selected else ''}; KV sort override "
                + (f"on ({kv_sort.ENV_VAR}=1)" if kv_sort_on
                   else f"NOT installed although {kv_sort.ENV_VAR}=1 (see the warning above)" if kv_sort.requested()
                   else f"off (set {kv_sort.ENV_VAR}=1 to enable)"))

@@ -216,9 +216,10 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         self._check_runner(model_runner)
         self.kernel_heads = self.num_head
         self.kernel_max_q_len = getattr(kernel_ops, "MAX_Q_LEN", DEFAULT_MAX_Q_LEN)
-        # Verify and draft extend put num_draft_tokens queries per request, decode one (an EAGLE
-        # draft's decode steps one per branch: Sm120MlaMultiStepDraftBackend grows the buffers).
-        self.tokens_per_request = max(1, self.num_draft_tokens or 1)
+        # Verify and draft extend put num_draft_tokens queries per request, decode one. A draft's
+        # decode-step backend (skip_prefill) decodes only, one query per branch: sized for one a
+        # request here, Sm120MlaMultiStepDraftBackend grows it to its branches.
+        self.tokens_per_request = 1 if skip_prefill else max(1, self.num_draft_tokens or 1)
         max_requests = model_runner.req_to_token_pool.size
         self._alloc_kernel_buffers(max_requests * self.tokens_per_request, max_requests)
         sizes = (self.kernel_heads, self.kernel_max_tokens, self.kernel_workspace_bytes / 2**20)
@@ -308,6 +309,14 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if getattr(forward_batch.spec_info, "spec_input_type", None) == SpecInputType.DFLASH_VERIFY:
+            # DFlash verifies a causal chain and sends no mask. But SGLang's graph runner gives a
+            # capture an all-ones one for a backend its list of causal backends does not name (by
+            # class: this subclass of Triton's, or the hybrid around it), the parent binds its mask
+            # buffer to it, and no replay refills it: read, it would hide the drafts (the buffer's
+            # zeros) or show them all (its ones), on the kernel and on the parent's Triton path (a
+            # non-MLA model) alike. Without it both run the chain causally, as Triton does.
+            self.forward_metadata.custom_mask = None
         mode = forward_batch.forward_mode
         if self._on_kernel(mode):
             # Once per forward, outside the graph: the parent refilled its int64 qo_indptr (a
@@ -409,13 +418,8 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         qo_indptr = meta.qo_indptr
         if qo_indptr.dtype != torch.int32:  # the int32 copy made with the metadata, out of graph
             qo_indptr = self.verify_qo_indptr[: qo_indptr.numel()]
-        custom_mask = meta.custom_mask   # None in draft extend: a causal chain, as the parent's
-        if getattr(forward_batch.spec_info, "spec_input_type", None) == SpecInputType.DFLASH_VERIFY:
-            # DFlash verifies a causal chain, and sends no mask. But SGLang's graph runner gives a
-            # capture an all-ones one for a backend its list of causal backends does not name (by
-            # class: this subclass of Triton's, or the hybrid around it), and no replay refills
-            # it: read, it would hide the drafts (the buffer's zeros) or show them all (its ones).
-            custom_mask = None
+        # None in draft extend and DFlash's verify (init_forward_metadata_out_graph): a causal chain
+        custom_mask = meta.custom_mask
         return self._attend(q, layer, out, qo_indptr=qo_indptr, max_q_len=int(meta.max_extend_len),
                             k_extend=k.contiguous(), custom_mask=custom_mask,
                             mask_indptr=meta.mask_indptr if custom_mask is not None else None)
