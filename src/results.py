@@ -34,13 +34,13 @@ def cli_command(module: str, argv=None) -> str:
 
 
 def append_records(name: str, records: Iterable[dict], command: str | None = None,
-                   path: Path | None = None) -> Path:
+                   path: Path | str | None = None) -> Path:
     """Append measurement dicts to data/results/<name>.jsonl, each stamped with provenance.
 
     Fields already in a record win over the provenance defaults (a record made on the GPU
     machine and merged here keeps its own GPU and date).
     """
-    path = path or results_dir() / f"{name}.jsonl"
+    path = Path(path) if path else results_dir() / f"{name}.jsonl"   # a tool's --out comes as a str
     path.parent.mkdir(parents=True, exist_ok=True)
     prov = provenance(command)
     with path.open("a") as f:

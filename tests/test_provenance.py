@@ -111,3 +111,14 @@ def test_archived_records_read_as_before_and_appends_go_on(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         results.main(["archive", "nosuch"])
     assert "NAME: no data/results/<NAME>.jsonl for nosuch" in capsys.readouterr().err
+
+
+def test_append_records_takes_a_tools_out_path_as_text(tmp_path):
+    """A tool's --out reaches append_records as argparse's str (kv_fragmentation --out)."""
+    import json
+
+    from sm120_workbook.results import append_records
+
+    out = tmp_path / "sub" / "kv.jsonl"
+    assert append_records("kv_fragmentation", [{"kind": "kernel_layout"}], path=str(out)) == out
+    assert json.loads(out.read_text())["kind"] == "kernel_layout"
