@@ -638,15 +638,16 @@ def test_a_kv_sort_failure_leaves_the_other_steps_and_says_so(clean_plugin_state
     assert any("KV sort override NOT installed although SM120_KV_SORT=1" in x for x in plugin_log)
 
 
-def test_dflash_verify_metadata_drops_the_capture_mask_on_every_path(monkeypatch):
+def test_a_dflash_verify_on_the_parents_path_reads_no_capture_mask(monkeypatch):
     """SGLang's graph runner hands a DFlash capture of this backend an all-ones mask (its list of
     causal backends names TritonAttnBackend, not the subclass), which the parent binds and no
-    replay refills. The metadata drops it, so that the kernel and the parent's Triton path (a
-    non-MLA model: kernel_ops None) both run DFlash's chain causally; an EAGLE tree keeps its mask."""
+    replay refills. A non-MLA model (kernel_ops None) runs the parent's Triton path: for a DFlash
+    verify it gets the metadata without the mask, and the captured metadata is left as it was; an
+    EAGLE tree keeps its mask."""
     from types import SimpleNamespace
 
     import torch
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
     from sglang.srt.speculative.dflash_utils import resolve_dflash_verify_mask_policy
@@ -654,21 +655,23 @@ def test_dflash_verify_metadata_drops_the_capture_mask_on_every_path(monkeypatch
 
     from sm120_workbook.patches.backend import Sm120MlaAttnBackend
 
-    def parent(self, forward_batch, in_capture=False):   # the capture: the mask buffer bound
-        self.forward_metadata = SimpleNamespace(custom_mask=torch.ones(8, dtype=torch.bool))
-
-    monkeypatch.setattr(TritonAttnBackend, "init_forward_metadata_out_graph", parent)
+    seen = []
+    monkeypatch.setattr(TritonAttnBackend, "forward_extend",
+                        lambda self, *a, **kw: seen.append(self.forward_metadata.custom_mask) or "out")
     backend = object.__new__(Sm120MlaAttnBackend)
     backend.kernel_ops = None   # a non-MLA model: every phase on the parent's Triton kernels
     assert resolve_dflash_verify_mask_policy(backend)[1], "SGLang now captures this class without a mask"
+    fields = {f: None for f in ForwardMetadata.__dataclass_fields__}
+    captured = ForwardMetadata(**dict(fields, custom_mask=torch.ones(8, dtype=torch.bool)))
+    backend.forward_metadata = captured
     dflash = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY,
                              spec_info=DFlashVerifyInput(draft_token=None, positions=None, draft_token_num=4))
-    backend.init_forward_metadata_out_graph(dflash, in_capture=True)
-    assert backend.forward_metadata.custom_mask is None
+    assert backend.forward_extend(None, None, None, None, dflash) == "out"
+    assert seen[-1] is None and backend.forward_metadata is captured and captured.custom_mask is not None
     eagle = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY,
                             spec_info=SimpleNamespace(spec_input_type=SpecInputType.EAGLE_VERIFY))
-    backend.init_forward_metadata_out_graph(eagle, in_capture=True)
-    assert backend.forward_metadata.custom_mask is not None
+    backend.forward_extend(None, None, None, None, eagle)
+    assert seen[-1] is captured.custom_mask
 
 
 def test_a_registration_failure_leaves_the_other_steps_and_says_so(clean_plugin_state, plugin_log, monkeypatch):

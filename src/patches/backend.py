@@ -34,6 +34,7 @@ alone. `attention_routes` says what the server does.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from types import SimpleNamespace
@@ -174,6 +175,15 @@ def load_kernel_ops():
     return kernels
 
 
+def _is_dflash_verify(forward_batch) -> bool:
+    """DFlash verifies a causal chain and sends no mask. But SGLang's graph runner gives a capture
+    an all-ones one for a backend its list of causal backends does not name (by class: this
+    subclass of Triton's, or the hybrid around it), the parent binds its mask buffer to it, and no
+    replay refills it: read, it would hide the drafts (the buffer's zeros) or show them all (its
+    ones). So a DFlash verify reads no mask, on the kernel and on the parent's path alike."""
+    return getattr(forward_batch.spec_info, "spec_input_type", None) == SpecInputType.DFLASH_VERIFY
+
+
 class Sm120MlaAttnBackend(TritonAttnBackend):
     """TritonAttnBackend whose MLA decode, target verify and draft extend run `mla_verify_attention`.
 
@@ -309,14 +319,6 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        if getattr(forward_batch.spec_info, "spec_input_type", None) == SpecInputType.DFLASH_VERIFY:
-            # DFlash verifies a causal chain and sends no mask. But SGLang's graph runner gives a
-            # capture an all-ones one for a backend its list of causal backends does not name (by
-            # class: this subclass of Triton's, or the hybrid around it), the parent binds its mask
-            # buffer to it, and no replay refills it: read, it would hide the drafts (the buffer's
-            # zeros) or show them all (its ones), on the kernel and on the parent's Triton path (a
-            # non-MLA model) alike. Without it both run the chain causally, as Triton does.
-            self.forward_metadata.custom_mask = None
         mode = forward_batch.forward_mode
         if self._on_kernel(mode):
             # Once per forward, outside the graph: the parent refilled its int64 qo_indptr (a
@@ -395,9 +397,20 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         on_kernel = self._on_kernel(mode) and not (
             mode.is_draft_extend_v2() and int(self.forward_metadata.max_extend_len) > self.kernel_max_q_len)
         if not on_kernel:
-            return super().forward_extend(q, k, v, layer, forward_batch,
-                                          save_kv_cache=save_kv_cache, sinks=sinks,
-                                          score_mod=score_mod, aux_tensors=aux_tensors)
+            # The parent's Triton path (a non-MLA model) reads the metadata's mask. A DFlash verify
+            # gets, for this call only, the metadata without it; the captured metadata itself is
+            # left as it is (replays reuse it).
+            meta = self.forward_metadata
+            unmasked = _is_dflash_verify(forward_batch) and getattr(meta, "custom_mask", None) is not None
+            if unmasked:
+                self.forward_metadata = dataclasses.replace(meta, custom_mask=None)
+            try:
+                return super().forward_extend(q, k, v, layer, forward_batch,
+                                              save_kv_cache=save_kv_cache, sinks=sinks,
+                                              score_mod=score_mod, aux_tensors=aux_tensors)
+            finally:
+                if unmasked:
+                    self.forward_metadata = meta
         self._check_layer(layer, sinks, score_mod)
         out = getattr(forward_batch, "_attn_output", None)
         if out is None:
@@ -418,8 +431,8 @@ class Sm120MlaAttnBackend(TritonAttnBackend):
         qo_indptr = meta.qo_indptr
         if qo_indptr.dtype != torch.int32:  # the int32 copy made with the metadata, out of graph
             qo_indptr = self.verify_qo_indptr[: qo_indptr.numel()]
-        # None in draft extend and DFlash's verify (init_forward_metadata_out_graph): a causal chain
-        custom_mask = meta.custom_mask
+        # None in draft extend and in DFlash's verify (_is_dflash_verify): a causal chain
+        custom_mask = None if _is_dflash_verify(forward_batch) else meta.custom_mask
         return self._attend(q, layer, out, qo_indptr=qo_indptr, max_q_len=int(meta.max_extend_len),
                             k_extend=k.contiguous(), custom_mask=custom_mask,
                             mask_indptr=meta.mask_indptr if custom_mask is not None else None)
