@@ -1,4 +1,5 @@
-"""Saving altair charts as PNG and SVG (through vl-convert), to the run's output folder."""
+"""Saving altair charts as PNG and SVG (through vl-convert), to the run's output folder, and their
+titles with where their numbers come from."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,3 +22,11 @@ def save_chart(chart, name: str, out_dir: str | Path | None = None) -> list[Path
     chart.save(str(paths[0]), scale_factor=2)
     chart.save(str(paths[1]))
     return paths
+
+
+def chart_title(text: str, source: str = ""):
+    """A chart title with where its numbers come from (e.g. results.source_label, or
+    "recorded: NVIDIA H200 (run ...)") as its subtitle, so that a saved chart says it too."""
+    import altair as alt
+
+    return alt.TitleParams(text, subtitle=source) if source else text

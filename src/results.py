@@ -148,6 +148,12 @@ def short_commit(commit, digits: int = 7) -> str:
     return sha[:digits] + plus + rest
 
 
+def date_span(df) -> str:
+    """The records' dates as "2026-12-04" or "2026-12-03..2026-12-04"; "" where none."""
+    dates = sorted(str(v)[:10] for v in df["date"].dropna()) if "date" in df else []
+    return "" if not dates else dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}"
+
+
 def source_label(df, live: bool) -> str:
     """Where a chart's numbers come from, for its subtitle: "measured here" (this run) or
     "recorded", with the GPU, the commits (the newest named) and the dates."""
@@ -159,9 +165,7 @@ def source_label(df, live: bool) -> str:
         d = df.sort_values("date") if "date" in df else df
         commits = list(dict.fromkeys(short_commit(c) for c in d["commit"]))
         parts.append(f"commit {commits[0]}" if len(commits) == 1 else f"{len(commits)} commits, newest {commits[-1]}")
-    if "date" in df:
-        dates = sorted(str(v)[:10] for v in df["date"].dropna())
-        parts.append(dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}")
+    parts.append(date_span(df))
     return f"{where}: {'; '.join(p for p in parts if p)}"
 
 

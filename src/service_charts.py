@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from .charts import chart_title  # noqa: F401 - the service charts' modules import it from here
 from .results import short_commit, source_label  # noqa: F401 - charts name commits so; notebooks import them from here
 from .service import DRAFT_MODEL_SPECS, usual_draft_backend
 
@@ -598,14 +599,6 @@ def first_token_chart(tt, title: str = "", source: str = ""):
 def _spec_order(d) -> list[str]:
     present = set(d["spec_title"])
     return [t for t in SPEC_TITLES.values() if t in present] + sorted(present - set(SPEC_TITLES.values()))
-
-
-def chart_title(text: str, source: str = ""):
-    """A chart title with where its numbers come from (source_label) as its subtitle, so that
-    a saved chart says it too."""
-    import altair as alt
-
-    return alt.TitleParams(text, subtitle=source) if source else text
 
 
 def series_colors(values, title: str):

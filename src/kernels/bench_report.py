@@ -10,7 +10,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..results import load_records, on_gpu, short_commit
+from ..charts import chart_title
+from ..results import date_span, load_records, on_gpu, short_commit
 from ..roofline import TARGET_GPUS, roofline_time_us, verify_cost
 
 IMPL_ORDER = ["sm120_mla", "flashmla", "flashinfer_mla", "flashinfer_mla_fa2", "triton_verify", "triton_decode"]
@@ -39,10 +40,15 @@ def load_bench(path=None, skewed: bool = False) -> pd.DataFrame:
     which every table here but `skewed_batch_table` compares; skewed=True: the skewed batches
     (one request at ctx, the others at short_ctx) alone. Old Triton decode records are renamed
     (with_legacy_names)."""
+    return bench_records(path)[1 if skewed else 0]
+
+
+def bench_records(path=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The benchmark's ok records read once: (uniform batches, skewed batches), as load_bench."""
     df = load_records("kernel_bench", path=path)
     if len(df) and "status" in df:
         df = df[df["status"] == "ok"]
-    return uniform_and_skewed(with_legacy_names(df))[1 if skewed else 0]
+    return uniform_and_skewed(with_legacy_names(df))
 
 
 def load_targets(path=None) -> pd.DataFrame:
@@ -134,9 +140,8 @@ def shown_runs(bench_run: str = "", path=None) -> tuple[pd.DataFrame, pd.DataFra
     `bench_run` only, where one is asked for); and a provenance line for the run."""
     from ..results import describe_provenance
 
-    all_runs = load_bench(path)
+    all_runs, skewed = bench_records(path)
     shown = comparison_run(all_runs, bench_run)
-    skewed = load_bench(path, skewed=True)
     if bench_run and len(skewed):
         skewed = skewed[skewed["run_id"] == bench_run]
     return with_missing_baselines(shown, all_runs), skewed, "RECORDED: " + describe_provenance(shown)
@@ -322,10 +327,8 @@ def run_label(df: pd.DataFrame | None) -> str:
         if "commit" in rows:
             commits = sorted({short_commit(c) for c in rows["commit"].dropna()})
             parts += [f"commit {'/'.join(commits)}"] if commits else []
-        if "date" in rows:
-            dates = sorted(str(d)[:10] for d in rows["date"].dropna())
-            parts += [dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}"] if dates else []
-        labels.append(f"{gpu} ({', '.join(parts)})")
+        span = date_span(rows)
+        labels.append(f"{gpu} ({', '.join(parts + [span] if span else parts)})")
     return ", ".join(labels)
 
 
@@ -653,14 +656,6 @@ def flashmla_reach(df: pd.DataFrame, batch: int = 1, q_len: int = 16, min_ctx: i
     return pd.DataFrame(rows)
 
 
-def _title(text: str, source: str = ""):
-    """A chart title with where its numbers come from (e.g. "recorded: NVIDIA H200 (run ...)")
-    as its subtitle, so that a saved chart says it too."""
-    import altair as alt
-
-    return alt.TitleParams(text, subtitle=source) if source else text
-
-
 def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: int = 1, source: str = ""):
     import altair as alt
 
@@ -671,7 +666,7 @@ def time_vs_ctx_chart(df: pd.DataFrame, heads: int = 8, q_len: int = 16, batch: 
         y=alt.Y("time_us:Q", scale=alt.Scale(type="log"), title="time per layer call (µs)"),
         color=alt.Color("impl:N", sort=IMPL_ORDER),
         tooltip=["impl", "ctx", alt.Tooltip("time_us:Q", format=".1f")],
-    ).properties(title=_title(f"MLA attention, batch {batch}, {heads} heads, q_len {q_len}", source),
+    ).properties(title=chart_title(f"MLA attention, batch {batch}, {heads} heads, q_len {q_len}", source),
                  width=420, height=280)
 
 
@@ -686,7 +681,7 @@ def speedup_chart(df: pd.DataFrame, baseline: str, heads: int = 8, q_len: int = 
     return alt.Chart(sp).mark_bar().encode(
         x=alt.X("ctx:O", title="context (tokens)"), y=alt.Y("speedup:Q", title=f"{baseline} time / sm120_mla time"),
         tooltip=["ctx", alt.Tooltip("speedup:Q", format=".1f")],
-    ).properties(title=_title(f"sm120_mla speed-up over {baseline} ({heads} heads, q_len {q_len})", source),
+    ).properties(title=chart_title(f"sm120_mla speed-up over {baseline} ({heads} heads, q_len {q_len})", source),
                  width=420, height=240)
 
 
@@ -707,7 +702,7 @@ def nsplit_chart(df: pd.DataFrame, source: str = ""):
         x=alt.X("num_splits:Q", scale=alt.Scale(type="log", base=2), title="KV splits per request"),
         y=alt.Y("time_us:Q", title="time (µs)"), color="kernel:N",
         tooltip=["num_splits", "kernel", alt.Tooltip("time_us:Q", format=".1f")],
-    ).properties(title=_title("NSPLIT at batch 1, 8 heads, q_len 16, 64k context", source), width=420, height=240)
+    ).properties(title=chart_title("NSPLIT at batch 1, 8 heads, q_len 16, 64k context", source), width=420, height=240)
 
 
 def version_history(df: pd.DataFrame, batch=1, heads=8, q_len=16, ctx=65536, gpu: str | None = None) -> pd.DataFrame:

@@ -166,7 +166,7 @@ def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k", gpu: str 
     (`attrs["source"]`, from recorded_table) is the subtitle."""
     import altair as alt
 
-    from .bench_report import _title
+    from ..charts import chart_title
 
     versions = [c for c in milestones.columns if c not in ("kernel", "milestone")]
     at = milestones.set_index(["kernel", "milestone"])
@@ -183,7 +183,7 @@ def timeline_chart(milestones: pd.DataFrame, title: str = "q16 h8 4k", gpu: str 
         y=alt.Y("version:N", sort=versions, title=None),
         color=alt.Color("segment:N", sort=order, scale=alt.Scale(domain=order), title=None),
         tooltip=["version", "segment", alt.Tooltip("start_us:Q", format=".2f"), alt.Tooltip("end_us:Q", format=".2f")],
-    ).properties(title=_title(f"Where a call goes, CTA timeline, {title} (recorded, {gpu})",
+    ).properties(title=chart_title(f"Where a call goes, CTA timeline, {title} (recorded, {gpu})",
                               milestones.attrs.get("source", "")), width=460, height=28 * len(versions))
 
 
