@@ -77,6 +77,12 @@ $(STAMP): pyproject.toml | venv-kind
 	fi
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c "import torch, sglang, sm120_workbook; print('env ok: torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.is_available(), 'sglang', sglang.__version__)"
+	@# a GPU set-up whose torch cannot see the GPU would run every notebook on records and skip every
+	@# GPU test as on a CPU machine: refused here (no stamp), with the likely cause
+	@if [ "$(TORCH)" = gpu ]; then $(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit( \
+	  'error: nvidia-smi lists a GPU, but torch ' + torch.__version__ + ' (CUDA ' + str(torch.version.cuda) + ') cannot use it. ' \
+	  'SGLang 0.5.17 pins a CUDA 13 torch, which needs NVIDIA driver 580 or newer; this one: $(or $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1),unknown). ' \
+	  'Update the driver, or rm -rf $(VENV) and make setup TORCH=cpu to work from the records')"; fi
 	@echo $(TORCH) > $@
 
 run: $(STAMP)
@@ -87,9 +93,11 @@ run: $(STAMP)
 	done
 	@echo "executed notebooks and charts: $(RUN_DIR)"
 
+# SM120_REQUIRE_SGLANG: setup installed SGLang, so a broken import fails the run rather than
+# turning the plugin and allocator tests into skips (tests/conftest.py)
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests
-	$(VENV)/bin/python -m pytest --nbval-lax -p no:cacheprovider notebooks
+	SM120_REQUIRE_SGLANG=1 $(VENV)/bin/python -m pytest tests
+	SM120_REQUIRE_SGLANG=1 $(VENV)/bin/python -m pytest --nbval-lax -p no:cacheprovider notebooks
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks

@@ -71,8 +71,8 @@ from .provenance import git_commit
 from .results import cli_command
 from .service import (DRAFT_MODEL_SPECS, EAGLE_SPECS, STALL_TIMEOUT_S, SGLangServer, ServerConfig, ServerError,
                       ServerStartError, check_attention_backend, check_int, check_mem_fraction_static, check_positive,
-                      check_tp_visible, check_warmups, dflash_draft_backend, eagle_verify_tokens, log_tail, resolve_tp,
-                      spec_metrics)
+                      check_eagle_tree_pages, check_tp_visible, check_warmups, default_page_size, dflash_draft_backend,
+                      eagle_verify_tokens, log_tail, resolve_tp, spec_metrics)
 
 # decode_bench --dflash-host-plan: "probe" starts the servers with $SM120_DFLASH_HOST_PLAN=probe
 # (patches/dflash_host_plan.py, a timing probe with wrong draft attention), "off" without
@@ -127,8 +127,8 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
         raise ValueError(f"spec: entries must be in {SPEC_MODES}, got {list(spec)}")
     if any((not isinstance(c, (int, np.integer))) or c < 1 for c in contexts) or not contexts:
         raise ValueError(f"contexts: must be positive ints, got {list(contexts)}")
-    if decode_tokens < 2:
-        raise ValueError(f"decode_tokens: must be >= 2 (one token comes from prefill), got {decode_tokens}")
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, (int, np.integer)) or decode_tokens < 2:
+        raise ValueError(f"decode_tokens: must be an int >= 2 (one token comes from prefill), got {decode_tokens!r}")
     check_draft_tokens(backends, spec, draft_tokens, ngram_draft_tokens, eagle_steps, eagle_topk, eagle_draft_tokens)
     if not set(spec) & set(EAGLE_SPECS) and (eagle_topk != 1 or eagle_draft_tokens is not None):
         raise ValueError(f"eagle_topk, eagle_draft_tokens: only {EAGLE_SPECS} take them, and spec is {list(spec)}")
@@ -453,9 +453,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             check_attention_backend(prefill_backend, "prefill_backend")
         elif prefill_as_base:
             raise ValueError("prefill_as_base: needs a prefill_backend to put first")
-        warmups = tuple(warmups)
         if warmups:
-            check_warmups(warmups)
+            check_warmups(warmups)   # before tuple(): one name as a str would become its letters
+        warmups = tuple(warmups)
         if draft_backend is not None:
             check_attention_backend(draft_backend, "draft_backend")
         if eagle3_head not in EAGLE3_HEADS:
@@ -487,6 +487,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                             max_context(model_cfg), eagle_steps, eagle_topk, eagle_draft_tokens)
         if any(p.spec == "eagle3" for p in plans):
             eagle3_aux_layers(layers)
+        for p in plans:   # a tree on pages that SGLang refuses: here, not at that server's start
+            if p.spec in EAGLE_SPECS:
+                check_eagle_tree_pages(eagle_topk, default_page_size(p.backend, prefill_backend),
+                                       prefill_backend if prefill_as_base else p.backend)
         if not isinstance(profile_steps, int) or profile_steps < 0:
             raise ValueError(f"profile_steps: expected an int >= 0, got {profile_steps!r}")
         if profile_steps:
@@ -508,7 +512,10 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
     except ValueError as e:   # a ServerError (tp -1 with no GPU) passes as it is
         raise MatrixArgumentError(str(e)) from e
     # The model and draft folders (config.json only) live as long as the matrix, then go.
-    with tempfile.TemporaryDirectory(prefix="sm120_models_") as workdir:
+    total = sum(len(p.contexts) * repeats for p in plans)
+    # The bar in the with too: closed on an error or an interrupt, not only at the end.
+    with (tempfile.TemporaryDirectory(prefix="sm120_models_") as workdir,
+          tqdm(total=total, desc="decode matrix", unit="run", disable=not progress) as bar):
         model_dir = materialize_model(model, layers, dest=Path(workdir) / "model", weights=weights)
         # EAGLE drafts with the model's own MTP layer: the same model, given one.
         mtp_dir = (materialize_model(model, layers, dest=Path(workdir) / "model-mtp", weights=weights, mtp_layers=1)
@@ -554,8 +561,6 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
             return time_budget_s is not None and time.monotonic() - t_start + reserve_s > time_budget_s
 
         queue = list(plans)
-        total = sum(len(p.contexts) * repeats for p in plans)
-        bar = tqdm(total=total, desc="decode matrix", unit="run", disable=not progress)
         started: set[tuple[str, str]] = set()
         while queue:
             plan = queue.pop(0)
@@ -704,7 +709,6 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                 log(f"FAILED during {plan.backend}/{plan.spec}: {error}\n  its log ends:\n{_indent(tail, 15)}")
                 emit_failure({**fail, "status": "run_failed", "error": error[:2000],
                               "log_tail": tail[-4000:], "log_path": str(server_log)})
-        bar.close()
         return out
 
 

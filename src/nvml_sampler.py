@@ -54,19 +54,19 @@ def init_nvml():
 def visible_gpus(pynvml) -> list[tuple[int, object]]:
     """[(cuda index, NVML handle)] for the GPUs CUDA_VISIBLE_DEVICES leaves visible."""
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is None:
-        return [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
-    out = []
-    entries = [e.strip() for e in cvd.split(",") if e.strip()]
+    entries = ([str(i) for i in range(pynvml.nvmlDeviceGetCount())] if cvd is None
+               else [e.strip() for e in cvd.split(",") if e.strip()])
     if any(e.isdigit() for e in entries) and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
         # CUDA numbers GPUs fastest first, NVML by PCI bus: the same on a machine of one model
         names = {pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
                  for i in range(pynvml.nvmlDeviceGetCount())}
         if len(names) > 1:
+            given = "CUDA_VISIBLE_DEVICES unset" if cvd is None else f"CUDA_VISIBLE_DEVICES={cvd!r}"
             raise NvmlUnavailableError(
-                f"CUDA_VISIBLE_DEVICES={cvd!r} numbers GPUs fastest first, NVML by PCI bus, and this "
+                f"{given}: CUDA numbers GPUs fastest first, NVML by PCI bus, and this "
                 f"machine mixes models ({sorted(map(str, names))}): set CUDA_DEVICE_ORDER=PCI_BUS_ID "
                 "or name the GPUs by UUID")
+    out = []
     for cuda_idx, entry in enumerate(entries):
         if entry.isdigit():
             out.append((cuda_idx, pynvml.nvmlDeviceGetHandleByIndex(int(entry))))

@@ -69,13 +69,14 @@ def nvcc_version() -> str | None:
 
 
 def gpu_info() -> dict:
-    """The GPU torch sees (device 0), or {'gpu': None} on a CPU-only machine."""
+    """The GPU torch sees (device 0), or {'gpu': None, 'driver': None} on a CPU-only machine
+    (every provenance key present, PROVENANCE_KEYS)."""
     try:
         import torch
     except ImportError:
-        return {"gpu": None}
+        return {"gpu": None, "driver": None}
     if not torch.cuda.is_available():
-        return {"gpu": None}
+        return {"gpu": None, "driver": None}
     p = torch.cuda.get_device_properties(0)
     info = {
         "gpu": p.name,

@@ -410,9 +410,9 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
         if cfg.context_length > limit:
             raise ValueError(f"context_length: {cfg.context_length} is longer than the model "
                              f"allows ({limit} from its config's max_position_embeddings)")
-    cfg.warmups = tuple(cfg.warmups)
     if cfg.warmups:
-        check_warmups(cfg.warmups)
+        check_warmups(cfg.warmups)   # before tuple(): one name as a str would become its letters
+    cfg.warmups = tuple(cfg.warmups)
     if (isinstance(cfg.expert_record_buffer, bool) or not isinstance(cfg.expert_record_buffer, numbers.Integral)
             or cfg.expert_record_buffer == 0 or cfg.expert_record_buffer < -1):
         raise ValueError(f"expert_record_buffer: -1 (unbounded) or a positive number of forward "
@@ -423,9 +423,8 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
     if cfg.num_draft_tokens is not None and cfg.spec != "none":
         # one token verifies nothing beyond the bonus token (and SGLang then reports no verify steps)
         check_int("num_draft_tokens", cfg.num_draft_tokens, least=2)
-    paged = [PAGED_BACKENDS[b] for b in (cfg.attention_backend, cfg.prefill_attention_backend) if b in PAGED_BACKENDS]
-    if cfg.page_size is None and paged:   # one KV pool serves both backends: the larger page
-        cfg.page_size = max(paged)
+    if cfg.page_size is None:
+        cfg.page_size = default_page_size(cfg.attention_backend, cfg.prefill_attention_backend)
     if cfg.spec == "ngram":
         if cfg.num_draft_tokens is None:
             cfg.num_draft_tokens = 8
@@ -468,6 +467,12 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
                              f"kernel's {MAX_Q_LEN} queries per request")
     if cfg.port is None:
         cfg.port = free_port(cfg.host)
+    # SGLang's parser keeps the last of a repeated flag: an extra_args copy of one set here would
+    # win there while the health check, the identity check and the records went on with this one
+    ours = {a for a in launch_args(dataclasses.replace(cfg, extra_args=())) if a.startswith("--")}
+    clash = sorted({a.split("=", 1)[0] for a in cfg.extra_args} & ours)
+    if clash:
+        raise ValueError(f"extra_args: {clash} are set from the config's own fields; set those fields instead")
     return cfg
 
 
@@ -501,10 +506,23 @@ def _resolve_eagle(cfg: ServerConfig, model: dict) -> None:
                 or draft.get("eagle_aux_hidden_state_layer_ids")):
             eagle3_aux_layers(int(model["num_hidden_layers"]))   # SGLang's default layers must differ
     cfg.num_draft_tokens = eagle_verify_tokens(cfg.eagle_steps, cfg.eagle_topk, cfg.num_draft_tokens)
-    base = cfg.base_attention_backend()   # what SGLang's check reads (--attention-backend)
-    if cfg.eagle_topk > 1 and (cfg.page_size or 1) > 1 and base not in PAGED_TREE_BACKENDS:
-        raise ValueError(f"eagle_topk: SGLang 0.5.17 runs an EAGLE tree on pages of {cfg.page_size} tokens only "
-                         f"with {PAGED_TREE_BACKENDS} as --attention-backend, not {base}")
+    # what SGLang's check reads is --attention-backend
+    check_eagle_tree_pages(cfg.eagle_topk, cfg.page_size, cfg.base_attention_backend())
+
+
+def default_page_size(attention_backend: str, prefill_attention_backend: str | None = None) -> int | None:
+    """The page size SGLang needs for these backends (None: its default, one token). One KV pool
+    serves both backends of a hybrid: the larger page."""
+    paged = [PAGED_BACKENDS[b] for b in (attention_backend, prefill_attention_backend) if b in PAGED_BACKENDS]
+    return max(paged) if paged else None
+
+
+def check_eagle_tree_pages(eagle_topk: int, page_size: int | None, base_backend: str) -> None:
+    """SGLang 0.5.17 refuses an EAGLE tree (topk > 1) on pages above one token unless
+    --attention-backend is one of PAGED_TREE_BACKENDS; refused here, before a start."""
+    if eagle_topk > 1 and (page_size or 1) > 1 and base_backend not in PAGED_TREE_BACKENDS:
+        raise ValueError(f"eagle_topk: SGLang 0.5.17 runs an EAGLE tree on pages of {page_size} tokens only "
+                         f"with {PAGED_TREE_BACKENDS} as --attention-backend, not {base_backend}")
 
 
 def launch_args(cfg: ServerConfig) -> list[str]:
@@ -585,6 +603,18 @@ def live_group_members(pgid: int) -> list[int]:
         if st and st[2] == pgid and st[0] not in ("Z", "X"):
             out.append(pid)
     return out
+
+
+def port_listeners(port: int) -> set[int | None]:
+    """The pids listening on TCP `port` (None for a process this user may not inspect); empty
+    when none can be seen, e.g. psutil missing (SGLang depends on it) or refused."""
+    try:
+        import psutil
+
+        conns = psutil.net_connections(kind="tcp")
+    except Exception:  # noqa: BLE001 (ImportError, AccessDenied on some systems): cannot tell
+        return set()
+    return {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
 
 
 def descendants(pid: int) -> list[int]:
@@ -745,6 +775,9 @@ class SGLangServer:
                  startup_timeout_s: float = 900.0, grace_s: float = 30.0,
                  launcher: Sequence[str] | None = None, env: dict | None = None,
                  progress: bool = True, validate: bool = True, stall_timeout_s: float = STALL_TIMEOUT_S):
+        for name, value in (("startup_timeout_s", startup_timeout_s), ("grace_s", grace_s),
+                            ("stall_timeout_s", stall_timeout_s)):
+            check_positive(name, value)   # here, not minutes into a start-up
         self.config = config
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
@@ -888,6 +921,11 @@ class SGLangServer:
         theirs = {"attention_backend": info.get("attention_backend"),
                   "model_path": os.path.realpath(str(info.get("model_path", ""))), "tp_size": info.get("tp_size")}
         differ = {k: (ours[k], theirs[k]) for k in ours if theirs[k] != ours[k]}
+        if not differ:   # the same settings may still be another server's: who listens on the port?
+            listeners = port_listeners(cfg.port)
+            if listeners and not listeners & {self.proc.pid, *descendants(self.proc.pid)}:
+                pids = sorted(p for p in listeners if p is not None) or "of another user"
+                differ = {"listening process": (self.proc.pid, pids)}
         if differ:
             what = "; ".join(f"{k} {t!r}, ours {o!r}" for k, (o, t) in differ.items())
             raise ServerStartError(f"port {cfg.port} is answered by another SGLang server ({what}); this one "
@@ -913,12 +951,16 @@ class SGLangServer:
                 # Forget the process once it is reaped: a second stop() must not signal a
                 # process group whose pid the OS may have handed to someone else.
                 self.proc = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+                self._close_log()
+        self._close_log()
         if survivors:
             print(f"WARNING: SGLang processes {survivors} survived SIGKILL", file=sys.stderr)
         return survivors
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
 
     @property
     def running(self) -> bool:
@@ -1102,24 +1144,14 @@ class SGLangServer:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus exposition text -> {metric name: sum of its samples over label sets}."""
+    """Prometheus exposition text (SGLang's /metrics) -> {sample name: sum over its label sets},
+    parsed by prometheus_client, which SGLang itself exports them with."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "}" in line:
-            name = line[:line.index("{")]
-            rest = line[line.rindex("}") + 1:].split()
-        else:
-            name, *rest = line.split()
-        if not rest:
-            continue
-        try:
-            value = float(rest[0])
-        except ValueError:
-            continue
-        out[name] = out.get(name, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 

@@ -119,7 +119,7 @@ def summarize_trace(trace: dict, steps: int, top: int = 8, top_python: int = 40)
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    events = trace if isinstance(trace, list) else trace.get("traceEvents", [])   # a bare event list too
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
     if not kernels:
         raise ValueError("the trace has no GPU kernel events (was the GPU activity recorded?)")

@@ -22,16 +22,22 @@ def _gpu_reason() -> str | None:
     return None
 
 
-def pytest_configure(config):
-    """In CI the CPU tests must run against real SGLang code: an install where it does not import
-    stops the run, instead of letting every module that imports it skip (`make setup` installs it)."""
+def _set(name: str) -> bool:
     import os
 
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+    return os.environ.get(name, "").lower() not in ("", "0", "false")
+
+
+def pytest_configure(config):
+    """Under `make test` (SM120_REQUIRE_SGLANG, which it sets after `make setup` installed SGLang)
+    and in CI the CPU tests must run against real SGLang code: an install where it does not import
+    stops the run, instead of letting every module that imports it skip."""
+    why = "SM120_REQUIRE_SGLANG is set" if _set("SM120_REQUIRE_SGLANG") else "CI is set" if _set("CI") else None
+    if why:
         try:
             import sglang.srt.server_args  # noqa: F401 - the runtime's Python side, not the bare package
         except Exception as e:  # noqa: BLE001 - any failure to import counts
-            raise pytest.UsageError(f"CI is set but SGLang does not import ({e!r}): the CPU tests run "
+            raise pytest.UsageError(f"{why} but SGLang does not import ({e!r}): the CPU tests run "
                                     "against real SGLang code; run `make setup`") from None
 
 

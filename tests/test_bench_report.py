@@ -311,6 +311,25 @@ def test_rtx_projection_is_a_range_from_the_fixed_part_plus_the_rtx_roofline_to_
     assert few["rtx_bound_us"].isna().all() and few["rtx_projected_us"].notna().all()
 
 
+def test_comparison_and_bandwidth_tables_show_each_impls_own_numbers():
+    """The notebook's headline tables, by hand: time_us (the fastest of repeats) and gbps of the
+    asked shape only, impls in IMPL_ORDER, sm120_mla's share of its run's copy rate."""
+    def rec(impl, ctx, t, gbps, **kw):
+        return {"impl": impl, "batch": 1, "heads": 8, "q_len": 16, "ctx": ctx, "time_us": t, "gbps": gbps,
+                "copy_gbps": 4000.0, "roofline_us": 0.5, **kw}
+
+    df = pd.DataFrame([rec("flashmla", 1024, 30.04, 100.0), rec("sm120_mla", 1024, 20.06, 150.0),
+                       rec("sm120_mla", 1024, 22.0, 140.0), rec("sm120_mla", 65536, 84.0, 1000.0),
+                       rec("flashmla", 65536, 60.0, 1400.0),
+                       rec("sm120_mla", 1024, 5.0, 900.0, heads=16), rec("sm120_mla", 1024, 6.0, 900.0, q_len=1)])
+    t = br.comparison_table(df)
+    assert list(t.columns) == ["sm120_mla", "flashmla"] and list(t.index) == [1024, 65536]
+    assert t.loc[1024].tolist() == [20.1, 30.0] and t.loc[65536].tolist() == [84.0, 60.0]
+    b = br.bandwidth_table(df)
+    assert b.loc[1024, "sm120_mla"] == 150 and b.loc[65536, "flashmla"] == 1400
+    assert b["sm120_mla % of copy"].tolist() == [3.8, 25.0]   # 150 and 1,000 of 4,000 GB/s
+
+
 def test_versus_table_pairs_the_default_kernel_with_another_impl_shape_by_shape():
     df = br.default_rows(pd.DataFrame([
         _rec("r", "v", "sm120_mla", 80.0), _rec("r", "v", "sm120_mla", 70.0, forced=True),   # a sweep row: not used

@@ -777,3 +777,21 @@ def test_the_build_key_names_the_nvcc_load_inline_runs(monkeypatch):
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/opt/another-cuda")
     assert build.build_key((9, 0)) != key
     assert build._nvcc_identity("/opt/another-cuda").startswith("/opt/another-cuda/bin/nvcc: FileNotFoundError")
+
+
+def test_the_toolkit_is_checked_before_a_build():
+    """load_inline checks neither the nvcc release nor its CUDA major against torch's: an nvcc
+    without sm_120a fails deep in a build log, another major links a second CUDA runtime."""
+    from sm120_workbook.kernels.build import check_toolkit, nvcc_release
+
+    v = lambda r: f"nvcc: NVIDIA (R) Cuda compiler driver\nCuda compilation tools, release {r}, V{r}.88"
+    assert nvcc_release(v("13.0")) == (13, 0) and nvcc_release("nvcc: FileNotFoundError: x") is None
+    check_toolkit((12, 0), v("13.0"), "13.0")
+    check_toolkit((12, 0), v("12.8"), "12.8")
+    check_toolkit((8, 6), v("12.4"), "12.6")   # no arch-specific target: any 12.x
+    with pytest.raises(RuntimeError, match=r"^nvcc 12.6 cannot build for sm_120a; it needs CUDA 12.8 or newer"):
+        check_toolkit((12, 0), v("12.6"), "12.6")
+    with pytest.raises(RuntimeError, match=r"^nvcc 12.9 and torch's CUDA 13.0 differ in major version"):
+        check_toolkit((9, 0), v("12.9"), "13.0")
+    with pytest.raises(RuntimeError, match=r"^no usable nvcc .*set CUDA_HOME.*FileNotFoundError"):
+        check_toolkit((9, 0), "/usr/local/cuda/bin/nvcc: FileNotFoundError: [Errno 2] No such file", "13.0")

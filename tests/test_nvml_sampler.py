@@ -73,6 +73,11 @@ def test_mixed_gpu_models_need_pci_bus_order(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-x-1")   # a UUID names one GPU in any order
     monkeypatch.delenv("CUDA_DEVICE_ORDER")
     assert ns.visible_gpus(nv) == [(0, ("h", 1))]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")   # every GPU, numbered as CUDA does: unknown here too
+    with pytest.raises(ns.NvmlUnavailableError, match="^CUDA_VISIBLE_DEVICES unset: .*CUDA_DEVICE_ORDER=PCI_BUS_ID"):
+        ns.visible_gpus(nv)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert ns.visible_gpus(nv) == [(0, ("h", 0)), (1, ("h", 1))]
 
 
 def test_start_samples_stops_and_always_shuts_nvml(monkeypatch):

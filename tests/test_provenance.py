@@ -122,3 +122,16 @@ def test_append_records_takes_a_tools_out_path_as_text(tmp_path):
     out = tmp_path / "sub" / "kv.jsonl"
     assert append_records("kv_fragmentation", [{"kind": "kernel_layout"}], path=str(out)) == out
     assert json.loads(out.read_text())["kind"] == "kernel_layout"
+
+
+def test_a_machine_without_a_gpu_still_gives_every_provenance_key(monkeypatch):
+    """gpu_info on a CPU-only machine names gpu and driver (None), so records from a fake server
+    carry every key of PROVENANCE_KEYS."""
+    import torch
+
+    from sm120_workbook.provenance import provenance
+    from sm120_workbook.results import PROVENANCE_KEYS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rec = provenance("python -m x")
+    assert set(PROVENANCE_KEYS) <= set(rec) and rec["gpu"] is None and rec["driver"] is None

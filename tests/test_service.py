@@ -534,6 +534,9 @@ def test_tp_must_divide_heads_and_all_gpus_needs_a_gpu(model_dir):
     (dict(spec="ngram", ngram_max_bfs_breadth=0), "ngram_max_bfs_breadth: must be a positive int, got 0"),
     (dict(extra_args="--disable-radix-cache"), "extra_args: a list or tuple of str, one launch argument each"),
     (dict(extra_args=["--max-running-requests", 4]), "extra_args: a list or tuple of str"),
+    # SGLang's parser keeps the last: the server would run on another port than the one checked
+    (dict(extra_args=["--port", "40000", "--tp=2"]),
+     r"extra_args: \['--port', '--tp'\] are set from the config's own fields"),
 ])
 def test_resolve_config_refuses_a_value_of_the_wrong_type_or_range(model_dir, kw, match):
     with pytest.raises(ValueError, match="^" + match):
@@ -596,6 +599,22 @@ def test_another_server_on_the_port_is_refused(model_dir, fake, tmp_path, monkey
     assert srv.pid is not None and _gone(srv.pid)
 
 
+def test_another_server_with_our_settings_on_the_port_is_refused(model_dir, fake, tmp_path, monkeypatch):
+    """A server with the same backend, model and tp that takes the port while ours loads (SGLang
+    binds it only once the model is in) answers /health and /server_info as ours would: the
+    listening process is not in our process tree, so the start fails and ours stops."""
+    with _server(model_dir, fake, tmp_path / "other", monkeypatch, "serve", grace_s=2) as other:
+        assert service.port_listeners(other.config.port) == {other.pid}
+        monkeypatch.setattr(service, "check_port_free", lambda port, host: None)   # the race, forced
+        monkeypatch.setenv("FAKE_MODE", "hang")   # ours: still loading, never binds
+        ours = SGLangServer(dataclasses.replace(other.config), log_path=tmp_path / "ours.log",
+                            launcher=fake, progress=False, grace_s=2)
+        with pytest.raises(ServerStartError, match=r"answered by another SGLang server \(listening process "
+                                                   r"\[%d\], ours \d+\)" % other.pid):
+            ours.start()
+        assert _gone(ours.pid) and other.running
+
+
 def test_a_healthy_server_whose_server_info_is_not_json_fails_to_start_at_once(model_dir, fake, tmp_path, monkeypatch):
     """requests' JSONDecodeError is a RequestException, which the wait for /health retries: the
     start used to wait out its whole timeout and report the server "not healthy"."""
@@ -654,6 +673,28 @@ def test_keyboard_interrupt_during_start_tears_down(model_dir, fake, tmp_path, m
     finally:
         timer.cancel()
     assert srv.pid is not None and _gone(srv.pid)
+
+
+def test_an_interrupted_stop_kills_the_group_and_closes_the_log(model_dir, fake, tmp_path, monkeypatch):
+    """A KeyboardInterrupt while stop() waits out the grace period: the group is killed at once,
+    and the log file is closed too (it was left open when the interrupt skipped the close)."""
+    srv = _server(model_dir, fake, tmp_path, monkeypatch, "serve", grace_s=2).start()
+
+    def interrupted(pid, grace_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service, "terminate_process_group", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        srv.stop()
+    assert srv.proc is None and srv._log_file is None and _gone(srv.pid)
+
+
+def test_server_timing_arguments_are_checked_before_a_launch(model_dir, fake, tmp_path, monkeypatch):
+    for name, bad in (("startup_timeout_s", float("nan")), ("startup_timeout_s", -5), ("stall_timeout_s", 0),
+                      ("grace_s", None)):
+        with pytest.raises(ValueError, match=f"^{name}: must be a positive number, got {bad!r}"):
+            _server(model_dir, fake, tmp_path, monkeypatch, "serve", **{name: bad})
+    assert not (tmp_path / "server.log").exists()
 
 
 def test_teardown_kills_the_whole_group_even_when_sigterm_is_ignored(model_dir, fake, tmp_path, monkeypatch):
@@ -729,10 +770,16 @@ def test_generate_metrics_and_expert_dump(model_dir, fake, tmp_path, monkeypatch
 
 
 def test_parse_prometheus():
-    text = ('# HELP a x\n# TYPE a counter\na{x="1",y="2"} 3.5\na{x="2"} 1.5\nb 2e3\n'
-            'c{le="+Inf"} NaN\n\n')
-    m = service.parse_prometheus(text)
-    assert m["a"] == 5.0 and m["b"] == 2000.0
+    """Text as SGLang exports it (prometheus_client's own exposition): samples summed over labels."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    tokens = Counter("sglang:generation_tokens", "x", ["model_name", "tp_rank"], registry=reg)
+    tokens.labels("m", "0").inc(3.5)
+    tokens.labels("m", "1").inc(1.5)
+    Gauge("sglang:spec_accept_length", "x", registry=reg).set(2e3)
+    m = service.parse_prometheus(generate_latest(reg).decode())
+    assert m["sglang:generation_tokens_total"] == 5.0 and m["sglang:spec_accept_length"] == 2000.0
     assert service.spec_metrics({"sglang:spec_accept_length": 2.0, "other": 1}) == {"sglang:spec_accept_length": 2.0}
 
 
@@ -1151,6 +1198,11 @@ def test_server_dying_mid_run_records_its_log_tail(fake, tmp_path, monkeypatch):
     (dict(spec=["none", "dflash"], dflash_host_plan="probe"), r"the probe is for spec \['dflash'\] alone"),
     (dict(spec=["none"], seed=-5000), "^seed: must be an int >= 0, got -5000"),   # numpy's generators refuse it
     (dict(spec=["none"], seed=True), "^seed: must be an int >= 0, got True"),
+    (dict(spec=["none"], decode_tokens=40.0), r"^decode_tokens: must be an int >= 2 \(one token .*got 40.0$"),
+    (dict(spec=["none"], warmups="sm120_long_prompt"), "^warmups: a sequence of warm-up names, got 'sm120"),
+    # the second server's tree: refused before the first one starts
+    (dict(spec=["eagle"], backends=["triton", "flashmla"], eagle_topk=4, eagle_draft_tokens=8),
+     r"^eagle_topk: SGLang 0.5.17 runs an EAGLE tree on pages of 64 tokens only .* not flashmla$"),
 ])
 def test_run_matrix_refuses_bad_plans_before_any_launch(fake, tmp_path, kw, match):
     kw = {"backends": ["triton"], "contexts": [64], "decode_tokens": 40, **kw}

@@ -75,6 +75,7 @@ def test_a_pdl_dependent_counts_once_in_its_category(tmp_path):
     assert s["gpu_ms_per_step"] == {"attention: sm120_mla": 0.06, "gemm": 0.04}
     assert s["category_time"] == "union" and s["busy_ms"] == 0.1
     assert [k[2] for k in s["top_kernels"][:2]] == [0.059, 0.05]   # each kernel's own span
+    assert summarize_trace(ev, steps=1) == s   # a trace saved as its bare event list
 
 
 def test_chart_and_table_from_records(tmp_path):

@@ -105,13 +105,35 @@ def test_an_aborted_prompt_fails_the_start_with_sglangs_message(registered):
 ])
 def test_prompt_lengths_fit_what_sglang_accepts(chunk, context, max_input, reserved, expected):
     first, second = warmup.prompt_lengths(chunk, context, max_input, reserved)
-    assert (first, second) == expected
-    # SGLang's TokenizerManager._validate_one_request: input + reserved < context_len, and
-    # input + reserved + max_new_tokens <= context_len; the scheduler's validate_input_length:
-    # input < max_req_input_len
-    assert second + reserved < context and second + reserved + warmup.DECODE_TOKENS <= context
-    assert max_input is None or second < max_input
-    assert first < second
+    assert (first, second) == expected and first < second
+    assert _sglang_accepts(second, context, max_input, reserved)
+    # at the edge, where the edge is SGLang's: one more token is refused
+    if second + 1 + reserved + warmup.DECODE_TOKENS > context or (max_input and second + 1 >= max_input):
+        assert not _sglang_accepts(second + 1, context, max_input, reserved)
+
+
+def _sglang_accepts(n_input: int, context: int, max_input: int | None, reserved: int) -> bool:
+    """SGLang 0.5.17's own checks of a warm-up request of n_input ids: the tokenizer manager's
+    (`_validate_one_request`: context length, reserved tokens, max_new_tokens) and the scheduler's
+    (`validate_input_length` against max_req_input_len)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.managers.utils import validate_input_length
+
+    # the real class's methods on the fields they read, without a running server behind it
+    manager = object.__new__(TokenizerManager)
+    manager.__dict__.update(context_len=context, num_reserved_tokens=reserved, allow_auto_truncate=False,
+                            validate_total_tokens=True, is_generation=True,
+                            server_args=SimpleNamespace(enable_custom_logit_processor=False))
+    ids = [1] * n_input
+    req = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": warmup.DECODE_TOKENS})
+    try:
+        TokenizerManager._validate_one_request(manager, req, ids)
+    except ValueError:
+        return False
+    return max_input is None or validate_input_length(SimpleNamespace(origin_input_ids=ids), max_input, False) is None
 
 
 def test_prompt_lengths_name_the_argument():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -96,6 +97,35 @@ def _nvcc_identity(cuda_home: str | None) -> str:
         return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError) as e:   # no such nvcc, or one that hangs
         return f"{nvcc}: {type(e).__name__}: {e}"
+
+
+# The oldest nvcc release that knows each arch-specific target _arch_flags asks for.
+MIN_NVCC = {(12, 0): (12, 8), (10, 0): (12, 8), (9, 0): (12, 0)}
+
+
+def nvcc_release(identity: str) -> tuple[int, int] | None:
+    """(major, minor) from `nvcc --version` text ("... release 13.0, V13.0.88"), None if absent."""
+    m = re.search(r"release (\d+)\.(\d+)", identity)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_toolkit(capability: tuple[int, int], identity: str, torch_cuda: str | None) -> None:
+    """The nvcc that load_inline will run can build for this GPU and links the CUDA runtime torch
+    uses. load_inline checks neither (torch's version check is in BuildExtension only): an old
+    nvcc fails deep in a build log, another major links a second runtime into the process."""
+    release = nvcc_release(identity)
+    if release is None:
+        raise RuntimeError(f"no usable nvcc for the kernel build (torch's CUDA_HOME; set CUDA_HOME to a CUDA "
+                           f"toolkit): {identity.splitlines()[-1] if identity else 'no output'}")
+    need = MIN_NVCC.get(capability)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    if need and release < need:
+        raise RuntimeError(f"nvcc {release[0]}.{release[1]} cannot build for {arch}a; it needs CUDA "
+                           f"{need[0]}.{need[1]} or newer (set CUDA_HOME to a newer toolkit)")
+    if torch_cuda and int(torch_cuda.split(".")[0]) != release[0]:
+        raise RuntimeError(f"nvcc {release[0]}.{release[1]} and torch's CUDA {torch_cuda} differ in major "
+                           f"version: the kernel would link another CUDA runtime than torch's; set CUDA_HOME to "
+                           f"a CUDA {torch_cuda.split('.')[0]}.x toolkit")
 
 
 def _toolchain() -> str:
@@ -218,6 +248,10 @@ def _load_for(capability: tuple[int, int], verbose: bool, defines: tuple[str, ..
     if capability < (8, 0):
         raise RuntimeError(f"the sm120_mla kernel needs sm_80 or newer (mma.sync bf16, cp.async); "
                            f"this GPU is sm_{capability[0]}{capability[1]}")
+    import torch
+    from torch.utils import cpp_extension
+
+    check_toolkit(capability, _nvcc_identity(cpp_extension.CUDA_HOME), torch.version.cuda)
     name = f"sm120_mla_{build_key(capability, defines, source_dir)}"
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
