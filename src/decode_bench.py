@@ -626,8 +626,14 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                     started.add((plan.backend, plan.spec))
                     server_log = srv.log_path
                     log(f"  up in {srv.startup_s:.0f} s (log: {srv.log_path})")
-                    start_log = _log_text(srv.log_path) if warmups else ""
+                    start_log = _log_text(srv.log_path) if warmups or common["kv_sort"] else ""
                     ran = warmups_run(start_log, warmups)
+                    # the override ran in the server, not only asked for (None: not asked)
+                    kv_sort_seen = kv_sort.seen_in_log(start_log) if common["kv_sort"] else None
+                    if kv_sort_seen is False:
+                        log(f"  WARNING: {kv_sort.ENV_VAR} is set, but the server's log does not say an allocator "
+                            f"was {kv_sort.FORCED_LOG_MARK} (is the plugin loaded in its schedulers? Or its "
+                            "INFO lines are not logged)")
                     warm_s = warmup_seconds(start_log) if ran else None
                     fail["warmups"] = ",".join(ran)
                     # what SGLang resolved for the draft's attention (records of a draft model only)
@@ -656,7 +662,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                     "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
                                     "expert_record": expert, "expert_buffer": buffer,
-                                    "warmups": ",".join(ran),
+                                    "warmups": ",".join(ran), "kv_sort_seen": kv_sort_seen,
                                     "warmup_s": warm_s, "nvml_sampled": bool(nv),
                                     "ngram_bfs_breadth": srv.config.ngram_max_bfs_breadth,
                                     "context_length": srv.config.context_length,

@@ -94,6 +94,12 @@ def _check_conservation(free_lists, owned, size, first=1):
         "a slot is lost or owned twice"
 
 
+def _check_ascending(free_pages):
+    """The override's point: with need_sort, frees wait in release_pages and reach the free list
+    only through a merge that sorts it, so the free list stays strictly ascending."""
+    assert torch.all(free_pages[1:] > free_pages[:-1]), "the free list is not in ascending order"
+
+
 def test_token_allocator_100k_random_ops_lose_and_duplicate_nothing(override, seed):
     rng = np.random.default_rng(seed)
     size = 4096
@@ -130,7 +136,9 @@ def test_token_allocator_100k_random_ops_lose_and_duplicate_nothing(override, se
             a.free_group_end()
         if op % 2000 == 0:
             _check_conservation([a.free_pages, a.release_pages], list(owned.values()), size)
+            _check_ascending(a.free_pages)
     _check_conservation([a.free_pages, a.release_pages], list(owned.values()), size)
+    _check_ascending(a.free_pages)
     print(f"merges={merges} refused allocs={failures} live={len(owned)}")
     assert merges > 0, "the churn never reached SGLang's merge_and_sort_free"
 
@@ -153,12 +161,20 @@ def test_paged_allocator_random_ops_lose_and_duplicate_nothing(override, seed):
                 keys.append(op)
             else:
                 assert got is None
-        else:
+        elif rng.random() < 0.7:
             key = keys.pop(int(rng.integers(len(keys))))
             a.free(owned.pop(key))
+        else:
+            # as SGLang's scheduler frees a step's finished requests: free_segment (page
+            # representatives, no unique) inside a free group
+            a.free_group_begin()
+            for _ in range(min(len(keys), int(rng.integers(1, 5)))):
+                a.free_segment(owned.pop(keys.pop(int(rng.integers(len(keys))))), start_pos=0)
+            a.free_group_end()
         if op % 1000 == 0 or op == 19_999:
             owned_pages = [t[::page] // page for t in owned.values()]
             _check_conservation([a.free_pages, a.release_pages], owned_pages, pages)
+            _check_ascending(a.free_pages)
 
 
 def _stand_in_base(monkeypatch, init):

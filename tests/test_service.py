@@ -191,6 +191,12 @@ if arg("--warmups"):
 if os.environ.get("FAKE_ECHO_ARGS"):
     print("fake server args: " + " ".join(argv), flush=True)
     print("fake server env SM120_DFLASH_HOST_PLAN=" + os.environ.get("SM120_DFLASH_HOST_PLAN", ""), flush=True)
+if os.environ.get("SM120_KV_SORT") == "1" and mode != "kv_sort_silent":
+    # the plugin's own announcement, as a scheduler that built its allocator under the override logs it
+    import logging
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True)
+    from sm120_workbook.patches import kv_sort
+    kv_sort._announce_forced("TokenToKVPoolAllocator")
 print("fake server listening", flush=True)
 ThreadingHTTPServer((arg("--host"), int(arg("--port"))), H).serve_forever()
 '''
@@ -810,6 +816,21 @@ def test_run_matrix_records_and_dflash_fallback(fake, tmp_path, monkeypatch):
     assert "commit" in d.columns and "date" in d.columns
     table = decode_bench.summary_table(res.decode)
     assert table.splitlines()[0].split() == ["backend", "spec", "ctx", "tok/s", "accept", "step", "ms"]
+
+
+@pytest.mark.parametrize("mode, seen", [("serve", True), ("kv_sort_silent", False)])
+def test_run_matrix_records_whether_the_kv_sort_ran_in_the_server(fake, tmp_path, monkeypatch, mode, seen):
+    """$SM120_KV_SORT asks; the server's log says whether an allocator was built under the override
+    (kv_sort_seen), and a server that does not say so is warned about."""
+    monkeypatch.setenv("FAKE_MODE", mode)
+    monkeypatch.setenv("SM120_KV_SORT", "1")
+    lines = []
+    res = decode_bench.run_matrix(model="k2_tp8_slice", layers=3, backends=["triton"], contexts=[64], spec=["none"],
+                                  decode_tokens=12, tp=1, nvml=False, expert=False, progress=False, launcher=fake,
+                                  log_dir=tmp_path / "logs", log=lines.append)
+    (row,) = res.decode
+    assert row["kv_sort"] is True and row["kv_sort_seen"] is seen
+    assert any("does not say an allocator was built with need_sort=True" in line for line in lines) is (not seen)
 
 
 def test_run_matrix_profiles_steps(fake, tmp_path, monkeypatch):

@@ -4,7 +4,9 @@ SGLang's `sglang.srt.plugins.load_plugins()` finds `load_plugin` through the ent
 (group `sglang.srt.plugins`, name `sm120_workbook`, value `sm120_workbook.patches:load_plugin`)
 and calls it once per process: in the launcher (`sglang serve`, `python -m
 sglang.launch_server`, `Engine.__init__`) before the server arguments are parsed, and in
-every scheduler / TP worker (`run_scheduler_process`) before the model is built.
+every scheduler / TP worker (`run_scheduler_process`) before the model is built. Schedulers
+that SGLang runs as Ray actors (sglang/srt/ray/scheduler_actor.py) call no `load_plugins()`:
+there nothing of this applies.
 
 What it does in each process:
 - registers the backend name `sm120_mla` with SGLang's own `register_attention_backend`

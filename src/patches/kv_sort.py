@@ -25,6 +25,9 @@ from .env_switch import env_requested
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SM120_KV_SORT"
+# What a process that built an allocator under the override logs (_announce_forced): a server's
+# log holding it shows the override ran there, not only that the variable was set.
+FORCED_LOG_MARK = "built with need_sort=True"
 _MARK = "_sm120_kv_sort_original"
 _announced: set[str] = set()
 
@@ -111,5 +114,9 @@ def _announce_forced(class_name: str) -> None:
     if class_name in _announced:
         return
     _announced.add(class_name)
-    logger.info("sm120_workbook (pid %d): %s built with need_sort=True (SGLang chose False)",
-                os.getpid(), class_name)
+    logger.info("sm120_workbook (pid %d): %s %s (SGLang chose False)", os.getpid(), class_name, FORCED_LOG_MARK)
+
+
+def seen_in_log(text: str) -> bool:
+    """Whether a server's log says an allocator was built under the override (FORCED_LOG_MARK)."""
+    return FORCED_LOG_MARK in text
