@@ -8,7 +8,12 @@ from . import project_root
 
 
 def chart_dir(out_dir: str | Path | None = None) -> Path:
-    """Where charts go: <out_dir>/charts for a papermill run, else runs/interactive/charts."""
+    """Where charts go: <out_dir>/charts for a papermill run, else runs/interactive/charts.
+    out_dir must be absolute: the notebooks run in notebooks/ (papermill --cwd), so a relative
+    one would land there, not where the caller's shell is."""
+    if out_dir and not Path(out_dir).is_absolute():
+        raise ValueError(f"out_dir: {str(out_dir)!r} is relative, and the notebook runs in notebooks/; "
+                         "give an absolute path (make run passes one)")
     base = Path(out_dir) if out_dir else project_root() / "runs" / "interactive"
     d = base / "charts"
     d.mkdir(parents=True, exist_ok=True)

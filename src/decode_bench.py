@@ -120,8 +120,8 @@ def plan_matrix(backends: Sequence[str], contexts: Sequence[int], spec: Sequence
     Contexts that cannot fit the model (ctx + decode + margin > model_max_context) are dropped.
     """
     check_list_params(backends=backends, contexts=contexts, spec=spec)
-    if not backends:
-        raise ValueError("backends: empty")
+    for b in backends:   # a typo would otherwise be planned, and fail only at its server's start
+        check_attention_backend(b, "backends")
     bad = [s for s in spec if s not in SPEC_MODES]
     if bad or not spec:
         raise ValueError(f"spec: entries must be in {SPEC_MODES}, got {list(spec)}")
@@ -998,8 +998,9 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
         p.error(str(e))
 
 
-def describe_plan(plans: Sequence[ServerPlan], decode_tokens: int) -> str:
-    """The servers a matrix will start and the contexts measured on each (deterministic)."""
+def describe_plan(plans: Sequence[ServerPlan], decode_tokens: int, contexts: Sequence[int] = ()) -> str:
+    """The servers a matrix will start and the contexts measured on each (deterministic); with the
+    requested `contexts`, also those no server measures (longer than the model allows)."""
     from .service_charts import ctx_label
 
     lines = [f"{len(plans)} server starts (one per backend x speculation), "
@@ -1008,6 +1009,9 @@ def describe_plan(plans: Sequence[ServerPlan], decode_tokens: int) -> str:
         dt = f"{p.draft_tokens} draft tokens" if p.draft_tokens else "-"
         lines.append(f"  {p.backend:<10} {p.spec:<7} {dt:<16} contexts {' '.join(ctx_label(c) for c in p.contexts):<18}"
                      f" --context-length {context_length_for(p.contexts, decode_tokens, p.draft_tokens)}")
+    dropped = dropped_contexts(plans, contexts) if contexts else []
+    if dropped:
+        lines.append(f"  not measured: contexts {dropped} do not fit the model with {decode_tokens} decode tokens")
     return "\n".join(lines)
 
 

@@ -71,8 +71,13 @@ class ChurnConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed: must be an int >= 0, got {self.seed!r}")   # numpy's generators refuse others
         for name in ("prompt_len_range", "output_len_range"):
-            low, high = getattr(self, name)
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ValueError(f"{name}: [low, high], two ints, got {value!r}")
+            low, high = value
             if not 1 <= low <= high:
                 raise ValueError(f"{name}: need 1 <= low <= high, got {(low, high)}")
         if not 0.0 <= self.probe_arrival <= 1.0:

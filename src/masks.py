@@ -143,8 +143,10 @@ def random_tree_mask(prefix_lens: IntsLike, q_lens: IntsLike,
     `generator` is a CPU torch.Generator or an int seed (None: torch's global RNG).
     """
     prefix, q = check_lengths(prefix_lens, q_lens)
-    if isinstance(generator, int):
+    if isinstance(generator, int) and not isinstance(generator, bool):
         generator = torch.Generator().manual_seed(generator)
+    elif generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: a torch.Generator, an int seed or None, got {generator!r}")
     blocks = [tree_draft_block(random_tree_parents(t, generator)) for t in q]
     return mask_from_draft_blocks(prefix, blocks, device)
 

@@ -334,6 +334,8 @@ def make_verify_case(batch: int = 2, heads: int = 8, q_len=4, ctx_lens=32, mask:
     q_lens = _per_request("q_len", q_len, batch)
     ctx = _per_request("ctx_lens", ctx_lens, batch)
     ctx, q_lens = check_lengths(ctx, q_lens)
+    if not any(q_lens):   # no query row at all: nothing for a reference or a kernel to compute
+        raise ValueError(f"q_len: at least one request needs a query token, got {q_len!r}")
     gen = generator
     if gen is None:
         gen = torch.Generator()

@@ -130,13 +130,13 @@ def unless_recorded():
 
 
 def on_gpu(df, name: str):
-    """Which records were measured on a GPU whose name contains `name` (none, where the records
-    name no GPU)."""
+    """Which records were measured on a GPU whose name contains `name`, in any case ("h200" finds
+    "NVIDIA H200"; none, where the records name no GPU)."""
     import pandas as pd
 
     if "gpu" not in df:
         return pd.Series(False, index=df.index)
-    return df["gpu"].fillna("").astype(str).str.contains(name, regex=False)
+    return df["gpu"].fillna("").astype(str).str.lower().str.contains(str(name).lower(), regex=False)
 
 
 def short_commit(commit, digits: int = 7) -> str:

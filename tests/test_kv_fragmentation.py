@@ -41,6 +41,11 @@ def test_arguments_are_checked():
         kf.ChurnConfig(tokens_per_step=0)
     with pytest.raises(ValueError, match="prompt_len_range"):
         kf.ChurnConfig(prompt_len_range=(100, 10))
+    with pytest.raises(ValueError, match=r"^prompt_len_range: \[low, high\], two ints, got \[16\]"):
+        kf.ChurnConfig(prompt_len_range=[16])   # a notebook parameter of one item
+    for bad in ("x", -1, True):
+        with pytest.raises(ValueError, match="^seed: must be an int >= 0"):
+            kf.ChurnConfig(seed=bad)
     with pytest.raises(ValueError, match="probe_arrival"):
         kf.ChurnConfig(probe_arrival=1.5)
 

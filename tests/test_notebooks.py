@@ -134,10 +134,16 @@ def test_list_parameters_are_checked(name):
 def test_check_list_params_names_papermill_y():
     from sm120_workbook.notebook_params import check_list_params
 
-    check_list_params(a=[1], b=(2, 3), c=[])
+    check_list_params(a=[1], b=(2, 3))
+    check_list_params({"ab_run": 2}, ab_run=["v31", "v30"], c=[3])
     for bad in ('["ngram"]', 4096, None):
         with pytest.raises(ValueError, match=r"^ctx_list: a list, got \w+ .*papermill: -y 'ctx_list: \[\.\.\.\]', not -p"):
             check_list_params(ctx_list=bad)
+    # an empty list, or a pair of the wrong length, fails here and not cells later
+    with pytest.raises(ValueError, match=r"^ctx_list: an empty list; give at least one item"):
+        check_list_params(ctx_list=[])
+    with pytest.raises(ValueError, match=r"^ab_run: 2 items, got 1: \['v31'\]"):
+        check_list_params({"ab_run": 2}, ab_run=["v31"])
 
 
 def test_a_list_given_with_p_fails_naming_it(tmp_path):
@@ -148,3 +154,18 @@ def test_a_list_given_with_p_fails_naming_it(tmp_path):
         papermill.execute_notebook(str(NOTEBOOK_DIR / name), str(tmp_path / name),
                                    parameters={"ctx_list": "[2048]", "out_dir": str(tmp_path)},
                                    cwd=str(NOTEBOOK_DIR), kernel_name="python3", progress_bar=False)
+
+
+def test_a_recorded_gpu_is_matched_in_any_case_and_out_dir_must_be_absolute(tmp_path):
+    """Two notebook parameters: recorded_gpu (a name substring, any case) and out_dir."""
+    import pandas as pd
+
+    from sm120_workbook.charts import chart_dir
+    from sm120_workbook.results import on_gpu
+
+    df = pd.DataFrame({"gpu": ["NVIDIA H200", None, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"]})
+    assert on_gpu(df, "h200").tolist() == [True, False, False]
+    assert on_gpu(df, "RTX pro 6000").tolist() == [False, False, True]
+    assert chart_dir(tmp_path) == tmp_path / "charts"
+    with pytest.raises(ValueError, match="^out_dir: 'runs' is relative, and the notebook runs in notebooks/"):
+        chart_dir("runs")   # papermill runs the notebook in notebooks/: it would land in the project tree

@@ -394,10 +394,16 @@ def test_reference_matches_sglang_triton_extend_attention(seed, tmp_path):
 
 
 @pytest.mark.parametrize("kw, name", [(dict(batch=True), "batch"), (dict(heads=True), "heads"),
-                                      (dict(q_len=2.5), "q_len"), (dict(ctx_lens="32"), "ctx_lens")])
+                                      (dict(q_len=2.5), "q_len"), (dict(ctx_lens="32"), "ctx_lens"),
+                                      (dict(q_len=0), "q_len")])   # no query row in the whole case
 def test_make_verify_case_names_bad_arguments(kw, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         make_verify_case(**kw)
+
+
+def test_random_tree_mask_names_a_bad_generator():
+    with pytest.raises(ValueError, match="^generator: a torch.Generator, an int seed or None, got 'x'"):
+        random_tree_mask([4], [8], generator="x")
 
 
 def test_make_verify_case_seed_none_is_fresh():

@@ -978,6 +978,12 @@ def test_plan_matrix_orders_and_filters():
         decode_bench.plan_matrix(["sm120_mla"], [4096], ["ngram"], eagle_topk=4, eagle_draft_tokens=8)
     with pytest.raises(ValueError, match="decode_tokens"):
         decode_bench.plan_matrix(["triton"], [4096], ["none"], decode_tokens=1)
+    with pytest.raises(ValueError, match="^backends: 'flashml' is not an attention backend"):
+        decode_bench.plan_matrix(["triton", "flashml"], [4096], ["none"])
+    # contexts the model cannot hold are said in the plan, not dropped unseen
+    plans = decode_bench.plan_matrix(["triton"], [4096, 300_000], ["none"], model_max_context=131072)
+    assert decode_bench.describe_plan(plans, 256, [4096, 300_000]).splitlines()[-1] == \
+        "  not measured: contexts [300000] do not fit the model with 256 decode tokens"
     for kw, name in ((dict(spec='["ngram"]'), "spec"), (dict(backends="sm120_mla"), "backends"),
                      (dict(contexts="[4096]"), "contexts")):   # a list given as papermill's -p text
         args = dict(backends=["sm120_mla"], contexts=[4096], spec=["none"]) | kw
