@@ -7,13 +7,18 @@ from pathlib import Path
 from . import project_root
 
 
-def chart_dir(out_dir: str | Path | None = None) -> Path:
-    """Where charts go: <out_dir>/charts for a papermill run, else runs/interactive/charts.
-    out_dir must be absolute: the notebooks run in notebooks/ (papermill --cwd), so a relative
-    one would land there, not where the caller's shell is."""
+def check_out_dir(out_dir: str | Path | None) -> None:
+    """out_dir empty or absolute: the notebooks run in notebooks/ (papermill --cwd), so a relative
+    one would land there, not where the caller's shell is. A notebook checks it with its other
+    parameters, before any GPU work, not at its first chart."""
     if out_dir and not Path(out_dir).is_absolute():
         raise ValueError(f"out_dir: {str(out_dir)!r} is relative, and the notebook runs in notebooks/; "
                          "give an absolute path (make run passes one)")
+
+
+def chart_dir(out_dir: str | Path | None = None) -> Path:
+    """Where charts go: <out_dir>/charts for a papermill run, else runs/interactive/charts."""
+    check_out_dir(out_dir)
     base = Path(out_dir) if out_dir else project_root() / "runs" / "interactive"
     d = base / "charts"
     d.mkdir(parents=True, exist_ok=True)

@@ -7,14 +7,16 @@ letter. `-y 'spec: [ngram]'` (YAML) gives the list.
 from __future__ import annotations
 
 
-def check_list_params(_lengths: dict[str, int] | None = None, **params) -> None:
-    """Each keyword a non-empty list or tuple, of `_lengths[name]` items where given (a pair); the
-    error names the parameter and papermill's `-y`. An empty one would fail later, far from its name."""
+def check_list_params(_lengths: dict[str, int] | None = None, _may_be_empty: tuple[str, ...] = (),
+                      **params) -> None:
+    """Each keyword a list or tuple, of `_lengths[name]` items where given (a pair), and not empty
+    unless named in `_may_be_empty` (a list of sections to show, where none is a choice); the error
+    names the parameter and papermill's `-y`. An empty one would fail later, far from its name."""
     for name, value in params.items():
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{name}: a list, got {type(value).__name__} {value!r} "
                              f"(papermill: -y '{name}: [...]', not -p)")
-        if not value:
+        if not value and name not in _may_be_empty:
             raise ValueError(f"{name}: an empty list; give at least one item")
         want = (_lengths or {}).get(name)
         if want is not None and len(value) != want:

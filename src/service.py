@@ -142,13 +142,68 @@ DFLASH_RECORDER_CRASH = ("SGLang 0.5.17's expert recorder with an unbounded buff
 # ---- what SGLang accepts ------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
+def _server_args_module():
+    """sglang.srt.server_args, imported without the UserWarnings some of SGLang's modules print on
+    a machine without a usable Triton (a notebook's checked cell would keep them as its output)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
+            from sglang.srt import server_args
+    except Exception as e:  # noqa: BLE001 - any import failure means we cannot validate
+        raise ServerError(f"cannot import sglang.srt.server_args to validate the launch: {e!r}") from e
+    return server_args
+
+
 def installed_attention_backends() -> tuple[str, ...]:
     """SGLang's own --attention-backend choices (sglang.srt.server_args, as installed)."""
+    return tuple(_server_args_module().ATTENTION_BACKEND_CHOICES)
+
+
+# Every flag launch_args may emit, for any config: extra_args may set none of them.
+CONFIG_FLAGS = ("--model-path", "--load-format", "--skip-tokenizer-init", "--attention-backend", "--tp",
+                "--mem-fraction-static", "--host", "--port", "--decode-attention-backend",
+                "--prefill-attention-backend", "--speculative-attention-mode", "--context-length", "--page-size",
+                "--enable-metrics", "--expert-distribution-recorder-mode",
+                "--expert-distribution-recorder-buffer-size", "--speculative-algorithm",
+                "--speculative-num-draft-tokens", "--speculative-draft-model-path",
+                "--speculative-draft-attention-backend", "--speculative-num-steps", "--speculative-eagle-topk",
+                "--speculative-ngram-max-bfs-breadth", "--cuda-graph-max-bs-decode",
+                "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill", "--warmups", "--disable-cuda-graph")
+
+
+def _server_args_parser():
+    """SGLang's own parser of launch arguments, reporting only what it is given (no defaults, nothing
+    required), raising instead of exiting."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    _server_args_module().ServerArgs.add_cli_args(parser)
+    for action in parser._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    return parser
+
+
+def extra_args_fields(extra_args: Sequence[str]) -> set[str]:
+    """The ServerArgs fields `extra_args` set, as SGLang's parser reads them: an alias (--tp-size
+    for --tp) or an abbreviation (--page for --page-size) names the same field."""
+    import argparse
+
     try:
-        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
-    except Exception as e:  # noqa: BLE001 - any import failure means we cannot validate
-        raise ServerError(f"cannot import sglang.srt.server_args to validate backends: {e!r}") from e
-    return tuple(ATTENTION_BACKEND_CHOICES)
+        given, _ = _server_args_parser().parse_known_args(list(extra_args))
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(f"extra_args: SGLang's parser refuses {list(extra_args)!r} ({e})") from None
+    return set(vars(given))
+
+
+def config_fields() -> set[str]:
+    """The ServerArgs fields that launch_args sets from a config's own fields (CONFIG_FLAGS)."""
+    by_flag = {o: a.dest for a in _server_args_parser()._actions for o in a.option_strings}
+    fields = set()
+    for flag in CONFIG_FLAGS:   # launch_args's --tp is an abbreviation, as argparse resolves it
+        fields |= {by_flag[flag]} if flag in by_flag else {d for o, d in by_flag.items() if o.startswith(flag)}
+    return fields
 
 
 def plugin_installed() -> bool:
@@ -467,12 +522,11 @@ def resolve_config(cfg: ServerConfig) -> ServerConfig:
                              f"kernel's {MAX_Q_LEN} queries per request")
     if cfg.port is None:
         cfg.port = free_port(cfg.host)
-    # SGLang's parser keeps the last of a repeated flag: an extra_args copy of one set here would
-    # win there while the health check, the identity check and the records went on with this one
-    ours = {a for a in launch_args(dataclasses.replace(cfg, extra_args=())) if a.startswith("--")}
-    clash = sorted({a.split("=", 1)[0] for a in cfg.extra_args} & ours)
+    # SGLang's parser keeps the last of a repeated flag: an extra_args flag of a config field would
+    # win there while the health check, the identity check and the records went on with the field
+    clash = sorted(extra_args_fields(cfg.extra_args) & config_fields()) if cfg.extra_args else []
     if clash:
-        raise ValueError(f"extra_args: {clash} are set from the config's own fields; set those fields instead")
+        raise ValueError(f"extra_args: sets {clash}, which the config's own fields set; use those fields instead")
     return cfg
 
 

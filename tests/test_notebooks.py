@@ -136,6 +136,7 @@ def test_check_list_params_names_papermill_y():
 
     check_list_params(a=[1], b=(2, 3))
     check_list_params({"ab_run": 2}, ab_run=["v31", "v30"], c=[3])
+    check_list_params(None, ("ablations",), ablations=[])   # a list of sections to show, where none is a choice
     for bad in ('["ngram"]', 4096, None):
         with pytest.raises(ValueError, match=r"^ctx_list: a list, got \w+ .*papermill: -y 'ctx_list: \[\.\.\.\]', not -p"):
             check_list_params(ctx_list=bad)

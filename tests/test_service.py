@@ -542,7 +542,11 @@ def test_tp_must_divide_heads_and_all_gpus_needs_a_gpu(model_dir):
     (dict(extra_args=["--max-running-requests", 4]), "extra_args: a list or tuple of str"),
     # SGLang's parser keeps the last: the server would run on another port than the one checked
     (dict(extra_args=["--port", "40000", "--tp=2"]),
-     r"extra_args: \['--port', '--tp'\] are set from the config's own fields"),
+     r"extra_args: sets \['port', 'tp_size'\], which the config's own fields set"),
+    # as SGLang's parser reads them: an alias, and an abbreviation of a flag this config leaves out
+    (dict(extra_args=["--tensor-parallel-size", "2"]), r"extra_args: sets \['tp_size'\]"),
+    (dict(extra_args=["--page", "64"]), r"extra_args: sets \['page_size'\]"),
+    (dict(extra_args=["--attention-backend", "nope"]), r"extra_args: SGLang's parser refuses .*invalid choice: 'nope'"),
 ])
 def test_resolve_config_refuses_a_value_of_the_wrong_type_or_range(model_dir, kw, match):
     with pytest.raises(ValueError, match="^" + match):
