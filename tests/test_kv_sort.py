@@ -214,3 +214,78 @@ def test_an_allocator_without_need_sort_is_refused_by_name(monkeypatch, caplog):
         ok = env_switch.install_or_warn(lambda: kv_sort.install_from_env({kv_sort.ENV_VAR: "1"}),
                                         kv_sort.logger, f"the KV sort override ({kv_sort.ENV_VAR})")
     assert ok is False and "the KV sort override (SM120_KV_SORT) failed" in caplog.text
+
+
+class _Launch:
+    """A Triton kernel's `kernel[grid](...)` call, run by a CPU function instead."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _extend_on_cpu(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+    from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive   # SGLang's own CPU version
+
+    new_pages = ((seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) // page_size).sum()
+    if new_pages <= len(free_pages):   # else alloc_extend returns None after the launch (the GPU
+        # kernel reads past the list; the CPU version would raise)
+        alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, "cpu")
+
+
+def _decode_on_cpu(seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+    # alloc_decode_kernel, request by request: the next slot of its last page, or the first slot
+    # of the next free page (in request order) when the token starts a page
+    new_page = (seq_lens + page_size - 1) // page_size - (seq_lens - 1 + page_size - 1) // page_size
+    starts = torch.cumsum(new_page, 0) - new_page
+    if new_page.sum() > len(free_pages):   # alloc_decode returns None after the launch
+        return
+    for i in range(len(seq_lens)):
+        out_indices[i] = free_pages[starts[i]] * page_size if new_page[i] else last_loc[i] + 1
+
+
+def test_paged_scheduler_steps_keep_the_free_list_ascending(override, seed, monkeypatch):
+    """The scheduler's own allocation calls on the paged allocator: alloc_extend for prefills
+    (SGLang's CPU version of its Triton kernel), alloc_decode for each running request's token,
+    finished requests freed by free_segment inside a free group. With the override the free list
+    stays ascending through the merges these calls trigger, and every page is accounted for."""
+    from sglang.srt.mem_cache.allocator import paged
+
+    monkeypatch.setattr(paged, "alloc_extend_kernel", _Launch(_extend_on_cpu))
+    monkeypatch.setattr(paged, "alloc_decode_kernel", _Launch(_decode_on_cpu))
+    rng = np.random.default_rng(seed)
+    page, pages = 16, 512
+    a = _paged_allocator(page * pages, page)
+    rows: list[list[int]] = []   # each running request's KV slots, in order
+    merges = 0
+    for step in range(3000):
+        had_release = len(a.release_pages) > 0
+        if rng.random() < 0.3 or not rows:   # a prefill of one new request
+            n = int(rng.integers(1, 300))
+            zero = torch.zeros(1, dtype=torch.int64)
+            seq = torch.tensor([n])
+            got = a.alloc_extend(zero, zero, seq, seq, torch.tensor([-1]), n)
+            if got is not None:
+                rows.append(got.tolist())
+        else:   # a decode step of every running request
+            seq = torch.tensor([len(r) + 1 for r in rows])
+            got = a.alloc_decode(seq, seq, torch.tensor([r[-1] for r in rows]))
+            if got is not None:
+                for r, loc in zip(rows, got.tolist()):
+                    r.append(loc)
+        merges += had_release and len(a.release_pages) == 0
+        if rows and (got is None or rng.random() < 0.15):   # finished requests leave in one group
+            a.free_group_begin()
+            for _ in range(min(len(rows), int(rng.integers(1, 4)))):
+                a.free_segment(torch.tensor(rows.pop(int(rng.integers(len(rows))))), start_pos=0)
+            a.free_group_end()
+        if step % 100 == 0:
+            slots = [s for r in rows for s in r]
+            assert len(slots) == len(set(slots)), f"step {step}: a slot handed to two requests"
+            owned = [torch.tensor(sorted({s // page for s in r})) for r in rows]
+            _check_conservation([a.free_pages, a.release_pages], owned, pages)
+            _check_ascending(a.free_pages)
+    print(f"merges={merges} running={len(rows)}")
+    assert merges > 0, "the steps never reached SGLang's merge_and_sort_free"
