@@ -161,7 +161,8 @@ def installed_attention_backends() -> tuple[str, ...]:
     return tuple(_server_args_module().ATTENTION_BACKEND_CHOICES)
 
 
-# Every flag launch_args may emit, for any config: extra_args may set none of them.
+# Every flag launch_args may emit, for any config (a test reads them from its source), and
+# --disable-cuda-graph (the config's cuda_graph too): extra_args may set none of them.
 CONFIG_FLAGS = ("--model-path", "--load-format", "--skip-tokenizer-init", "--attention-backend", "--tp",
                 "--mem-fraction-static", "--host", "--port", "--decode-attention-backend",
                 "--prefill-attention-backend", "--speculative-attention-mode", "--context-length", "--page-size",
@@ -173,9 +174,10 @@ CONFIG_FLAGS = ("--model-path", "--load-format", "--skip-tokenizer-init", "--att
                 "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill", "--warmups", "--disable-cuda-graph")
 
 
+@functools.lru_cache(maxsize=1)
 def _server_args_parser():
     """SGLang's own parser of launch arguments, reporting only what it is given (no defaults, nothing
-    required), raising instead of exiting."""
+    required), raising instead of exiting; built once (parsing leaves it as it is)."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
@@ -197,13 +199,14 @@ def extra_args_fields(extra_args: Sequence[str]) -> set[str]:
     return set(vars(given))
 
 
-def config_fields() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def config_fields() -> frozenset[str]:
     """The ServerArgs fields that launch_args sets from a config's own fields (CONFIG_FLAGS)."""
     by_flag = {o: a.dest for a in _server_args_parser()._actions for o in a.option_strings}
     fields = set()
     for flag in CONFIG_FLAGS:   # launch_args's --tp is an abbreviation, as argparse resolves it
         fields |= {by_flag[flag]} if flag in by_flag else {d for o, d in by_flag.items() if o.startswith(flag)}
-    return fields
+    return frozenset(fields)
 
 
 def plugin_installed() -> bool:

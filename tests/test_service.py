@@ -228,6 +228,17 @@ def _server(model_dir, fake, tmp_path, monkeypatch, mode, **kw):
 
 # ---- launch arguments, checked by SGLang's own parser --------------------------------------
 
+def test_config_flags_hold_every_flag_launch_args_emits():
+    """extra_args may not set a flag a config field sets (resolve_config): CONFIG_FLAGS must name
+    every one launch_args can emit, whatever the config, so its string constants are read here."""
+    import ast
+    import inspect
+
+    emitted = {node.value for node in ast.walk(ast.parse(inspect.getsource(launch_args)))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--")}
+    assert emitted and emitted <= set(service.CONFIG_FLAGS), sorted(emitted - set(service.CONFIG_FLAGS))
+
+
 @pytest.mark.parametrize("backend,spec,cuda_graph", [
     ("triton", "none", True), ("triton", "dflash", True), ("triton", "ngram", False),
     ("flashmla", "none", True), ("flashmla", "ngram", True), ("trtllm_mla", "ngram", True)])
