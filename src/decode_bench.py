@@ -282,6 +282,9 @@ def decode_stats(completion_tokens: int, ttft_s: float, latency_s: float, meta_i
         "steps_estimated": estimated,
         "spec_verify_ct": int(verify_ct) if verify_ct else None,
         "server_decode_tok_s": meta_info.get("decode_throughput"),
+        # what the server took in: the context as sent, and none of it from the prefix cache
+        "prompt_tokens": meta_info.get("prompt_tokens"),
+        "cached_tokens": meta_info.get("cached_tokens"),
     }
 
 
@@ -291,6 +294,9 @@ def measure_decode(server: SGLangServer, ctx: int, decode_tokens: int, vocab_siz
     before = _safe_metrics(server)
     res = server.generate(random_input_ids(ctx, vocab_size, seed), decode_tokens)
     check_finished(res, decode_tokens)
+    sent = res.meta_info.get("prompt_tokens")
+    if sent is not None and sent != ctx:   # the point would be named for a context it did not run
+        raise ServerError(f"/generate took {sent} prompt tokens, not the {ctx} sent")
     stats = decode_stats(res.completion_tokens, res.ttft_s, res.latency_s, res.meta_info, server.config.spec,
                          res.first_chunk_tokens)
     after = _safe_metrics(server)
@@ -539,6 +545,9 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
         # the commit the run starts from, as every record names it: $SM120_COMMIT on the GPU machine (a
         # tree without .git), unless the installed package was archived from another (git_commit warns)
         common["commit"] = git_commit()
+        # one id for this whole call: records of two backends are "the same run" (one machine, one
+        # session) only where it matches; run_id names each server
+        common["invocation"] = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         out = MatrixResult([], [], [], [])
         lists = {DECODE_RESULTS: out.decode, NVML_RESULTS: out.nvml, EXPERT_RESULTS: out.expert,
                  FAILURE_RESULTS: out.failures, PROFILE_RESULTS: out.profiles}
@@ -657,7 +666,7 @@ def run_matrix(model: str = "k2_tp8_slice", layers: int = 4, backends: Sequence[
                                 continue
                             row, nv, ex = _measure_point(srv, ctx, decode_tokens, model_cfg, seed + ctx + rep,
                                                          nvml, nvml_interval_s, expert, tp, buffer,
-                                                         rows_per_pass)
+                                                         rows_per_pass, ep_size)
                             base = {**common, "run_id": run_id, "backend": plan.backend, **spec_keys,
                                     "ctx": ctx, "repeat": rep,
                                     "cuda_graph": cuda_graph, "page_size": srv.config.page_size,
@@ -790,25 +799,37 @@ def _results_path(results_dir: Path | None, name: str) -> Path | None:
     return None if results_dir is None else Path(results_dir) / f"{name}.jsonl"
 
 
+def served_gpus(server_info: dict | None, tp: int) -> list[int]:
+    """The CUDA indices a server of `tp` ranks runs on: SGLang's base_gpu_id + i x gpu_id_step
+    (0, 1, ... by default), as its /server_info resolved them."""
+    info = server_info or {}
+    base, step = info.get("base_gpu_id", 0), info.get("gpu_id_step", 1)
+    base = base if isinstance(base, int) else 0
+    step = step if isinstance(step, int) and step > 0 else 1
+    return [base + i * step for i in range(tp)]
+
+
 def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: dict, seed: int,
                    nvml: bool, nvml_interval_s: float, expert: bool, tp: int, expert_buffer: int = -1,
-                   rows_per_routed_pass: int = 1):
+                   rows_per_routed_pass: int = 1, ep_size: int = 1):
     from .nvml_sampler import NvmlSampler, NvmlUnavailableError
 
-    recording = False
+    recording, start_error = False, None
     if expert:
         try:
             srv.start_expert_record()
             recording = True
-        except Exception:  # noqa: BLE001 - measured anyway; the error shows in the dump step
-            pass
-    # NVML samples the request alone (its prefill and decode), not the recorder's start and stop
-    sampler = None
+        except Exception as e:  # noqa: BLE001 - measured anyway; an idle recorder's dump would read as no load
+            start_error = f"start_expert_distribution_record: {e!r}"
+    # NVML samples the request alone (its prefill and decode), not the recorder's start and stop,
+    # and the server's GPUs alone: an idle neighbour would read as imbalance
+    sampler, nvml_error = None, None
     if nvml:
         try:
-            sampler = NvmlSampler(interval_s=nvml_interval_s).start()
-        except NvmlUnavailableError:
-            sampler = None
+            sampler = NvmlSampler(interval_s=nvml_interval_s,
+                                  gpus=served_gpus(getattr(srv, "server_info", None), tp)).start()
+        except NvmlUnavailableError as e:
+            sampler, nvml_error = None, str(e)[:500]
     try:
         row = measure_decode(srv, ctx, decode_tokens, model_cfg["vocab_size"], seed)
     finally:
@@ -817,39 +838,63 @@ def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: d
     if recording:
         try:
             srv.stop_expert_record()
-        except Exception:  # noqa: BLE001 - as above
+        except Exception:  # noqa: BLE001 - the dump step below fails too, and says why
             pass
+    if start_error:   # the record must not claim a recorder that never ran
+        row.update(expert_record=False, expert_error=start_error[:500])
     nv_rows = []
+    if nvml_error:
+        row["nvml_error"] = nvml_error
     if sampler is not None and sampler.failure:   # a series cut short would read as an idle GPU
         row["nvml_error"] = sampler.failure[:500]
     elif sampler is not None:  # one record per (GPU, metric) holding the series; no pandas needed here
+        metric_errors = {k: v for k, v in sampler.errors.items() if k not in sampler.THREAD_ERRORS}
+        if metric_errors:   # a metric the board does not report is absent, and says why
+            row["nvml_metric_errors"] = {k: v[:200] for k, v in metric_errors.items()}
+        measured = sampler.measured_interval_s
         series: dict[tuple[int, str], tuple[list, list]] = {}
         for t, g, m, v in sampler.rows:
             ts, vs = series.setdefault((g, m), ([], []))
             ts.append(round(float(t), 3))
             vs.append(round(float(v), 2))
         for (g, m), (ts, vs) in sorted(series.items()):
-            nv_rows.append({"nvml_gpu": int(g), "metric": m, "interval_s": nvml_interval_s, "t": ts, "value": vs})
+            # interval_s: asked for; interval_measured_s: as the rounds of reads ran (records
+            # before it have t, each GPU's from one time per round)
+            nv_rows.append({"nvml_gpu": int(g), "metric": m, "interval_s": nvml_interval_s,
+                            "interval_measured_s": None if measured is None else round(measured, 3),
+                            "t": ts, "value": vs})
     ex = None
-    if expert:
+    if expert and recording:
         try:
-            ex = _expert_record(srv, tp, expert_buffer, rows_per_routed_pass)
+            ex = _expert_record(srv, tp, expert_buffer, rows_per_routed_pass, ep_size)
         except Exception as e:  # noqa: BLE001 - the decode measurement stands without it
             row["expert_error"] = repr(e)[:500]
     return row, nv_rows, ex
 
 
-def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1, rows_per_routed_pass: int = 1) -> dict:
+def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1, rows_per_routed_pass: int = 1,
+                   ep_size: int = 1) -> dict:
     """One dump as a record. `forward_passes` counts the passes that routed tokens (records before
     3486e7d counted every row: 9880eff's DFlash rows include the draft's zero rows). A circular
     buffer may have wrapped once the rows the routed passes account for (rows_per_routed_pass each:
-    2 with a DFlash draft, whose passes write zero rows) reach its size: then the record is refused."""
+    2 with a DFlash draft, whose passes write zero rows) reach its size: then the record is refused.
+    A dump in which no pass routed a token (a recorder that did not run) is refused too."""
     from .expert_balance import balancedness, expert_counts, gpu_load, load_expert_dump, moe_layer_ids, routed_passes
 
-    path = srv.dump_expert_record()
-    dump = load_expert_dump(path)
-    path.unlink()  # (passes, layers, experts) int32 per dump: megabytes; the record keeps the sum
+    # every rank of MoE EP rank 0 writes the same all-reduced counts: tp // ep_size files
+    paths = srv.dump_expert_record(expected=max(1, tp // max(1, ep_size)))
+    try:
+        dumps = [load_expert_dump(p) for p in paths]
+    finally:
+        for p in paths:   # (passes, layers, experts) int32 per dump: megabytes; the record keeps the sum
+            p.unlink(missing_ok=True)
+    dump = dumps[0]
+    if any(not np.array_equal(d["logical_count"], dump["logical_count"]) for d in dumps[1:]):
+        raise ValueError(f"the {len(dumps)} files of one expert dump differ: not the all-reduced copies "
+                         "SGLang's stat mode writes")
     passes = routed_passes(dump)
+    if passes == 0:
+        raise ValueError("the expert dump holds no forward pass that routed a token")
     # a wrapped buffer holds at least buffer - (rows - 1) rows of which 1 in rows routed
     if buffer > 0 and (passes + 1) * rows_per_routed_pass - 1 >= buffer:
         raise ValueError(f"expert_buffer: {passes} routed passes (x{rows_per_routed_pass} rows) fill the "
@@ -862,7 +907,7 @@ def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1, rows_per_routed
     moe = moe_layer_ids(counts)
     bal = balancedness(gpu_load(counts[moe], 8)) if moe and counts.shape[1] % 8 == 0 else []
     return {"num_experts": int(counts.shape[1]), "counts": counts.tolist(), "moe_layers": moe,
-            "ranks_summed": ranks, "forward_passes": passes,
+            "ranks_summed": ranks, "forward_passes": passes, "dump_files": len(paths),
             "balancedness_ep8": [round(float(b), 4) for b in bal]}
 
 

@@ -5,28 +5,35 @@
     df = s.dataframe()          # tidy: t, gpu, metric, value
 
 Metrics (NVML's own meaning):
-- sm_util_pct: % of the sample period in which at least one kernel ran (nvmlDeviceGetUtilizationRates.gpu)
-- mem_util_pct: % of the period in which device memory was read or written (….memory); a busy
+- sm_util_pct: % of the driver's sample period (1/6 s to 1 s, by product; not ours) in which at
+  least one kernel ran (nvmlDeviceGetUtilizationRates.gpu): one CTA on one SM reads 100%, so this
+  is "GPU busy", not a share of SMs
+- mem_util_pct: % of that period in which device memory was read or written (….memory); a busy
   fraction, not a fraction of peak bandwidth
-- power_w: board power draw
+- power_w: board power draw; on Ampere and newer (not GA100) NVML averages it over 1 s
 - pcie_tx_mb_s / pcie_rx_mb_s: PCIe throughput (NVML reports KB/s over a 20 ms window)
 
 GPUs are those this process may use: CUDA_VISIBLE_DEVICES (indices or GPU- UUIDs) if set, else
-all that NVML lists; `gpu` is the CUDA index as the server sees it.
+all that NVML lists, or of those the `gpus` given (a server's own); `gpu` is the CUDA index as
+the server sees it. Each GPU's samples carry the time its reads began: reading 8 GPUs with PCIe
+takes ~0.3 s, so one time for all would shift GPU k's curve by ~40 ms x k.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
+from typing import Sequence
+
+import numpy as np
 
 from .service import check_positive
 
 METRICS = ("sm_util_pct", "mem_util_pct", "power_w", "pcie_tx_mb_s", "pcie_rx_mb_s")
 METRIC_TITLES = {
-    "sm_util_pct": "SM busy (%)",
+    "sm_util_pct": "GPU busy: a kernel running (%)",
     "mem_util_pct": "memory busy (%)",
-    "power_w": "power (W)",
+    "power_w": "power, NVML's 1 s average (W)",
     "pcie_tx_mb_s": "PCIe TX (MB/s)",
     "pcie_rx_mb_s": "PCIe RX (MB/s)",
 }
@@ -88,11 +95,16 @@ class NvmlSampler:
     THREAD_ERRORS = ("sampler", "stop")
     stop_timeout_s = 10.0
 
-    def __init__(self, interval_s: float = 0.2, pcie: bool = True):
+    def __init__(self, interval_s: float = 0.2, pcie: bool = True, gpus: Sequence[int] | None = None):
         check_positive("interval_s", interval_s)   # finite too: NaN would pass `<= 0` and spin
+        if gpus is not None and (isinstance(gpus, (str, bytes)) or not gpus
+                                 or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)):
+            raise ValueError(f"gpus: expected a non-empty list of CUDA indices, got {gpus!r}")
         self.interval_s = interval_s
         self.pcie = pcie  # each PCIe query blocks ~20 ms per GPU and direction
+        self.gpus = None if gpus is None else sorted(set(gpus))
         self.rows: list[tuple[float, int, str, float]] = []
+        self.sample_starts: list[float] = []   # when each round of reads began (s from start)
         self.errors: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -126,6 +138,13 @@ class NvmlSampler:
             if isinstance(e, nv.NVMLError):  # e.g. a visible index NVML cannot resolve
                 raise NvmlUnavailableError(f"NVML could not open the visible GPUs: {e}") from e
             raise
+        if self.gpus is not None:   # only the server's GPUs: an idle neighbour would read as imbalance
+            missing = sorted(set(self.gpus) - {g for g, _ in self._gpus})
+            self._gpus = [(g, h) for g, h in self._gpus if g in self.gpus]
+            if missing:
+                nv, self._nvml = self._nvml, None
+                nv.nvmlShutdown()
+                raise NvmlUnavailableError(f"gpus: CUDA indices {missing} are not visible to this process")
         if not self._gpus:
             nv, self._nvml = self._nvml, None
             nv.nvmlShutdown()
@@ -166,10 +185,18 @@ class NvmlSampler:
             self.errors.setdefault(metric, str(e))
             return None
 
+    @property
+    def measured_interval_s(self) -> float | None:
+        """The median time between rounds of reads as they ran: interval_s plus the reads' own
+        time (~40 ms a GPU with PCIe), or None before two rounds."""
+        d = np.diff(self.sample_starts)
+        return float(np.median(d)) if len(d) else None
+
     def sample_once(self) -> None:
         nv = self._nvml
-        t = time.monotonic() - self._t0
+        self.sample_starts.append(time.monotonic() - self._t0)
         for gpu, h in self._gpus:
+            t = time.monotonic() - self._t0   # this GPU's own time: the reads before it took a while
             util = self._read("util", lambda: nv.nvmlDeviceGetUtilizationRates(h))
             if util is not None:
                 self.rows.append((t, gpu, "sm_util_pct", float(util.gpu)))

@@ -86,6 +86,10 @@ def gpu_info() -> dict:
         "gpu_mem_gib": round(p.total_memory / 2**30, 1),
         "cuda_runtime": torch.version.cuda,
     }
+    # which physical GPU (NVML's "GPU-..." spelling): one model name on two machines is two GPUs
+    uuid = getattr(p, "uuid", None)
+    if uuid is not None:
+        info["gpu_uuid"] = f"GPU-{uuid}"
     try:
         import pynvml
 
@@ -106,6 +110,9 @@ def provenance(command: str | None = None) -> dict:
         "torch": _version("torch"),
         "sglang": _version("sglang"),
         "triton": _version("triton"),
+        # FlashInfer runs prefill and some drafts, sgl-kernel FlashMLA: either changes a served step
+        "flashinfer": _version("flashinfer-python"),
+        "sgl_kernel": _version("sglang-kernel") or _version("sgl-kernel"),
         "nvcc": nvcc_version(),
         "python": sys.version.split()[0],
         "commit": git_commit(),

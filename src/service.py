@@ -1180,24 +1180,33 @@ class SGLangServer:
     def stop_expert_record(self) -> None:
         self._post("/stop_expert_distribution_record")
 
-    def dump_expert_record(self, timeout_s: float = 60.0) -> Path:
-        """Ask for a dump and return the .pt file SGLang wrote.
+    def dump_expert_record(self, expected: int = 1, timeout_s: float = 60.0, settle_s: float = 1.0) -> list[Path]:
+        """Ask for a dump and return the .pt files SGLang wrote for it.
 
-        SGLang 0.5.17 (stat mode) writes expert_distribution_recorder_<time>.pt on rank 0 into
-        $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (we point it at a folder per server), holding
-        {"rank", "logical_count": (passes, layers, experts), ...}, then resets the record.
+        SGLang 0.5.17 (stat mode) all-reduces the counts and writes
+        expert_distribution_recorder_<time>.pt, holding {"rank", "logical_count": (passes, layers,
+        experts), ...}, on every rank whose MoE EP rank is 0: under TP with ep_size 1 that is every
+        TP rank (tp // ep_size files, the same counts), into $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR
+        (we point it at a folder per server). Then it resets the record. Returned once `expected`
+        files exist, or settle_s after the last new one, and none is still growing (torch.save
+        may be writing); the caller deletes them all.
         """
+        check_int("expected", expected)
         before = set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB))
         self._post("/dump_expert_distribution_record")
         deadline = time.monotonic() + timeout_s
+        sizes: dict[Path, int] = {}
+        changed = time.monotonic()
         while time.monotonic() < deadline:
-            new = sorted(set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB)) - before,
-                         key=lambda p: p.stat().st_mtime)
-            if new:
-                time.sleep(0.2)  # torch.save may still be writing
-                return new[-1]
+            now = {p: p.stat().st_size for p in set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB)) - before}
+            if now != sizes:
+                sizes, changed = now, time.monotonic()
+            elif sizes and all(sizes.values()) and (len(sizes) >= expected
+                                                    or time.monotonic() - changed >= settle_s):
+                return sorted(sizes, key=lambda p: p.stat().st_mtime)
             time.sleep(0.2)
-        raise ServerError(f"no expert distribution dump appeared in {self.expert_dump_dir}")
+        raise ServerError(f"expert distribution dump: {len(sizes)} of {expected} files complete in "
+                          f"{self.expert_dump_dir} after {timeout_s:.0f} s")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -179,7 +179,12 @@ def test_kernel_choice_by_static_shape():
 
 
 @pytest.mark.parametrize("kwargs,arg", [(dict(cta_rows=48), "cta_rows"), (dict(cta_rows=64, tile_keys=32), "tile_keys"),
-                                        (dict(tile_keys=8), "tile_keys"), (dict(heads=0), "heads")])
+                                        (dict(tile_keys=8), "tile_keys"), (dict(heads=0), "heads"),
+                                        # 16.0 passed `in (16, 32)`, then failed in pybind unnamed
+                                        (dict(tile_keys=16.0), "tile_keys"), (dict(cta_rows=64.0), "cta_rows"),
+                                        (dict(tile_keys=True), "tile_keys"),
+                                        # a str became one -D flag a character, and a failed build
+                                        (dict(kernel_defines="PV_LAG=1"), "kernel_defines")])
 def test_bad_workspace_options_name_themselves(kwargs, arg):
     kw = dict(max_tokens=16, heads=8, device="cpu")
     kw.update(kwargs)
@@ -216,6 +221,9 @@ _shared = torch.tensor([0, 4] + [0] * 32, dtype=torch.int32)   # qo_indptr [0, 4
     ("out", lambda c: c.update(lse=c["out"].view(-1).view(torch.float32)[:32].view(4, 8))),
     ("lse", lambda c: c.update(qo=_shared[:2], lse=_shared[1:33].view(torch.float32).view(4, 8))),
     ("out", lambda c: c.update(out=c["q"].view(-1)[:4 * 8 * 512].view(4, 8, 512))),
+    # the kernels write the workspace too: the combine step would read partials it overwrites
+    ("out", lambda c: c.update(out=c["ws"].partial_o[:4 * 8 * 256].view(torch.bfloat16).view(4, 8, 512))),
+    ("lse", lambda c: c.update(lse=c["ws"].partial_lse[:32].view(4, 8))),
     ("q", lambda c: None),   # everything else valid: a CPU q is refused last, by name
 ])
 def test_bad_arguments_name_themselves(arg, change):
@@ -281,6 +289,24 @@ def test_scalar_options_of_the_wrong_type_name_themselves(kwargs, arg):
     kw = {**dict(out=c["out"], lse=c["lse"], workspace=c["ws"], sm_scale=0.07, max_q_len=4), **kwargs}
     with pytest.raises(ValueError, match=rf"^{arg}:"):
         mla_verify_attention(c["q"], c["pool"], c["qo"], c["kv"], c["idx"], **kw)
+
+
+def test_the_workspace_holds_the_partials_as_the_build_stores_them():
+    """Both default kernels store bf16 partials (SPLIT_BF16_PARTIALS, WIDE_BF16_PARTIALS with 4
+    stages): the fp32-sized buffer left half of it unused (512 MiB for 256 at 16k tokens x 16
+    heads). A define that may change that, or another revision's sources, keeps fp32's size;
+    mla_verify.cu checks the bytes the launched kernel needs."""
+    from sm120_workbook.kernels.verify_attention import partial_bytes
+
+    ws = MlaVerifyWorkspace(64, 16, "cpu")
+    assert ws.partial_bytes == 2 and ws.partial_o.numel() * 4 == ws.capacity_rows * 512 * 2
+    assert ws.nbytes == ws.capacity_rows * (512 * 2 + 4)
+    for defines in (("WIDE_STAGES=3",), ("SPLIT_BF16_PARTIALS=0",), ("WIDE_BF16_PARTIALS", "PV_LAG=1")):
+        w = MlaVerifyWorkspace(64, 16, "cpu", kernel_defines=defines)
+        assert w.partial_bytes == 4 and w.partial_o.numel() == w.capacity_rows * 512
+    assert partial_bytes(("BALANCED_SPLITS=0", "POOL_TRACE")) == 2 and partial_bytes((), "/some/revision") == 4
+    cu = (Path(__file__).parents[1] / "src" / "kernels" / "mla_verify.cu").read_text()
+    assert "ws_o.numel() * 4 >= slots * kDimV * partial_bytes" in cu
 
 
 def test_workspace_rejects_bad_sizes():
@@ -795,3 +821,29 @@ def test_the_toolkit_is_checked_before_a_build():
         check_toolkit((9, 0), v("12.9"), "13.0")
     with pytest.raises(RuntimeError, match=r"^no usable nvcc .*set CUDA_HOME.*FileNotFoundError"):
         check_toolkit((9, 0), "/usr/local/cuda/bin/nvcc: FileNotFoundError: [Errno 2] No such file", "13.0")
+    # sm_121 (GB10) and sm_103 have no arch-specific target here, and need 12.9
+    with pytest.raises(RuntimeError, match=r"^nvcc 12.8 cannot build for sm_121; it needs CUDA 12.9 or newer"):
+        check_toolkit((12, 1), v("12.8"), "12.8")
+    check_toolkit((10, 3), v("12.9"), "12.9")
+
+
+def test_an_nvcc_that_failed_once_is_asked_again(monkeypatch):
+    """A timeout under eight workers' start-up was kept for the process's life: that worker then
+    had no kernel, with advice to set CUDA_HOME. Only an answer is kept."""
+    import subprocess
+
+    from sm120_workbook.kernels import build
+
+    answers = [subprocess.TimeoutExpired("nvcc", 60), "Cuda compilation tools, release 13.0, V13.0.88"]
+
+    def run(*a, **kw):
+        r = answers.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return subprocess.CompletedProcess(a, 0, stdout=r)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(build, "_NVCC_IDENTITIES", {})
+    assert "TimeoutExpired" in build._nvcc_identity("/opt/busy-cuda")
+    assert build._nvcc_identity("/opt/busy-cuda").endswith("release 13.0, V13.0.88")
+    assert build._nvcc_identity("/opt/busy-cuda").endswith("release 13.0, V13.0.88")   # kept: no third call

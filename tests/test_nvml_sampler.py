@@ -206,6 +206,36 @@ def test_sample_once_units_and_unsupported_metrics():
         ns.NvmlSampler(interval_s=0)
 
 
+def test_each_gpu_is_stamped_when_its_reads_began_and_the_interval_is_measured():
+    """Each PCIe query blocks ~20 ms a GPU: one time for all GPUs shifted GPU k's curve early by
+    ~40 ms x k (0.28 s at TP8), and the recorded interval was the one asked for, not the one run."""
+    s = ns.NvmlSampler(interval_s=0.05)
+    nv = _fake_nvml(4)
+    slow = nv.nvmlDeviceGetPowerUsage
+    nv.nvmlDeviceGetPowerUsage = lambda h: time.sleep(0.03) or slow(h)
+    s._nvml, s._gpus, s._t0 = nv, [(g, ("h", g)) for g in range(4)], time.monotonic()
+    for _ in range(3):
+        s.sample_once()
+        time.sleep(0.05)
+    t = s.dataframe().query("metric == 'sm_util_pct'").groupby("gpu")["t"].first()
+    assert all(t[g + 1] - t[g] >= 0.025 for g in range(3)), t
+    assert s.measured_interval_s >= 0.05 + 4 * 0.03 - 0.005
+
+
+def test_the_sampler_keeps_to_the_gpus_it_is_given(monkeypatch):
+    """A server of 2 ranks on a 4-GPU machine: the idle two would read as imbalance."""
+    _counting(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with ns.NvmlSampler(interval_s=0.01, gpus=[1]) as s:
+        time.sleep(0.05)
+    assert set(s.dataframe()["gpu"]) == {1}
+    with pytest.raises(ns.NvmlUnavailableError, match=r"^gpus: CUDA indices \[2\] are not visible"):
+        ns.NvmlSampler(gpus=[1, 2]).start()
+    for bad in ([], "0", [0.0], [-1], [True]):
+        with pytest.raises(ValueError, match="^gpus: expected a non-empty list of CUDA indices"):
+            ns.NvmlSampler(gpus=bad)
+
+
 @pytest.mark.gpu
 def test_real_sampling_on_a_gpu():
     with ns.NvmlSampler(interval_s=0.05) as s:

@@ -25,7 +25,7 @@ from sm120_workbook.service import (PortInUseError, ServerConfig, ServerStartErr
                                     launch_args, resolve_config)
 
 FAKE_SERVER = r'''
-import json, os, signal, subprocess, sys, time
+import json, os, signal, subprocess, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 mode = os.environ.get("FAKE_MODE", "serve")
@@ -178,8 +178,17 @@ class H(BaseHTTPRequestHandler):
                     for j in range(k):
                         count[p % len(count), l, (p * 7 + j * 5 + l) % E] += tp   # all-reduced over tp ranks
             d = os.environ["SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"]
-            torch.save({"rank": 0, "logical_count": count, "average_utilization_rate_over_window": None},
-                       os.path.join(d, f"expert_distribution_recorder_{time.time()}.pt"))
+            dump = {"rank": 0, "logical_count": count, "average_utilization_rate_over_window": None}
+            # as SGLang: every rank of MoE EP rank 0 (every TP rank at ep_size 1) writes the same
+            # all-reduced counts, and the reply may come before the other ranks' files
+            files = int(os.environ.get("FAKE_DUMP_FILES", tp // int(arg("--ep-size", "1"))))
+            torch.save(dump, os.path.join(d, f"expert_distribution_recorder_{time.time()}.pt"))
+
+            def the_other_ranks():
+                for _ in range(files - 1):
+                    time.sleep(0.4)
+                    torch.save(dump, os.path.join(d, f"expert_distribution_recorder_{time.time()}.pt"))
+            threading.Thread(target=the_other_ranks).start()
             return self._reply(200)
         self._reply(404)
 
@@ -777,8 +786,10 @@ def test_generate_metrics_and_expert_dump(model_dir, fake, tmp_path, monkeypatch
         srv.start_expert_record()
         res = srv.generate(list(range(100, 164)), 9)
         srv.stop_expert_record()
-        dump = load_expert_dump(srv.dump_expert_record())
+        paths = srv.dump_expert_record()
+        dump = load_expert_dump(paths[0])
         m = srv.metrics()
+    assert len(paths) == 1
     assert not srv.running
     assert res.completion_tokens == 9 and res.meta_info["spec_verify_ct"] == 5
     assert 0 < res.ttft_s < res.latency_s
@@ -788,6 +799,75 @@ def test_generate_metrics_and_expert_dump(model_dir, fake, tmp_path, monkeypatch
     assert m["sglang:generation_tokens_total"] == 11 and m["sglang:spec_verify_calls_total"] == 7
     counts = expert_counts(dump)
     assert counts.shape == (3, 384) and counts[0].sum() == 0 and counts[1].sum() == 9 * 8
+
+
+def test_every_ranks_expert_dump_file_is_read_and_deleted(model_dir, fake, tmp_path, monkeypatch):
+    """SGLang's stat-mode dump is written by every rank of MoE EP rank 0, which under TP at ep_size
+    1 is every TP rank (tp // ep_size files of the same counts), some after the HTTP reply: all
+    are waited for, compared, and deleted, so none piles up or is read half written."""
+    monkeypatch.setenv("FAKE_DUMP_FILES", "3")
+    with _server(model_dir, fake, tmp_path, monkeypatch, "serve", spec="ngram") as srv:
+        srv.start_expert_record()
+        srv.generate(list(range(100, 164)), 9)
+        srv.stop_expert_record()
+        ex = decode_bench._expert_record(srv, 3)   # asks for tp // ep_size = 3 files
+        left = list(srv.expert_dump_dir.glob(service.EXPERT_DUMP_GLOB))
+    assert ex["dump_files"] == 3 and ex["forward_passes"] == 9 and left == []
+
+
+def test_a_recorder_that_did_not_start_leaves_no_empty_expert_record(monkeypatch):
+    """A failed /start_expert_distribution_record used to be swallowed: the dump of the idle
+    recorder then made a record of zero passes. Now the point says why and claims no recorder."""
+    class Server:
+        def start_expert_record(self):
+            raise service.ServerError("HTTP 500")
+
+        def dump_expert_record(self, expected=1):
+            raise AssertionError("an idle recorder was dumped")
+
+    monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: {"tok_s": 1.0})
+    row, nv, ex = decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, False, 0.2, True, 1)
+    assert ex is None and row["expert_record"] is False
+    assert row["expert_error"].startswith("start_expert_distribution_record: ServerError('HTTP 500'")
+
+
+def test_an_expert_dump_without_a_routed_pass_is_refused(tmp_path):
+    import numpy as np
+
+    with pytest.raises(ValueError, match="no forward pass that routed a token"):
+        decode_bench._expert_record(_DumpServer(np.zeros((4, 3, 8), dtype=np.int32), tmp_path), 1)
+    assert not list(tmp_path.glob("*.pt"))   # deleted all the same
+
+
+def test_the_nvml_sampler_is_given_the_servers_gpus(monkeypatch):
+    """An idle GPU beside the server's would read as imbalance: the sampler gets the CUDA indices
+    SGLang placed the ranks on (base_gpu_id + i x gpu_id_step)."""
+    from sm120_workbook import nvml_sampler
+
+    given = []
+
+    class Sampler:
+        rows, failure, errors, THREAD_ERRORS = [], None, {}, ()
+        measured_interval_s = None
+
+        def __init__(self, interval_s, gpus=None):
+            given.append(gpus)
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    class Server:
+        server_info = {"base_gpu_id": 2, "gpu_id_step": 1}
+
+    monkeypatch.setattr(nvml_sampler, "NvmlSampler", Sampler)
+    monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: {"tok_s": 1.0})
+    decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, True, 0.2, False, 2)
+    assert given == [[2, 3]]
+    assert decode_bench.served_gpus(None, 4) == [0, 1, 2, 3]
+    assert decode_bench.served_gpus({"base_gpu_id": 0, "gpu_id_step": 2}, 2) == [0, 2]
 
 
 def test_parse_prometheus():
@@ -1526,12 +1606,13 @@ class _DumpServer:
     def __init__(self, count, tmp_path):
         self.count, self.tmp_path = count, tmp_path
 
-    def dump_expert_record(self):
+    def dump_expert_record(self, expected=1):
         import torch
 
-        path = self.tmp_path / "expert_distribution_recorder_1.pt"
-        torch.save({"rank": 0, "logical_count": torch.as_tensor(self.count)}, path)
-        return path
+        paths = [self.tmp_path / f"expert_distribution_recorder_{i}.pt" for i in range(expected)]
+        for path in paths:
+            torch.save({"rank": 0, "logical_count": torch.as_tensor(self.count)}, path)
+        return paths
 
 
 def test_an_expert_record_whose_circular_buffer_may_have_wrapped_is_refused(monkeypatch, tmp_path):
@@ -1727,9 +1808,10 @@ def test_nvml_samples_the_request_alone(monkeypatch):
 
     class Sampler:
         rows = [(0.0, 0, "sm_util_pct", 50.0)]
+        errors, THREAD_ERRORS, measured_interval_s = {}, ("sampler", "stop"), None
         failure = None
 
-        def __init__(self, interval_s):
+        def __init__(self, interval_s, gpus=None):
             pass
 
         def start(self):
@@ -1748,7 +1830,7 @@ def test_nvml_samples_the_request_alone(monkeypatch):
 
     monkeypatch.setattr(nvml_sampler, "NvmlSampler", Sampler)
     monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: events.append("request") or {"tok_s": 1.0})
-    monkeypatch.setattr(decode_bench, "_expert_record", lambda srv, tp, buffer, rows: {"counts": []})
+    monkeypatch.setattr(decode_bench, "_expert_record", lambda srv, tp, buffer, rows, ep: {"counts": []})
     row, nv, ex = decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, True, 0.2, True, 1)
     assert events == ["recorder start", "sampler start", "request", "sampler stop", "recorder stop"]
     assert row == {"tok_s": 1.0} and nv[0]["metric"] == "sm_util_pct" and ex == {"counts": []}
@@ -1761,9 +1843,10 @@ def test_a_point_whose_nvml_sampling_failed_is_not_recorded_as_sampled(monkeypat
 
     class Sampler:
         rows = [(0.0, 0, "sm_util_pct", 50.0)]
+        errors, THREAD_ERRORS, measured_interval_s = {}, ("sampler", "stop"), None
         failure = "sampling stopped at 0.0 s: OSError('driver went away')"
 
-        def __init__(self, interval_s):
+        def __init__(self, interval_s, gpus=None):
             pass
 
         def start(self):

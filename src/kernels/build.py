@@ -87,20 +87,29 @@ def _define_flags(defines: tuple[str, ...]) -> list[str]:
 _COMPILER_ENV = ("PYTORCH_NVCC", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN")
 
 
-@functools.lru_cache(maxsize=None)
+_NVCC_IDENTITIES: dict[str | None, str] = {}
+
+
 def _nvcc_identity(cuda_home: str | None) -> str:
-    """The `nvcc --version` of the toolkit load_inline compiles with (torch's CUDA_HOME)."""
+    """The `nvcc --version` of the toolkit load_inline compiles with (torch's CUDA_HOME). Kept
+    once it answers; a failure (no such nvcc, or one slow under eight workers' start-up) is
+    asked again next time, not kept for the process's life."""
     import subprocess
 
+    if cuda_home in _NVCC_IDENTITIES:
+        return _NVCC_IDENTITIES[cuda_home]
     nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else "nvcc"
     try:
-        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
     except (OSError, subprocess.SubprocessError) as e:   # no such nvcc, or one that hangs
         return f"{nvcc}: {type(e).__name__}: {e}"
+    _NVCC_IDENTITIES[cuda_home] = out
+    return out
 
 
-# The oldest nvcc release that knows each arch-specific target _arch_flags asks for.
-MIN_NVCC = {(12, 0): (12, 8), (10, 0): (12, 8), (9, 0): (12, 0)}
+# The oldest nvcc release that knows each target _arch_flags asks for: the arch-specific ones,
+# and sm_103 and sm_121 (GB10), which came in 12.9.
+MIN_NVCC = {(12, 0): (12, 8), (12, 1): (12, 9), (10, 0): (12, 8), (10, 3): (12, 9), (9, 0): (12, 0)}
 
 
 def nvcc_release(identity: str) -> tuple[int, int] | None:
@@ -118,9 +127,9 @@ def check_toolkit(capability: tuple[int, int], identity: str, torch_cuda: str | 
         raise RuntimeError(f"no usable nvcc for the kernel build (torch's CUDA_HOME; set CUDA_HOME to a CUDA "
                            f"toolkit): {identity.splitlines()[-1] if identity else 'no output'}")
     need = MIN_NVCC.get(capability)
-    arch = f"sm_{capability[0]}{capability[1]}"
+    target = _arch_flags(capability)[0].rsplit("=", 1)[1]   # sm_120a, sm_121, ...
     if need and release < need:
-        raise RuntimeError(f"nvcc {release[0]}.{release[1]} cannot build for {arch}a; it needs CUDA "
+        raise RuntimeError(f"nvcc {release[0]}.{release[1]} cannot build for {target}; it needs CUDA "
                            f"{need[0]}.{need[1]} or newer (set CUDA_HOME to a newer toolkit)")
     if torch_cuda and int(torch_cuda.split(".")[0]) != release[0]:
         raise RuntimeError(f"nvcc {release[0]}.{release[1]} and torch's CUDA {torch_cuda} differ in major "

@@ -192,7 +192,9 @@ void mla_verify_forward(const at::Tensor& q, const at::Tensor& kv_pool, const at
   const int64_t T = q.size(0), H = q.size(1), B = qo_indptr.size(0) - 1;
   // partial_slot: max_q_len * H rows of slots for each of the B * num_splits CTAs of a row tile
   const int64_t slots = B * num_splits * max_q_len * H;
-  TORCH_CHECK(ws_o.numel() >= slots * kDimV && ws_lse.numel() >= slots, "workspace too small");
+  // the partials' element: bf16 where the kernel the launch picks stores them so (float32 storage)
+  const int64_t partial_bytes = (cta_rows == wide::kRows ? wide::kBf16Partials : kSplitBf16Partials) ? 2 : 4;
+  TORCH_CHECK(ws_o.numel() * 4 >= slots * kDimV * partial_bytes && ws_lse.numel() >= slots, "workspace too small");
   TORCH_CHECK(B <= 65535, "batch must be <= 65535 (grid z)");
   // partial_slot's rows without a pool: (q_start * H + row) * num_splits, inside the workspace
   TORCH_CHECK(T <= B * max_q_len, "q has more tokens than batch * max_q_len");

@@ -162,8 +162,22 @@ def most_keys_a_cta(keys, first_ctas) -> float:
     return max(k / min(b - a, MAX_SPLITS) for k, a, b in zip(keys, first_ctas, first_ctas[1:]))
 
 
+# The defines that decide whether a build's partial outputs are bf16 (mla_verify.cuh, _wide.cuh)
+PARTIAL_DTYPE_DEFINES = ("SPLIT_BF16_PARTIALS", "WIDE_BF16_PARTIALS", "WIDE_STAGES")
+
+
+def partial_bytes(kernel_defines=(), kernel_source=None) -> int:
+    """Bytes of a partial output element as the build stores it: 2 for the default build (both
+    kernels store bf16 partials, SPLIT_BF16_PARTIALS and WIDE_BF16_PARTIALS with a 4-stage ring),
+    4 where a define could change that or another revision's sources build (before v23 they
+    stored fp32): sized for fp32, those stay safe."""
+    named = {str(d).split("=", 1)[0].strip() for d in kernel_defines}
+    return 4 if kernel_source is not None or named & set(PARTIAL_DTYPE_DEFINES) else 2
+
+
 class MlaVerifyWorkspace:
-    """Per-split partial outputs (fp32) and LSEs, allocated once and reused by every call.
+    """Per-split partial outputs (bf16 or fp32, by build) and LSEs, allocated once and reused by
+    every call.
 
     Each call needs batch x max_q_len x heads x num_splits rows of partials (each of the
     grid's CTAs has max_q_len x heads of them, whichever request it works on), so max_tokens
@@ -183,13 +197,17 @@ class MlaVerifyWorkspace:
         _check_int("heads", heads, 1, 128)
         if num_splits is not None:
             _check_int("num_splits", num_splits, 1, MAX_SPLITS)
-        if tile_keys not in TILE_KEYS:
+        # exact ints: 16.0 would pass `in`, then fail in pybind with no argument named
+        if isinstance(tile_keys, bool) or not isinstance(tile_keys, int) or tile_keys not in TILE_KEYS:
             _fail("tile_keys", f"must be one of {TILE_KEYS}, got {tile_keys!r}")
-        if cta_rows is not None and cta_rows not in CTA_ROWS:
+        if cta_rows is not None and (isinstance(cta_rows, bool) or not isinstance(cta_rows, int)
+                                     or cta_rows not in CTA_ROWS):
             _fail("cta_rows", f"must be one of {CTA_ROWS} or None (by shape), got {cta_rows!r}")
         if cta_rows == 64 and tile_keys != 16:
             _fail("tile_keys", f"the 64-row kernel has 16-key tiles only, got {tile_keys!r}")
         self.tile_keys, self.fixed_cta_rows = tile_keys, cta_rows
+        if isinstance(kernel_defines, (str, bytes)):   # a str would become one define a character
+            _fail("kernel_defines", f"expected a tuple of 'NAME=VALUE' strings, got the string {kernel_defines!r}")
         self.kernel_defines = tuple(kernel_defines)   # a build variant, for ablations only
         # another revision's kernel sources (build.source_dir_of), for A/B runs (ab.py) only
         self.kernel_source = None if kernel_source is None else str(source_dir_of(kernel_source, "kernel_source"))
@@ -206,7 +224,10 @@ class MlaVerifyWorkspace:
         else:
             rows = max_tokens * heads * num_splits
         self.capacity_rows = rows
-        self.partial_o = torch.empty(rows * DIM_V, dtype=torch.float32, device=self.device)
+        # float32 storage either way; a bf16-partials build uses (and the extension checks) half
+        self.partial_bytes = partial_bytes(self.kernel_defines, self.kernel_source)
+        self.partial_o = torch.empty(rows * DIM_V * self.partial_bytes // 4, dtype=torch.float32,
+                                     device=self.device)
         self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
 
     def cta_rows_for(self, batch: int, max_q_len: int) -> int:
@@ -359,8 +380,10 @@ def mla_verify_attention(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, out, l
     _check("lse", lse, dtypes=(torch.float32,), dim=2, device=dev)
     if tuple(lse.shape) != (T, H):
         _fail("lse", f"expected shape {(T, H)}, got {tuple(lse.shape)}")
-    # the kernels write out and lse while they read the rest: no byte may be shared
+    # the kernels write out, lse and the workspace while they read the rest: no byte may be shared
     written = {"out": out, "lse": lse}
+    if isinstance(workspace, MlaVerifyWorkspace):
+        written.update({"workspace.partial_o": workspace.partial_o, "workspace.partial_lse": workspace.partial_lse})
     read = {"q": q, "kv_pool": kv_rows, "k_extend": ke_rows, "custom_mask": custom_mask, "qo_indptr": qo_indptr,
             "kv_indptr": kv_indptr, "kv_indices": kv_indices, "mask_indptr": mask_indptr}
     for name, w in written.items():
