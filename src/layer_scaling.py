@@ -20,32 +20,25 @@ import numpy as np
 import pandas as pd
 
 from .dummy_models import K2_LAYERS
-from .service_charts import POINT_KEYS, chart_title, ctx_label, draft_tokens_differ, label_of
+from .service_charts import POINT_KEYS, chart_title, ctx_label, draft_tokens_differ, label_of, one_run_per_line
 
 # A configuration is a point less its layer count.
 CONFIG_KEYS = [k for k in POINT_KEYS if k != "layers"]
 
 
 def line_points(run_points: pd.DataFrame) -> pd.DataFrame:
-    """The points each configuration's line is fitted on, from decode_points(..., every_run=True).
-    Where one run (commit) measured the configuration at every layer count the records hold, the
-    newest such run's points, so that the line joins points of one kernel, machine and session:
-    a newer run at one layer count does not displace them, since a line through two sessions
-    reads their difference in load as a per-layer cost. Otherwise each layer count's newest run
-    (decode_points's rule), and the fit's `commits` column names the runs. Records without a
-    commit ("?") never count as one run; between whole runs of one date the later commit name
-    wins, so the choice is deterministic."""
+    """The points each configuration's line is fitted on, from decode_points(..., every_run=True):
+    service_charts.one_run_per_line along the layer count. Where one run (commit, and invocation
+    where recorded) measured the configuration at every layer count the records hold, the newest
+    such run's points, so that the line joins points of one kernel, machine and session: a newer
+    run at one layer count does not displace them, since a line through two sessions reads their
+    difference in load as a per-layer cost. Otherwise each layer count's newest run (`other_run`
+    marks the points off the line's main run), and the fit's `commits` column names the runs."""
     need = set(CONFIG_KEYS) | {"layers", "commit", "date"}
     missing = need - set(run_points.columns)
     if missing:
         raise ValueError(f"run_points: missing columns {sorted(missing)}")
-    chosen = []
-    for _, g in run_points.groupby(CONFIG_KEYS, dropna=False):
-        runs = g[g["commit"] != "?"].groupby("commit").agg(counts=("layers", "nunique"), date=("date", "max"))
-        whole = runs[runs["counts"] == g["layers"].nunique()].reset_index().sort_values(["date", "commit"])
-        chosen.append(g[g["commit"] == whole["commit"].iloc[-1]] if len(whole) and g["layers"].nunique() >= 2
-                      else g.sort_values("date").groupby("layers").tail(1))
-    return pd.concat(chosen).reset_index(drop=True) if chosen else run_points.iloc[:0]
+    return one_run_per_line(run_points, CONFIG_KEYS, "layers")
 
 
 def fit_layer_scaling(points: pd.DataFrame, project_to: int = K2_LAYERS) -> pd.DataFrame:

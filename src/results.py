@@ -154,17 +154,30 @@ def date_span(df) -> str:
     return "" if not dates else dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}"
 
 
+def record_times(df):
+    """The records' dates as UTC times (NaT where absent or unreadable); records of one file may
+    spell them with and without an offset, which pandas' inferred format would read as NaT."""
+    import pandas as pd
+
+    if "date" not in df:
+        return pd.Series(pd.NaT, index=df.index, dtype="datetime64[ns, UTC]")
+    return pd.to_datetime(df["date"], utc=True, errors="coerce", format="ISO8601")
+
+
 def source_label(df, live: bool) -> str:
     """Where a chart's numbers come from, for its subtitle: "measured here" (this run) or
-    "recorded", with the GPU, the commits (the newest named) and the dates."""
+    "recorded", with the GPU, the commits (the newest named: the commit of the latest record by
+    date, else the last record's) and the dates."""
     where = "measured here" if live else "recorded"
     if df is None or len(df) == 0:
         return where
     parts = [", ".join(sorted(set(df["gpu"].dropna().astype(str))))] if "gpu" in df else []
     if "commit" in df:
-        d = df.sort_values("date") if "date" in df else df
-        commits = list(dict.fromkeys(short_commit(c) for c in d["commit"]))
-        parts.append(f"commit {commits[0]}" if len(commits) == 1 else f"{len(commits)} commits, newest {commits[-1]}")
+        commits = {short_commit(c) for c in df["commit"]}
+        # a commit's records need not be together: two runs on one machine append in turn
+        at = record_times(df).reset_index(drop=True)
+        newest = short_commit(df["commit"].iloc[at.idxmax() if at.notna().any() else -1])
+        parts.append(f"commit {newest}" if len(commits) == 1 else f"{len(commits)} commits, newest {newest}")
     parts.append(date_span(df))
     return f"{where}: {'; '.join(p for p in parts if p)}"
 
@@ -173,14 +186,12 @@ def describe_provenance(df) -> str:
     """One line naming where recorded results came from, for a notebook to print."""
     if df is None or len(df) == 0:
         return "no recorded results"
-    import pandas as pd
-
     parts = []
     for key in ("gpu", "driver", "torch", "sglang", "triton", "l2_flush", "commit"):
         if key in df:
             vals = sorted({str(v) for v in df[key].dropna()})
             if key == "commit" and len(vals) > 3:   # many runs: their count, the newest, and any from a dirty tree
-                dated = df.assign(_at=pd.to_datetime(df["date"], utc=True, errors="coerce")) if "date" in df else None
+                dated = df.assign(_at=record_times(df)) if "date" in df else None
                 newest = (str(dated.sort_values("_at", na_position="first")["commit"].dropna().iloc[-1])
                           if dated is not None else vals[-1])
                 dirty = sum(v.endswith("+dirty") for v in vals)

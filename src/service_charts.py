@@ -28,14 +28,21 @@ from .service import DRAFT_MODEL_SPECS, usual_draft_backend
 # other modes; EAGLE3 records from before the Llama head are MLA ones). dflash_host_plan: "off",
 # or "probe", the timing probe without the DFlash draft's per-step sync (patches/dflash_host_plan.py;
 # data/results/probes/ has session 39's records of it as "on", and "check", which synced anyway).
+# kv_sort (SM120_KV_SORT=1, the allocator override: b888adc's servers ran 2034-2349 tok/s off and
+# 2483-2642 on) and allreduce_fusion (TP > 1) change the step too.
 POINT_KEYS = ["gpu", "model", "layers", "tp", "ep_size", "weights", "backend", "spec", "draft_tokens", "ctx",
               "decode_tokens", "cuda_graph", "expert_record", "ngram_tail", "prefill_attention_backend",
-              "prefill_as_base", "draft_backend", "eagle_topk", "draft_head", "dflash_host_plan"]
+              "prefill_as_base", "draft_backend", "eagle_topk", "draft_head", "dflash_host_plan", "kv_sort",
+              "allreduce_fusion"]
 # What a record without the key ran with (older records predate ep_size and ngram_tail;
 # decode_tokens: decode_bench's default).
 KEY_DEFAULTS = {"ep_size": 1, "decode_tokens": 256, "cuda_graph": True, "draft_tokens": 0,
                 "expert_record": False, "ngram_tail": False, "prefill_attention_backend": "",
-                "prefill_as_base": False, "draft_backend": "", "eagle_topk": 1, "dflash_host_plan": "off"}
+                "prefill_as_base": False, "draft_backend": "", "eagle_topk": 1, "dflash_host_plan": "off",
+                "kv_sort": False, "allreduce_fusion": False}
+# One decode_bench call's id (its records of every backend): a pair within one is the same run, on
+# one machine in one session. run_id names a server; records before the key have neither, or run_id alone.
+INVOCATION_KEY = "invocation"
 SPEC_TITLES = {"none": "no speculation", "dflash": "DFlash (dummy draft)", "ngram": "NGRAM",
                "eagle": "EAGLE (MTP layer, dummy weights)",
                "eagle3": "EAGLE3 (draft head, dummy weights)"}
@@ -103,32 +110,82 @@ def with_defaults(df):
             d[k] = "?"
     for k in ("ep_size", "decode_tokens", "draft_tokens", "eagle_topk"):
         d[k] = d[k].astype(int)
-    for k in ("cuda_graph", "expert_record", "ngram_tail", "prefill_as_base"):
+    for k in ("cuda_graph", "expert_record", "ngram_tail", "prefill_as_base", "kv_sort", "allreduce_fusion"):
         d[k] = d[k].astype(bool)
     return d
 
 
+def _run_names(points) -> pd.Series:
+    """Each row's run: its commit, and its invocation where it has one; "?" (no commit, no
+    invocation) is no run's."""
+    inv = points[INVOCATION_KEY].fillna("").astype(str) if INVOCATION_KEY in points else ""
+    return (points["commit"].astype(str) + "@" + inv).str.rstrip("@").where(
+        (points["commit"] != "?") | (inv != ""), "?")
+
+
+def one_run_per_line(points, line_keys, axis: str) -> pd.DataFrame:
+    """The points of each line (rows alike in `line_keys`, along `axis`) from one run: the newest
+    run (commit, and invocation where the records name one) that measured every `axis` value the
+    line holds, so that a line joins points of one kernel, machine and session. Where no run did
+    (or the line has one `axis` value), each value's newest run, and `other_run` marks the points
+    of a line that do not come from its main run (the one with most of its points, the newest of
+    equals). Rows without a commit or invocation ("?") never count as a whole run; between
+    whole runs of one date the later run name wins, so the choice is deterministic."""
+    d = points.assign(_run=_run_names(points))
+    chosen = []
+    for _, g in d.groupby(line_keys, dropna=False):
+        runs = g[g["_run"] != "?"].groupby("_run").agg(n=(axis, "nunique"), date=("date", "max"))
+        whole = runs[runs["n"] == g[axis].nunique()].reset_index().sort_values(["date", "_run"])
+        if len(whole) and g[axis].nunique() >= 2:
+            chosen.append(g[g["_run"] == whole["_run"].iloc[-1]].assign(other_run=False))
+            continue
+        pick = g.sort_values(["date", "_run"]).groupby(axis, dropna=False).tail(1)
+        count = pick.groupby("_run").agg(n=(axis, "size"), date=("date", "max")).reset_index()
+        main = count.sort_values(["n", "date", "_run"])["_run"].iloc[-1]
+        chosen.append(pick.assign(other_run=pick["_run"] != main))
+    return pd.concat(chosen).drop(columns="_run").reset_index(drop=True) if chosen else points.iloc[:0].assign(
+        other_run=pd.Series(dtype=bool))
+
+
 def decode_points(df, every_run: bool = False):
-    """One row per measured point: median over repeats of tok/s, accept length and step time.
-    A point measured again with newer code (a faster kernel) is that code's: the newest run's
-    (commit's) records, or with `every_run` one row per run, for pairing within a run."""
+    """One row per measured point: the median tok/s, accept length and step time of its requests.
+    Where a server (run_id) repeated a request two or more times, its first (repeat 0, at times
+    7-9% slower outside NGRAM) is left out of the three, as ttft_s leaves it out; each server's median comes
+    first, then the median over its servers, so that a server with more requests does not outvote
+    another. `requests` counts the requests the medians are over, `n_runs` the servers.
+    A line (a configuration along context) is one run's: the newest run (commit, and invocation
+    where recorded) that measured each of its contexts, else each point's newest run, `other_run`
+    then marking the points that come from another run than the rest of their line
+    (one_run_per_line). With `every_run`, one row per point and run, for pairing within a run."""
     _need(df, ["backend", "spec", "ctx", "tok_s", "accept_len", "verify_step_ms"])
     d = with_defaults(df)
     d["commit"] = d["commit"].map(short_commit) if "commit" in d else "?"
     d["date"] = d["date"].fillna("").astype(str) if "date" in d else ""
+    d[INVOCATION_KEY] = d[INVOCATION_KEY].fillna("").astype(str) if INVOCATION_KEY in d else ""
+    d["_server"] = d["run_id"].fillna("").astype(str) if "run_id" in d else ""
+    d["_repeat"] = pd.to_numeric(d["repeat"], errors="coerce").fillna(0) if "repeat" in d else 0
+    run_keys = POINT_KEYS + ["commit", INVOCATION_KEY]
+    server_keys = run_keys + ["_server"]
+    repeated = d.groupby(server_keys, dropna=False)["_repeat"].transform("nunique") >= 2
+    kept = d[~(repeated & (d["_repeat"] == 0))]
+    per_server = (kept.groupby(server_keys, dropna=False)
+                      .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
+                           verify_step_ms=("verify_step_ms", "median"), requests=("tok_s", "size"))
+                      .reset_index())
+    agg = (per_server.groupby(run_keys, dropna=False)
+                     .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
+                          verify_step_ms=("verify_step_ms", "median"), requests=("requests", "sum"),
+                          n_runs=("_server", "size"))
+                     .reset_index())
     # ttft_s: the fastest repeat's (repeat >= 1): a server's first request at a new length can
     # wait on the host (first_token_points); NaN for a point without a repeat
-    extra = {}
+    at = {"date": ("date", "max")}
     if {"ttft_s", "repeat"} <= set(d):
-        d["repeat_ttft_s"] = d["ttft_s"].where(pd.to_numeric(d["repeat"], errors="coerce").fillna(0) >= 1)
-        extra = {"ttft_s": ("repeat_ttft_s", "min")}
-    agg = (d.groupby(POINT_KEYS + ["commit"], dropna=False)
-             .agg(tok_s=("tok_s", "median"), accept_len=("accept_len", "median"),
-                  verify_step_ms=("verify_step_ms", "median"), runs=("tok_s", "size"), date=("date", "max"),
-                  **extra)
-             .reset_index())
+        d["repeat_ttft_s"] = d["ttft_s"].where(d["_repeat"] >= 1)
+        at["ttft_s"] = ("repeat_ttft_s", "min")
+    agg = agg.merge(d.groupby(run_keys, dropna=False).agg(**at).reset_index(), on=run_keys, how="left")
     if not every_run:   # (two runs on one machine append in turn, so the file is not in date order)
-        agg = agg.sort_values("date").groupby(POINT_KEYS, dropna=False).tail(1)
+        agg = one_run_per_line(agg, [k for k in POINT_KEYS if k != "ctx"], "ctx")
     agg["ctx_label"] = agg["ctx"].map(ctx_label)
     agg["spec_title"] = agg["spec"].map(lambda s: SPEC_TITLES.get(s, s))
     # the layer count and decode tokens join the label only where the records hold more than one;
@@ -158,18 +215,21 @@ def select_tp(df, tp: int = 1):
 def config_label(backend: str, expert_record: bool = True, ngram_tail: bool = False, tp=1, layers=None, *,
                  ep_size=1, cuda_graph: bool = True, decode_tokens=None, prefill_backend: str = "",
                  prefill_as_base: bool = False, draft_backend: str = "", eagle_topk=1,
-                 draft_head: str = "", dflash_host_plan: str = "off", draft_tokens=None) -> str:
+                 draft_head: str = "", dflash_host_plan: str = "off", draft_tokens=None, kv_sort: bool = False,
+                 allreduce_fusion: bool = False) -> str:
     """How charts and tables name a configuration: the backend, plus what differs from the
     usual run (one GPU, no expert parallelism, CUDA graphs, expert recorder on, SGLang's NGRAM
-    draft prep unpatched, the prefill on the same backend, a draft on its usual backend, an EAGLE
-    chain, an EAGLE3 head of MLA layout, the DFlash draft's plan as SGLang has it),
-    and the layer count, decode tokens and draft tokens when given."""
+    draft prep unpatched, SGLang's allocator (kv_sort) and all-reduce (allreduce_fusion), the
+    prefill on the same backend, a draft on its usual backend, an EAGLE chain, an EAGLE3 head of
+    MLA layout, the DFlash draft's plan as SGLang has it), and the layer count, decode tokens and
+    draft tokens when given."""
     n, ep = tp_of(tp), tp_of(ep_size)
     return (backend + (f" TP{n}" if n not in (None, 1) else "") + (f" EP{ep}" if ep not in (None, 1) else "")
             + (f", {int(layers)} layers" if layers is not None else "")
             + (f", {int(decode_tokens)} decode tokens" if decode_tokens is not None else "")
             + ("" if expert_record else " (recorder off)") + ("" if cuda_graph else " (no CUDA graph)")
             + (" + ngram_tail" if ngram_tail else "")
+            + (" + kv_sort" if kv_sort else "") + (" + allreduce_fusion" if allreduce_fusion else "")
             + (f" + {prefill_backend} prefill" if prefill_backend else "")
             + (" as base" if prefill_backend and prefill_as_base else "")
             + (f" + {draft_backend} draft" if draft_backend else "")
@@ -212,18 +272,21 @@ def label_of(r, layers: bool = False, decode_tokens: bool = False, draft_tokens:
                         prefill_as_base=bool(v("prefill_as_base")), draft_backend=_draft_key(r),
                         eagle_topk=v("eagle_topk"), draft_head=draft_head_of(v("spec"), v("draft_head")),
                         dflash_host_plan=str(v("dflash_host_plan") or "off"),
-                        draft_tokens=v("draft_tokens") if draft_tokens else None)
+                        draft_tokens=v("draft_tokens") if draft_tokens else None,
+                        kv_sort=bool(v("kv_sort")), allreduce_fusion=bool(v("allreduce_fusion")))
 
 
 def setup_label(r) -> str:
     """What a point's server ran beside its backend, speculation and draft: its GPUs, layers,
-    decode tokens, recorder, NGRAM fix and prefill (config_label's words, layers and decode
-    tokens always). Points of one setup differ only in their line (line_label) and panel (spec)."""
+    decode tokens, recorder, NGRAM fix, allocator, all-reduce and prefill (config_label's words,
+    layers and decode tokens always). Points of one setup differ only in their line (line_label)
+    and panel (spec)."""
     v = lambda k: _value(r, k)  # noqa: E731
     return config_label("", bool(v("expert_record")), bool(v("ngram_tail")), v("tp"), v("layers"),
                         ep_size=v("ep_size"), cuda_graph=bool(v("cuda_graph")), decode_tokens=v("decode_tokens"),
                         prefill_backend=str(v("prefill_attention_backend") or ""),
-                        prefill_as_base=bool(v("prefill_as_base"))).lstrip(" ,")
+                        prefill_as_base=bool(v("prefill_as_base")), kv_sort=bool(v("kv_sort")),
+                        allreduce_fusion=bool(v("allreduce_fusion"))).lstrip(" ,")
 
 
 def line_label(r, draft_tokens: bool = False) -> str:
@@ -259,56 +322,105 @@ def pick_setup(points, setup: str = "") -> str:
     return setup or names[0]
 
 
-def pair_points(mine, base, keys, value: str = "tok_s"):
+def _pairing(m) -> pd.Series:
+    """How a pair_points row was paired, in words: "same run" (one invocation: one machine, one
+    session), "same commit" (the same code; nothing says the same machine or session), else
+    "separate runs"."""
+    return pd.Series(np.where(m["same_run"], "same run", np.where(m["same_commit"], "same commit", "separate runs")),
+                     index=m.index)
+
+
+def pair_points(mine, base, keys, value: str = "tok_s", also=()):
     """Each point of `mine` with the point of `base` that has equal `keys`: from the same run
-    (commit) where both were measured in one, the newest such pair; else the newest of each,
-    from separate runs; else none (base columns NaN). `same_run` says which. Runs differ in
-    code and in load (another job on the machine), so a pair within one run is the fair one."""
-    b = base[keys + [value, "commit", "date"]].rename(
-        columns={value: f"base_{value}", "commit": "base_commit", "date": "base_date"})
-    m = mine.merge(b, on=keys, how="left")
-    m["same_run"] = (m["commit"] == m["base_commit"]) & (m["commit"] != "?")
-    m = m.sort_values(["same_run", "date", "base_date"], na_position="first")
+    (one decode_bench invocation) where both were measured in one, else from the same commit,
+    the newest such pair; else the newest of each, from separate runs; else none (base columns
+    NaN). `same_run` and `same_commit` say which (records before the invocation key pair on
+    their commit at best). Runs differ in code and in load (another job on the machine), so a
+    pair within one run is the fair one. `also`: more base columns to carry, as base_<name>."""
+    cols = [value, *also]
+    b = base.assign(**{INVOCATION_KEY: base.get(INVOCATION_KEY, "")})[keys + cols + ["commit", INVOCATION_KEY, "date"]]
+    b = b.rename(columns={c: f"base_{c}" for c in cols + ["commit", INVOCATION_KEY, "date"]})
+    m = mine.assign(**{INVOCATION_KEY: mine.get(INVOCATION_KEY, "")}).merge(b, on=keys, how="left")
+    m["same_commit"] = (m["commit"] == m["base_commit"]) & (m["commit"] != "?")
+    m["same_run"] = (m[INVOCATION_KEY] == m[f"base_{INVOCATION_KEY}"]) & (m[INVOCATION_KEY] != "")
+    m = m.sort_values(["same_run", "same_commit", "date", "base_date"], na_position="first")
     return m.groupby(POINT_KEYS, dropna=False).tail(1).reset_index(drop=True)
 
 
-def same_run_ratios(mine, base, keys, value: str = "tok_s") -> pd.DataFrame:
-    """Every pair that one run (commit) measured, not only the newest: per point of `mine`
-    (POINT_KEYS), how many runs paired it with a `base` point of equal `keys` (`same_runs`) and
-    the lowest and highest ratio of `value` among them (`ratio_min`, `ratio_max`), so that a
-    verdict shows whether it held in each run."""
-    b = base[keys + [value, "commit"]].rename(columns={value: f"base_{value}"})
-    m = mine[mine["commit"] != "?"].merge(b, on=keys + ["commit"])
+def same_commit_ratios(mine, base, keys, value: str = "tok_s") -> pd.DataFrame:
+    """Every pair that one commit measured, not only the newest: per point of `mine`
+    (POINT_KEYS), how many commits paired it with a `base` point of equal `keys` (`same_commits`;
+    of them `same_runs` within one invocation, each commit's pair within a run where it has one)
+    and the lowest and highest ratio of `value` among them (`ratio_min`, `ratio_max`), so that a
+    verdict shows whether it held in each."""
+    b = base.assign(**{INVOCATION_KEY: base.get(INVOCATION_KEY, "")})[keys + [value, "commit", INVOCATION_KEY]]
+    b = b.rename(columns={value: f"base_{value}", INVOCATION_KEY: f"base_{INVOCATION_KEY}"})
+    m = mine[mine["commit"] != "?"].assign(**{INVOCATION_KEY: mine.get(INVOCATION_KEY, "")}).merge(
+        b, on=keys + ["commit"])
+    m["same_run"] = (m[INVOCATION_KEY] == m[f"base_{INVOCATION_KEY}"]) & (m[INVOCATION_KEY] != "")
     m["pair_ratio"] = m[value] / m[f"base_{value}"]
-    return (m.groupby(POINT_KEYS, dropna=False)["pair_ratio"]
-             .agg(same_runs="size", ratio_min="min", ratio_max="max").reset_index())
+    m = m.sort_values(["same_run", "date"]).groupby(POINT_KEYS + ["commit"], dropna=False).tail(1)   # a pair per commit
+    return (m.groupby(POINT_KEYS, dropna=False)
+             .agg(same_commits=("pair_ratio", "size"), same_runs=("same_run", "sum"), ratio_min=("pair_ratio", "min"),
+                  ratio_max=("pair_ratio", "max")).reset_index())
 
 
 def _need_runs(points, name="points"):
     _need(points, POINT_KEYS + ["tok_s"], name)
-    return points if {"commit", "date"} <= set(points) else points.assign(commit="?", date="")
+    points = points if {"commit", "date"} <= set(points) else points.assign(commit="?", date="")
+    return points if INVOCATION_KEY in points else points.assign(**{INVOCATION_KEY: ""})
+
+
+def _with_base_draft(points, baseline: str):
+    """points with `base_draft`, the draft key that pairs them with `baseline`'s points: "" where
+    the draft runs on its own backend's usual attention backend or on the baseline's usual one (a
+    draft kept on Triton is triton's own), else that backend. draft_backend is relative to each
+    backend's usual, so sm120_mla's EAGLE draft on triton ("triton") and triton's own ("") would
+    never pair on it, though both drafts ran on Triton."""
+    def key(r):
+        named = r.draft_backend if isinstance(r.draft_backend, str) else ""
+        if r.spec not in DRAFT_MODEL_SPECS or not named:
+            return ""
+        prefill = r.prefill_attention_backend if isinstance(r.prefill_attention_backend, str) else ""
+        usual = usual_draft_backend(r.spec, baseline, prefill or None, draft_head_of(r.spec, r.draft_head) == "llama")
+        return "" if named == usual else named
+
+    return points.assign(base_draft=[key(r) for r in points.itertuples()])
+
+
+def _baseline_keys() -> list[str]:
+    """What a point and the baseline's must share: every point key but the backend, and the draft
+    as _with_base_draft keys it."""
+    return [k for k in POINT_KEYS if k not in ("backend", "draft_backend")] + ["base_draft"]
 
 
 def speedup_over(points, baseline: str = "triton"):
-    """tok/s of each backend divided by the baseline backend's at the same point, paired within
-    one run where the points (decode_points(..., every_run=True)) hold one (pair_points)."""
-    points = _need_runs(points)
+    """tok/s of each backend divided by the baseline backend's at the same point (a draft on the
+    same attention backend, or each on its usual: _with_base_draft), paired within one run where
+    the points (decode_points(..., every_run=True)) hold one (pair_points; `pairing` says how).
+    `step_speedup` is the baseline's verify step time over the point's: it does not depend on
+    acceptance, which can differ between the sides (NGRAM's drafts follow the greedy tokens, which
+    another prompt or numerical noise changes), so speedup / step_speedup is the ratio of tokens a step."""
+    points = _with_base_draft(_need_runs(points), baseline)
     base = points[points["backend"] == baseline]
     if len(base) == 0:
         raise ValueError(f"points: no rows of the baseline backend {baseline!r}")
-    m = pair_points(points, base, [k for k in POINT_KEYS if k != "backend"])
+    m = pair_points(points, base, _baseline_keys(), also=("verify_step_ms",))
     m = m[m["base_tok_s"].notna()].copy()
     m["speedup"] = m["tok_s"] / m["base_tok_s"]
+    m["step_speedup"] = m["base_verify_step_ms"] / m["verify_step_ms"]
+    m["pairing"] = _pairing(m)
     return m.sort_values(["backend", "spec", "ctx", "layers", "config"]).reset_index(drop=True)
 
 
 def speedup_table(sp):
-    """Speedups as a table, with the commit of each side: points of different commits come
-    from separate server runs (e.g. a newer kernel against an older baseline run)."""
-    cols = [c for c in ("config", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit")
-            if c in sp]
+    """Speedups as a table, the step-time ratio beside (speedup_over), with the commit of each
+    side: points of different commits come from separate server runs (e.g. a newer kernel
+    against an older baseline run)."""
+    cols = [c for c in ("config", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "step_speedup", "commit",
+                        "base_commit") if c in sp]
     t = sp[cols].copy()
-    return t.round({"tok_s": 1, "base_tok_s": 1, "speedup": 2}).reset_index(drop=True)
+    return t.round({"tok_s": 1, "base_tok_s": 1, "speedup": 2, "step_speedup": 2}).reset_index(drop=True)
 
 
 # The live-service issue's targets at TP1 with speculation on: sm120_mla over triton.
@@ -321,40 +433,46 @@ TARGET_KEYS = ["spec", "ctx", "against"]
 
 def _target_row(target, key: dict, r, need, mine: str, base: str):
     """One target's row from a pair_points row: measured, or "not measured" naming the side
-    that is missing (met None, never False)."""
-    missing = mine if pd.isna(r.tok_s) else base if pd.isna(r.base_tok_s) else None
+    that is missing (met None, never False), and the baseline's draft where it must be another
+    than its usual (_with_base_draft)."""
+    draft = getattr(r, "base_draft", "")
+    base = f"{base} point with a {draft} draft" if isinstance(draft, str) and draft else f"{base} point"
+    missing = f"{mine} point" if pd.isna(r.tok_s) else base if pd.isna(r.base_tok_s) else None
     if missing:
         return {"target": target, "config": r.config, "measured": "not measured", "ratio": float("nan"),
-                "met": None, "commits": "", "pairing": f"no {missing} point", "runs": "", **key}
+                "met": None, "commits": "", "pairing": f"no {missing}", "runs": "", **key}
     ratio = r.tok_s / r.base_tok_s
-    n = 0 if pd.isna(r.same_runs) else int(r.same_runs)
-    # the verdict is the newest pair's; `runs` says whether the pairs of older runs agree
-    runs = (f"{n} same-run pairs, {r.ratio_min:.2f}-{r.ratio_max:.2f}x: "
+    n = 0 if pd.isna(r.same_commits) else int(r.same_commits)
+    # the verdict is the newest pair's; `runs` says whether the pairs of older commits agree
+    kind = "same-run" if n and r.same_runs == n else "same-commit"
+    runs = (f"{n} {kind} pairs, {r.ratio_min:.2f}-{r.ratio_max:.2f}x: "
             + ("met in each" if r.ratio_min >= need else "missed in each" if r.ratio_max < need else "mixed")
-            if n > 1 else f"{n} same-run pair" + ("s" if n != 1 else ""))
+            if n > 1 else f"{n} {kind} pair" + ("s" if n != 1 else ""))
     return {"target": target, "config": r.config, "measured": f"{r.tok_s:.0f} vs {r.base_tok_s:.0f} tok/s",
             "ratio": round(ratio, 2), "met": bool(ratio >= need), "commits": f"{r.commit} / {r.base_commit}",
-            "pairing": "same run" if r.same_run else "separate runs", "runs": runs, **key}
+            "pairing": "same run" if r.same_run else "same commit" if r.same_commit else "separate runs",
+            "runs": runs, **key}
 
 
 def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", tp: int = 1) -> pd.DataFrame:
     """The service targets, measured at `tp` GPUs per server (the issue's are at TP1), one row
     per configuration of `ours` that ran the speculation mode: `ours` over `baseline` at each
     target context, and `ours` with speculation against `ours` without it at each context it
-    ran. Pairs match on every point key and come from one run where the points (pass
-    decode_points(..., every_run=True)) hold one; `pairing` says so, or "separate runs". A
+    ran. Pairs match on every point key (the draft against `baseline` as speedup_over matches
+    it) and come from one run (invocation) where the points (pass decode_points(...,
+    every_run=True)) hold one, else one commit; `pairing` says which, or "separate runs". A
     side not measured reads "not measured" (met None), never "missed", and names that side.
     Columns: TARGET_COLUMNS to read, TARGET_KEYS to select by."""
-    pts = select_tp(_need_runs(points), tp)
+    pts = _with_base_draft(select_tp(_need_runs(points), tp), baseline)
     mine_all, base = pts[pts["backend"] == ours], pts[pts["backend"] == baseline]
     config_keys = [k for k in POINT_KEYS if k not in ("backend", "ctx")]
     rows = []
     for spec in [s for s in pts["spec"].unique() if s != "none"]:
         mine = mine_all[mine_all["spec"] == spec]
         configs = mine.drop_duplicates(config_keys).sort_values(["layers", "config"])[config_keys + ["config"]]
-        keys = [k for k in POINT_KEYS if k != "backend"]
+        keys = _baseline_keys()
         pairs = (pair_points(mine, base, keys).drop(columns="config")
-                 .merge(same_run_ratios(mine, base, keys), on=POINT_KEYS, how="left"))
+                 .merge(same_commit_ratios(mine, base, keys), on=POINT_KEYS, how="left"))
         for ctx, need in SPEEDUP_TARGETS.items():
             target = f"{spec} {ctx_label(ctx)}: {ours} >= {need:g}x {baseline}"
             key = {"spec": spec, "ctx": ctx, "against": baseline}
@@ -367,11 +485,11 @@ def service_targets(points, ours: str = "sm120_mla", baseline: str = "triton", t
         plain_keys = [k for k in POINT_KEYS
                       if k not in ("spec", "draft_tokens", "draft_backend", "eagle_topk", "draft_head")]
         vs_plain = (pair_points(mine, plain, plain_keys)
-                    .merge(same_run_ratios(mine, plain, plain_keys), on=POINT_KEYS, how="left"))
+                    .merge(same_commit_ratios(mine, plain, plain_keys), on=POINT_KEYS, how="left"))
         for r in vs_plain.sort_values(["layers", "config", "ctx"]).itertuples():
             rows.append(_target_row(f"{spec} {ctx_label(r.ctx)}: {ours} speculation >= plain decode",
-                                    {"spec": spec, "ctx": int(r.ctx), "against": "plain decode"}, r, 1.0,
-                                    ours, "plain-decode"))
+                                    {"spec": spec, "ctx": int(r.ctx), "against": "plain decode"},
+                                    r._replace(base_draft=""), 1.0, ours, "plain-decode"))
     out = pd.DataFrame(rows, columns=TARGET_COLUMNS + TARGET_KEYS)
     out["met"] = out["met"].astype(object)
     return out
@@ -423,6 +541,7 @@ def ngram_fix_gain(points, backend: str = "sm120_mla", spec: str = "ngram", laye
     c_on = (run_times(on) - off_times.iloc[-1]).abs().idxmin()
     same = [k for k in POINT_KEYS if k != "ngram_tail"]   # one configuration but for the fix
     m = off[off["commit"] == c_off].merge(on[on["commit"] == c_on], on=same, suffixes=("_off", "_on"))
+    m = m.sort_values(["date_off", "date_on"]).drop_duplicates(same, keep="last")   # a commit's newest run
     return pd.DataFrame({"ctx_label": m["ctx"].map(ctx_label), "unpatched_tok_s": m["tok_s_off"].round(1),
                          "ngram_tail_tok_s": m["tok_s_on"].round(1),
                          "gain": (m["tok_s_on"] / m["tok_s_off"]).round(2),
@@ -436,7 +555,9 @@ def _pairs_in_one_commit(points, key: str, first, second, suffixes) -> pd.DataFr
     d = _need_runs(points)
     d = d[d["commit"] != "?"]
     same = [k for k in POINT_KEYS if k != key] + ["commit"]
-    return d[first(d)].merge(d[second(d)], on=same, suffixes=suffixes)
+    m = d[first(d)].merge(d[second(d)], on=same, suffixes=suffixes)
+    # a commit's several runs (invocations) of a side: its newest pair
+    return m.sort_values([f"date{suffixes[0]}", f"date{suffixes[1]}"]).drop_duplicates(same, keep="last")
 
 
 # dflash_host_plan values of the timing probe: session 39 recorded it as "on"
@@ -509,8 +630,9 @@ def startup_summary(records) -> str:
 
 def decode_table(points):
     """The compact table a notebook prints (rounded, deterministic order)."""
-    cols = ["config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs", "commit"]
-    t = points[cols].copy()
+    cols = ["config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "requests", "n_runs", "commit",
+            "other_run"]
+    t = points[[c for c in cols if c in points]].copy()
     return t.round({"tok_s": 1, "accept_len": 2, "verify_step_ms": 2})
 
 
@@ -552,7 +674,8 @@ def first_token_points(points):
                                                 d["spec"], heads, named)]
     keys = ["gpu", "model", "tp", "ep_size", "weights", "layers", "prefill", "ctx"]
     d = d.sort_values("date").groupby(keys, dropna=False).tail(1)
-    cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "runs", "spec", "commit", "date"]
+    cols = keys + ["backend", "prefill_attention_backend", "ctx_label", "ttft_s", "requests", "n_runs", "spec", "commit",
+                   "date"]
     return d[cols].sort_values(["layers", "prefill", "ctx"]).reset_index(drop=True)
 
 
@@ -589,7 +712,7 @@ def first_token_chart(tt, title: str = "", source: str = ""):
         x=context_x(tt),
         y=alt.Y("ttft_s:Q", title="time to first token (s, log)", scale=alt.Scale(type="log")),
         color=series_colors(tt["prefill"], "server (prefill kernels)"),
-        tooltip=["prefill", "layers", "ctx_label", alt.Tooltip("ttft_s:Q", format=".2f"), "runs", "commit"])
+        tooltip=["prefill", "layers", "ctx_label", alt.Tooltip("ttft_s:Q", format=".2f"), "requests", "commit"])
     return ((base.mark_line() + base.mark_point(filled=True))
             .properties(width=240, height=200)
             .facet(column=alt.Column("layers:O", title="decoder layers"))
@@ -615,7 +738,8 @@ def decode_speed_chart(points, title: str = "", source: str = "", setup: str | N
     """Decode tok/s against context (log-log), a line per configuration, a panel per spec mode;
     `source` (source_label) says whether it shows recorded or live numbers. With `setup` (a value
     of setup_table, or "" for its default), that setup's points alone, a line per backend and draft,
-    the setup named in the title."""
+    the setup named in the title. The tooltip names each point's commit, and whether it comes from
+    another run than the rest of its line (decode_points' other_run)."""
     import altair as alt
 
     _need(points, ["config", "spec_title", "ctx", "tok_s", "ctx_label"], "points")
@@ -632,7 +756,8 @@ def decode_speed_chart(points, title: str = "", source: str = "", setup: str | N
         y=alt.Y("tok_s:Q", title="decode tok/s (batch 1)", scale=alt.Scale(type="log")),
         color=series_colors(points[field], legend),
         tooltip=[field, "spec", "ctx_label", alt.Tooltip("tok_s:Q", format=".1f"),
-                 alt.Tooltip("accept_len:Q", format=".2f"), alt.Tooltip("verify_step_ms:Q", format=".2f")])
+                 alt.Tooltip("accept_len:Q", format=".2f"), alt.Tooltip("verify_step_ms:Q", format=".2f")]
+        + [c for c in ("commit", "other_run") if c in points])
     return ((base.mark_line() + base.mark_point(filled=True))
             .properties(width=260, height=220)
             .facet(column=alt.Column("spec_title:N", title=None, sort=_spec_order(points)))
@@ -674,7 +799,9 @@ def speedup_chart(speedups, baseline: str = "triton", title: str = "", source: s
         y=alt.Y("speedup:Q", title=f"tok/s ÷ {baseline} tok/s (log)", scale=alt.Scale(type="log")),
         color=alt.Color("config:N", title="attention backend", scale=alt.Scale(scheme="tableau20"),
                         legend=alt.Legend(labelLimit=360)),
-        tooltip=["config", "spec", "ctx_label", alt.Tooltip("speedup:Q", format=".2f")])
+        tooltip=["config", "spec", "ctx_label", alt.Tooltip("speedup:Q", format=".2f")]
+        + [alt.Tooltip("step_speedup:Q", format=".2f")] * ("step_speedup" in d)
+        + [c for c in ("commit", "base_commit", "pairing") if c in d])
     rule = alt.Chart().mark_rule(color="gray", strokeDash=[4, 3]).encode(y=alt.datum(1.0))
     return (alt.layer(base.mark_line() + base.mark_point(filled=True), rule, data=d)
             .properties(width=260, height=200)

@@ -137,6 +137,8 @@ def test_line_points_keep_a_line_within_the_run_that_measured_every_layer_count(
             [dict(r, commit="f", date="2026-11-30T12") for r in _records((24,))]
     lines = line_points(decode_points(pd.DataFrame(split + later), every_run=True))
     assert lines.groupby("layers")["commit"].agg(set).to_dict() == {4: {"e"}, 16: {"d"}, 24: {"f"}}
+    # the points off the line's main run (of one point each, the newest: "d") are marked
+    assert lines.groupby("layers")["other_run"].all().to_dict() == {4: True, 16: False, 24: True}
     # of two whole runs the newer keeps the line; commit-less records never count as one run
     newer_whole = [dict(r, commit="g", date="2026-12-02") for r in _records((4, 16, 24))]
     lines = line_points(decode_points(pd.DataFrame(one_session + later + newer_whole), every_run=True))

@@ -1126,13 +1126,14 @@ def test_decode_points_speedup_and_charts(seed, tmp_path):
     from sm120_workbook.charts import save_chart
 
     pts = sc.decode_points(pd.DataFrame(_synthetic_decode_records(seed)))
-    assert len(pts) == 2 * 3 * 3 and set(pts["runs"]) == {2}
+    # two repeats a server: repeat 0 is left out of the medians, so one request each
+    assert len(pts) == 2 * 3 * 3 and set(pts["requests"]) == {1} and set(pts["n_runs"]) == {1}
     sp = sc.speedup_over(pts, "triton")
     assert sp[sp["backend"] == "sm120_mla"]["speedup"].between(1.45, 1.55).all()
     assert sp[sp["backend"] == "triton"]["speedup"].round(9).eq(1.0).all()
     table = sc.decode_table(pts)
-    assert list(table.columns) == ["config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "runs",
-                                   "commit"]
+    assert list(table.columns) == ["config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "requests",
+                                   "n_runs", "commit", "other_run"]
     assert set(table["ctx_label"]) == {"4k", "16k", "64k"}
     for name, chart in (("speed", sc.decode_speed_chart(pts)), ("speedup", sc.speedup_chart(sp))):
         assert chart.to_dict()["facet"]["column"]["field"] == "spec_title"
@@ -1156,7 +1157,7 @@ def test_decode_points_keep_the_newest_commit_of_a_point():
     # newer records first: runs side by side on one machine append out of date order
     pts = sc.decode_points(pd.DataFrame(newer + recs)).set_index(["backend", "spec", "ctx"])
     assert set(pts.loc[("sm120_mla", "ngram"), "commit"]) == {"bbbbbbb"}   # the old kernel's runs are not mixed in
-    assert set(pts.loc[("sm120_mla", "ngram"), "runs"]) == {2}
+    assert set(pts.loc[("sm120_mla", "ngram"), "requests"]) == {1}
     assert set(pts.loc[("triton", "ngram"), "commit"]) == {"aaaaaaa"}
 
 
@@ -1255,7 +1256,8 @@ def test_speedup_table_names_both_commits():
                  date="2026-11-29T15:00:00+00:00" if newer else "2026-11-29T12:00:00+00:00")
     sp = sc.speedup_over(sc.decode_points(pd.DataFrame(recs)), "triton")
     t = sc.speedup_table(sp[sp["backend"] == "sm120_mla"])
-    assert list(t.columns) == ["config", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "commit", "base_commit"]
+    assert list(t.columns) == ["config", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "step_speedup",
+                               "commit", "base_commit"]
     assert set(t["commit"]) == {"bbbbbbb"} and set(t["base_commit"]) == {"aaaaaaa"}
     assert t["speedup"].between(1.45, 1.55).all()
 

@@ -27,13 +27,14 @@ def _two_runs():
     return pd.DataFrame(recs)
 
 
-def test_a_pair_within_one_run_wins_over_a_newer_one_across_runs():
+def test_a_pair_within_one_commit_wins_over_a_newer_one_across_commits():
     runs = sc.decode_points(_two_runs(), every_run=True)
     assert len(runs) == 6 and len(sc.decode_points(_two_runs())) == 4   # the newest run only, by default
     t = sc.service_targets(runs).set_index("target")
     row = t.loc["ngram 16k: sm120_mla >= 4.3x triton"]
     assert row["ratio"] == pytest.approx(1700 / 400, abs=0.01) and row["met"] is False   # 4.25: missed
-    assert row["pairing"] == "same run" and row["commits"] == "aaaaaaa / aaaaaaa"
+    # records without an invocation: one commit, but nothing says one machine or session
+    assert row["pairing"] == "same commit" and row["commits"] == "aaaaaaa / aaaaaaa"
     sp = sc.speedup_over(runs).set_index(["backend", "ctx"])
     assert sp.loc[("sm120_mla", 16384), "commit"] == "aaaaaaa"
     assert sp.loc[("sm120_mla", 16384), "speedup"] == pytest.approx(1700 / 400)
@@ -50,7 +51,8 @@ def test_without_a_same_run_pair_the_newest_of_each_side_is_paired_and_flagged()
     sp = sc.speedup_over(sc.decode_points(df, every_run=True))
     ours = sp[sp["backend"] == "sm120_mla"]
     assert set(ours["commit"]) == {"bbbbbbb"} and set(ours["base_commit"]) == {"aaaaaaa"}
-    assert not ours["same_run"].any() and sp[sp["backend"] == "triton"]["same_run"].all()
+    assert not ours["same_commit"].any() and sp[sp["backend"] == "triton"]["same_commit"].all()
+    assert set(ours["pairing"]) == {"separate runs"} and not sp["same_run"].any()
 
 
 def test_every_configuration_of_ours_gets_a_row():
@@ -87,7 +89,8 @@ def test_ep_size_decode_tokens_and_cuda_graph_are_point_keys():
         {**BASE, "backend": "triton", "ctx": 4096, "tok_s": 500.0}])
     pts = sc.decode_points(df).set_index("config")
     # absent and NaN keys take their defaults, so the first two records are one point
-    assert pts.loc["triton, 256 decode tokens + ngram_tail", "runs"] == 2
+    assert pts.loc["triton, 256 decode tokens + ngram_tail", "requests"] == 2
+    assert pts.loc["triton, 256 decode tokens + ngram_tail", "n_runs"] == 1   # no run_id: one server
     assert sorted(pts.index) == ["triton TP2 EP2, 256 decode tokens + ngram_tail",
                                  "triton, 128 decode tokens + ngram_tail",
                                  "triton, 256 decode tokens (no CUDA graph) + ngram_tail",
@@ -306,7 +309,8 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
     assert points.loc[("sm120_mla", "eagle", 65536, ""), "config"] == "sm120_mla"
     sp = sc.speedup_over(sc.decode_points(recs, every_run=True)).set_index(["backend", "spec", "ctx", "draft_backend"])
     assert sp.loc[("sm120_mla", "eagle", 65536, ""), "speedup"] == pytest.approx(162.0 / 4.5)
-    assert ("sm120_mla", "eagle", 65536, "triton") not in sp.index
+    # the draft kept on Triton pairs with triton's own, which drafts on Triton too
+    assert sp.loc[("sm120_mla", "eagle", 65536, "triton"), "speedup"] == pytest.approx(59.8 / 4.5)
     t = sc.service_targets(sc.decode_points(recs, every_run=True)).set_index(["target", "config"])
     assert t.loc[("eagle 64k: sm120_mla >= 6.1x triton", "sm120_mla"), "met"] is True
     assert t.loc[("eagle 64k: sm120_mla speculation >= plain decode", "sm120_mla + triton draft"), "ratio"] == \
@@ -364,7 +368,7 @@ def test_an_eagle_draft_off_the_decode_backend_is_a_point_of_its_own():
                  ngram_tail=False)
     t = sc.service_targets(sc.decode_points(pd.concat([tree, pd.DataFrame([plain])]), every_run=True))
     vs_plain = t[t["target"] == "eagle3 64k: sm120_mla speculation >= plain decode"].set_index("config")
-    assert vs_plain.loc["sm120_mla, EAGLE topk 4", "pairing"] == "same run"   # a tree pairs with plain decode too
+    assert vs_plain.loc["sm120_mla, EAGLE topk 4", "pairing"] == "same commit"   # a tree pairs with plain decode too
     assert vs_plain.loc["sm120_mla", "ratio"] == pytest.approx(160.0 / 140.0, abs=0.01)
 
 
@@ -391,13 +395,14 @@ def test_targets_say_whether_every_same_run_pair_agrees():
     t = sc.service_targets(sc.decode_points(pd.concat([_two_runs(), pd.DataFrame(newer)]), every_run=True))
     row = t.set_index("target").loc["ngram 16k: sm120_mla >= 4.3x triton"]
     assert row["met"] is True and row["commits"] == "ccccccc / ccccccc"    # the verdict: the newest pair's
-    assert row["runs"] == "2 same-run pairs, 4.25-5.00x: mixed"           # and the older pair disagrees
+    assert row["runs"] == "2 same-commit pairs, 4.25-5.00x: mixed"        # and the older pair disagrees
     at_4k = t.set_index("target").loc["ngram 4k: sm120_mla >= 3x triton"]
-    assert at_4k["runs"] == "1 same-run pair"
+    assert at_4k["runs"] == "1 same-commit pair"
     pts = sc.decode_points(pd.concat([_two_runs(), pd.DataFrame(newer)]), every_run=True)
-    ratios = sc.same_run_ratios(pts[pts["backend"] == "sm120_mla"], pts[pts["backend"] == "triton"],
-                                [k for k in sc.POINT_KEYS if k != "backend"]).set_index("ctx")
-    assert ratios.loc[16384, "same_runs"] == 2 and ratios.loc[4096, "same_runs"] == 1
+    ratios = sc.same_commit_ratios(pts[pts["backend"] == "sm120_mla"], pts[pts["backend"] == "triton"],
+                                   [k for k in sc.POINT_KEYS if k != "backend"]).set_index("ctx")
+    assert ratios.loc[16384, "same_commits"] == 2 and ratios.loc[4096, "same_commits"] == 1
+    assert (ratios["same_runs"] == 0).all()
     assert ratios.loc[16384, "ratio_min"] == pytest.approx(4.25) and ratios.loc[16384, "ratio_max"] == pytest.approx(5.0)
 
 
@@ -510,3 +515,160 @@ def test_the_host_plan_probe_is_read_apart_and_kept_to_one_model_and_gpu(tmp_pat
     from sm120_workbook.results import results_dir
 
     assert (results_dir() / sc.HOST_PLAN_PROBE_RECORDS).exists()   # the committed probe records
+
+
+def _line(commit, date, ctxs, speed=1.0, backend="sm120_mla", **kw):
+    return [_rec(backend, ctx, speed * 1000.0, commit, date, **kw) for ctx in ctxs]
+
+
+def test_a_line_is_one_runs_where_one_run_measured_all_of_it():
+    """A newer run that measured part of a line again does not split the line between runs (the H200
+    DFlash line of sm120_mla took 4k from d19974a, 16k/64k from bf912d3, 128k from 89f64db): the
+    newest run that measured every context keeps it; where none did, each point's newest, marked."""
+    recs = (_line("aaaaaaa", "2026-12-01T10:00", (4096, 16384, 65536))
+            + _line("bbbbbbb", "2026-12-02T10:00", (16384,), speed=1.5)
+            + _line("bbbbbbb", "2026-12-02T10:00", (4096, 16384), backend="triton"))
+    pts = sc.decode_points(pd.DataFrame(recs))
+    ours = pts[pts["backend"] == "sm120_mla"]
+    assert list(ours["commit"]) == ["aaaaaaa"] * 3 and list(ours["tok_s"]) == [1000.0] * 3
+    assert not pts["other_run"].any() and set(pts.loc[pts["backend"] == "triton", "commit"]) == {"bbbbbbb"}
+    # with every run's points, both runs stay
+    assert len(sc.decode_points(pd.DataFrame(recs), every_run=True)) == 6
+    # no run measured all three: each point's newest, those off the line's main run marked
+    split = _line("aaaaaaa", "2026-12-01T10:00", (4096, 16384)) + _line("bbbbbbb", "2026-12-02T10:00", (16384, 65536))
+    pts = sc.decode_points(pd.DataFrame(split)).set_index("ctx")
+    assert pts["commit"].to_dict() == {4096: "aaaaaaa", 16384: "bbbbbbb", 65536: "bbbbbbb"}
+    assert pts["other_run"].to_dict() == {4096: True, 16384: False, 65536: False}
+    assert sc.decode_table(pts.reset_index())["other_run"].tolist() == [True, False, False]
+    # two invocations at one commit are two runs: the one that measured the whole line keeps it
+    inv = ([dict(r, invocation="i1") for r in _line("ccccccc", "2026-12-03T10:00", (4096, 16384, 65536))]
+           + [dict(r, invocation="i2") for r in _line("ccccccc", "2026-12-03T11:00", (16384,), speed=1.5)])
+    assert list(sc.decode_points(pd.DataFrame(inv))["tok_s"]) == [1000.0] * 3
+    # the chart names each point's commit, and whether it is off its line's run
+    tooltip = sc.decode_speed_chart(pts.reset_index()).to_dict()["spec"]["layer"][0]["encoding"]["tooltip"]
+    assert {"commit", "other_run"} <= {t["field"] for t in tooltip}
+
+
+def test_kv_sort_and_allreduce_fusion_are_point_keys():
+    """b888adc's servers with SM120_KV_SORT=1 (2483-2642 tok/s) and without (2034-2349) are two
+    points, named apart, and the override is never paired with an ordinary run."""
+    assert {"kv_sort", "allreduce_fusion"} <= set(sc.POINT_KEYS)
+    assert sc.KEY_DEFAULTS["kv_sort"] is False and sc.KEY_DEFAULTS["allreduce_fusion"] is False
+    recs = ([_rec("sm120_mla", 4096, s, "b888adc", "2026-12-04T15:49", kv_sort=False, run_id="off", repeat=i)
+             for i, s in enumerate((2318.6, 2348.1, 2034.5))]
+            + [_rec("sm120_mla", 4096, s, "b888adc", "2026-12-04T15:51", kv_sort=True, run_id="on", repeat=i)
+               for i, s in enumerate((2568.2, 2642.1, 2482.9))]
+            + [_rec("triton", 4096, 1000.0, "b888adc", "2026-12-04T15:40")]                 # no key: off
+            + [_rec(b, 4096, 900.0, "b888adc", "2026-12-04T16:00", tp=2, allreduce_fusion=True)
+               for b in ("sm120_mla", "triton")])
+    pts = sc.decode_points(pd.DataFrame(recs)).set_index("config")
+    assert pts.loc["sm120_mla + ngram_tail", "tok_s"] == pytest.approx((2348.1 + 2034.5) / 2)
+    assert pts.loc["sm120_mla + ngram_tail + kv_sort", "tok_s"] == pytest.approx((2642.1 + 2482.9) / 2)
+    assert "sm120_mla TP2 + ngram_tail + allreduce_fusion" in pts.index
+    assert pts.loc["sm120_mla + ngram_tail + kv_sort", "setup"].endswith("+ ngram_tail + kv_sort")
+    sp = sc.speedup_over(sc.decode_points(pd.DataFrame(recs), every_run=True)).set_index("config")
+    assert "sm120_mla + ngram_tail + kv_sort" not in sp.index                        # no triton with it
+    assert sp.loc["sm120_mla + ngram_tail", "speedup"] == pytest.approx(2191.3 / 1000)
+    assert sp.loc["sm120_mla TP2 + ngram_tail + allreduce_fusion", "speedup"] == pytest.approx(1.0)
+
+
+def test_a_pair_within_one_invocation_is_the_same_run_and_wins_over_a_newer_one_of_its_commit():
+    """Only records of one decode_bench call (its invocation) are "the same run"; records of one
+    commit may come from two machines or sessions, and say "same commit"."""
+    recs = ([_rec(b, 16384, s, "ccccccc", "2026-12-05T10:00", invocation="i1", run_id=f"i1-{b}")
+             for b, s in (("sm120_mla", 1000.0), ("triton", 100.0))]
+            + [_rec("sm120_mla", 16384, 1200.0, "ccccccc", "2026-12-05T12:00", invocation="i2", run_id="i2-a")]
+            + [_rec("triton", 16384, 150.0, "ccccccc", "2026-12-05T13:00", invocation="i3", run_id="i3-a")])
+    runs = sc.decode_points(pd.DataFrame(recs), every_run=True)
+    assert len(runs) == 4   # a row per point and invocation
+    sp = sc.speedup_over(runs).set_index("backend")
+    assert sp.loc["sm120_mla", "speedup"] == pytest.approx(10.0) and sp.loc["sm120_mla", "pairing"] == "same run"
+    row = sc.service_targets(runs).set_index("target").loc["ngram 16k: sm120_mla >= 4.3x triton"]
+    assert row["pairing"] == "same run" and row["runs"] == "1 same-run pair"
+    # without the invocation key: one commit, one pair, named so
+    old = sc.decode_points(pd.DataFrame(recs).drop(columns="invocation"), every_run=True)
+    row = sc.service_targets(old).set_index("target").loc["ngram 16k: sm120_mla >= 4.3x triton"]
+    assert row["pairing"] == "same commit" and row["runs"] == "1 same-commit pair"
+    assert "same run" not in set(sc.speedup_over(old)["pairing"])
+
+
+def test_a_draft_pairs_with_triton_on_the_backend_it_ran_on():
+    """b7c06f0 measured sm120_mla with its EAGLE draft kept on Triton (120.3 / 59.8 tok/s at 16k /
+    64k) and triton (16.8 / 4.54), whose own draft runs on Triton: one pair, not "no triton point"."""
+    e = dict(spec="eagle", draft_tokens=4, ngram_tail=False, layers=16, prefill_attention_backend="flashinfer",
+             prefill_as_base=True)
+    recs = pd.DataFrame(
+        [_rec("sm120_mla", ctx, s, "b7c06f0", "2026-12-02T02:09", draft_attention_backend="triton", **e)
+         for ctx, s in ((16384, 120.3), (65536, 59.8))]
+        + [_rec("sm120_mla", ctx, s, "b7c06f0", "2026-12-02T02:05", **e) for ctx, s in ((16384, 177.0), (65536, 162.0))]
+        + [_rec("triton", ctx, s, "b7c06f0", "2026-12-02T02:11", draft_attention_backend="triton", **e)
+           for ctx, s in ((16384, 16.8), (65536, 4.54))]
+        + [_rec("sm120_mla", 65536, 150.0, "b7c06f0", "2026-12-02T02:20", draft_attention_backend="flashinfer", **e)])
+    t = sc.service_targets(sc.decode_points(recs, every_run=True))
+    t = t[t["against"] == "triton"].set_index(["config", "ctx"])
+    kept = "sm120_mla + flashinfer prefill as base + triton draft"
+    assert t.loc[(kept, 16384), "measured"] == "120 vs 17 tok/s" and t.loc[(kept, 16384), "met"] is True
+    assert t.loc[(kept, 65536), "ratio"] == pytest.approx(59.8 / 4.54, abs=0.01)
+    assert t.loc[(kept.replace(" + triton draft", ""), 65536), "ratio"] == pytest.approx(162.0 / 4.54, abs=0.01)
+    # a draft on a backend no triton point drafted on: the gap says which triton point is missing
+    other = kept.replace("triton draft", "flashinfer draft")
+    assert t.loc[(other, 65536), "pairing"] == "no triton point with a flashinfer draft"
+    gaps = sc.target_gaps(t.reset_index()).set_index(["config", "missing"])["open targets"].to_dict()
+    assert gaps == {(kept, "sm120_mla point"): "eagle 4k vs triton",
+                    (kept.replace(" + triton draft", ""), "sm120_mla point"): "eagle 4k vs triton",
+                    (other, "sm120_mla point"): "eagle 4k/16k vs triton",
+                    (other, "triton point with a flashinfer draft"): "eagle 64k vs triton"}
+
+
+def test_medians_leave_out_a_repeated_servers_first_request_and_take_each_server_first():
+    """A server that repeated a request leaves its first out (repeat 0: at times 7-9% slower); the
+    point is the median of its servers' medians, so a server with more requests does not outvote
+    another; `requests` counts the requests the medians are over, `n_runs` the servers."""
+    def req(ctx, tok_s, server, rep, step=1.0):
+        return _rec("sm120_mla", ctx, tok_s, "ddddddd", "2026-12-05T10:00", run_id=server, repeat=rep,
+                    verify_step_ms=step)
+
+    recs = ([req(4096, s, "A", i) for i, s in enumerate((500.0, 90.0, 100.0, 100.0, 180.0))]   # median 100
+            + [req(4096, s, "B", i) for i, s in enumerate((20.0, 300.0))]                      # 300
+            + [req(4096, 310.0, "C", 0)]                                                        # one request: kept
+            # one server: the median of its repeats 1-3 (1.0), not their mean (2.0) nor with repeat 0 (2.5)
+            + [req(16384, 100.0, "D", i, step=s) for i, s in enumerate((9.0, 1.0, 1.0, 4.0))])
+    pts = sc.decode_points(pd.DataFrame(recs)).set_index("ctx")
+    # servers' medians 100 / 300 / 310: 300 (their mean: 237; all requests pooled: 140)
+    assert pts.loc[4096, "tok_s"] == 300.0
+    assert pts.loc[16384, "verify_step_ms"] == 1.0
+    assert pts.loc[4096, ["requests", "n_runs"]].tolist() == [6, 3]
+    assert pts.loc[16384, ["requests", "n_runs"]].tolist() == [3, 1]
+    assert "runs" not in pts and list(sc.decode_table(pts.reset_index()).columns) == [
+        "config", "spec", "ctx_label", "tok_s", "accept_len", "verify_step_ms", "requests", "n_runs", "commit",
+        "other_run"]
+
+
+def test_the_newest_commit_is_the_newest_by_date():
+    """Commit aaaaaaa at t1 and t3, bbbbbbb at t2: the newest is aaaaaaa, whatever the order in which
+    each first appears, and dates spelt with and without an offset compare."""
+    df = pd.DataFrame([_rec("triton", 4096, 1.0, "aaaaaaa111", "2026-12-01T10:00:00+00:00"),
+                       _rec("triton", 4096, 1.0, "bbbbbbb222", "2026-12-02T10:00"),
+                       _rec("triton", 4096, 1.0, "aaaaaaa111", "2026-12-03T10:00:00+00:00")])
+    assert sc.source_label(df, live=False) == "recorded: H200; 2 commits, newest aaaaaaa; 2026-12-01..2026-12-03"
+    assert sc.source_label(df.iloc[[1, 0]], live=False).startswith("recorded: H200; 2 commits, newest bbbbbbb")
+    from sm120_workbook.results import describe_provenance
+
+    many = pd.concat([df, pd.DataFrame([_rec("triton", 4096, 1.0, c, "2026-11-30T10:00") for c in ("ccc", "ddd")])])
+    assert "commits=4 (newest aaaaaaa111)" in describe_provenance(many)
+
+
+def test_speedups_set_the_step_time_ratio_beside_the_tok_s_ratio():
+    """NGRAM's acceptance differs between backends on one prompt, so tok/s ratios move with it; the
+    verify step's time ratio does not."""
+    recs = pd.DataFrame([_rec("sm120_mla", 16384, 1000.0, "eeeeeee", "2026-12-05T10:00", verify_step_ms=1.0,
+                              accept_len=6.0),
+                         _rec("triton", 16384, 500.0, "eeeeeee", "2026-12-05T10:00", verify_step_ms=1.5,
+                              accept_len=4.0)])
+    sp = sc.speedup_over(sc.decode_points(recs, every_run=True))
+    t = sc.speedup_table(sp[sp["backend"] != "triton"])
+    assert list(t.columns) == ["config", "spec", "ctx_label", "tok_s", "base_tok_s", "speedup", "step_speedup",
+                               "commit", "base_commit"]
+    assert t[["speedup", "step_speedup"]].values.tolist() == [[2.0, 1.5]]
+    tooltip = sc.speedup_chart(sp).to_dict()["spec"]["layer"][0]["layer"][0]["encoding"]["tooltip"]
+    assert "step_speedup" in {t["field"] for t in tooltip}
