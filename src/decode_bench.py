@@ -840,8 +840,8 @@ def _measure_point(srv: SGLangServer, ctx: int, decode_tokens: int, model_cfg: d
             srv.stop_expert_record()
         except Exception:  # noqa: BLE001 - the dump step below fails too, and says why
             pass
-    if start_error:   # the record must not claim a recorder that never ran
-        row.update(expert_record=False, expert_error=start_error[:500])
+    if start_error:   # expert_record stays the server's flag (its hook runs in every captured graph)
+        row.update(expert_recording=False, expert_error=start_error[:500])
     nv_rows = []
     if nvml_error:
         row["nvml_error"] = nvml_error
@@ -882,7 +882,7 @@ def _expert_record(srv: SGLangServer, tp: int, buffer: int = -1, rows_per_routed
     from .expert_balance import balancedness, expert_counts, gpu_load, load_expert_dump, moe_layer_ids, routed_passes
 
     # every rank of MoE EP rank 0 writes the same all-reduced counts: tp // ep_size files
-    paths = srv.dump_expert_record(expected=max(1, tp // max(1, ep_size)))
+    paths = srv.dump_expert_record(expected=max(1, tp // max(1, ep_size)))   # all of them, or an error
     try:
         dumps = [load_expert_dump(p) for p in paths]
     finally:

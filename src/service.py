@@ -1180,7 +1180,7 @@ class SGLangServer:
     def stop_expert_record(self) -> None:
         self._post("/stop_expert_distribution_record")
 
-    def dump_expert_record(self, expected: int = 1, timeout_s: float = 60.0, settle_s: float = 1.0) -> list[Path]:
+    def dump_expert_record(self, expected: int = 1, timeout_s: float = 60.0) -> list[Path]:
         """Ask for a dump and return the .pt files SGLang wrote for it.
 
         SGLang 0.5.17 (stat mode) all-reduces the counts and writes
@@ -1188,24 +1188,24 @@ class SGLangServer:
         experts), ...}, on every rank whose MoE EP rank is 0: under TP with ep_size 1 that is every
         TP rank (tp // ep_size files, the same counts), into $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR
         (we point it at a folder per server). Then it resets the record. Returned once `expected`
-        files exist, or settle_s after the last new one, and none is still growing (torch.save
-        may be writing); the caller deletes them all.
+        files exist and none is still growing (torch.save may be writing); the caller deletes them.
+        Fewer in timeout_s is an error, and the files that came are deleted: a late one would
+        otherwise be read as the next dump's.
         """
         check_int("expected", expected)
         before = set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB))
         self._post("/dump_expert_distribution_record")
         deadline = time.monotonic() + timeout_s
         sizes: dict[Path, int] = {}
-        changed = time.monotonic()
         while time.monotonic() < deadline:
             now = {p: p.stat().st_size for p in set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB)) - before}
-            if now != sizes:
-                sizes, changed = now, time.monotonic()
-            elif sizes and all(sizes.values()) and (len(sizes) >= expected
-                                                    or time.monotonic() - changed >= settle_s):
-                return sorted(sizes, key=lambda p: p.stat().st_mtime)
+            if len(now) >= expected and now == sizes and all(now.values()):
+                return sorted(now, key=lambda p: p.stat().st_mtime)
+            sizes = now
             time.sleep(0.2)
-        raise ServerError(f"expert distribution dump: {len(sizes)} of {expected} files complete in "
+        for p in sizes:
+            p.unlink(missing_ok=True)
+        raise ServerError(f"expert distribution dump: {len(sizes)} of {expected} files in "
                           f"{self.expert_dump_dir} after {timeout_s:.0f} s")
 
 

@@ -556,8 +556,12 @@ def _pairs_in_one_commit(points, key: str, first, second, suffixes) -> pd.DataFr
     d = d[d["commit"] != "?"]
     same = [k for k in POINT_KEYS if k != key] + ["commit"]
     m = d[first(d)].merge(d[second(d)], on=same, suffixes=suffixes)
-    # a commit's several runs (invocations) of a side: its newest pair
-    return m.sort_values([f"date{suffixes[0]}", f"date{suffixes[1]}"]).drop_duplicates(same, keep="last")
+    # a commit's several runs (invocations) of a side: a pair within one invocation first (one
+    # machine, one session), then the newest
+    inv = [f"{INVOCATION_KEY}{s}" for s in suffixes]
+    m = m.assign(_one_run=(m[inv[0]] == m[inv[1]]) & (m[inv[0]] != ""))
+    return (m.sort_values(["_one_run", f"date{suffixes[0]}", f"date{suffixes[1]}"])
+             .drop_duplicates(same, keep="last").drop(columns="_one_run"))
 
 
 # dflash_host_plan values of the timing probe: session 39 recorded it as "on"

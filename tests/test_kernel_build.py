@@ -825,6 +825,8 @@ def test_the_toolkit_is_checked_before_a_build():
     with pytest.raises(RuntimeError, match=r"^nvcc 12.8 cannot build for sm_121; it needs CUDA 12.9 or newer"):
         check_toolkit((12, 1), v("12.8"), "12.8")
     check_toolkit((10, 3), v("12.9"), "12.9")
+    with pytest.raises(RuntimeError, match=r"^nvcc 12.9 cannot build for sm_110; it needs CUDA 13.0"):
+        check_toolkit((11, 0), v("12.9"), "12.9")   # Thor
 
 
 def test_an_nvcc_that_failed_once_is_asked_again(monkeypatch):

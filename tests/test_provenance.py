@@ -135,4 +135,5 @@ def test_a_machine_without_a_gpu_still_gives_every_provenance_key(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rec = provenance("python -m x")
     assert set(PROVENANCE_KEYS) <= set(rec) and rec["gpu"] is None and rec["driver"] is None
+    assert {"flashinfer", "sgl_kernel"} <= set(rec)   # versions of what serves prefill, drafts, FlashMLA
 

@@ -815,6 +815,38 @@ def test_every_ranks_expert_dump_file_is_read_and_deleted(model_dir, fake, tmp_p
     assert ex["dump_files"] == 3 and ex["forward_passes"] == 9 and left == []
 
 
+def test_an_expert_dump_with_a_rank_missing_is_an_error_and_leaves_no_file(model_dir, fake, tmp_path, monkeypatch):
+    """Fewer files than the ranks that write them: a late one would be read as the next dump's."""
+    monkeypatch.setenv("FAKE_DUMP_FILES", "1")
+    with _server(model_dir, fake, tmp_path, monkeypatch, "serve", spec="ngram") as srv:
+        srv.start_expert_record()
+        srv.generate(list(range(100, 164)), 9)
+        srv.stop_expert_record()
+        with pytest.raises(service.ServerError, match=r"^expert distribution dump: 1 of 2 files in "):
+            srv.dump_expert_record(expected=2, timeout_s=1.5)
+        assert list(srv.expert_dump_dir.glob(service.EXPERT_DUMP_GLOB)) == []
+
+
+def test_a_response_for_another_prompt_length_is_refused(monkeypatch):
+    """The point is named for the context sent: a server that took another length (a truncation)
+    must not be recorded under it."""
+    class Res:
+        completion_tokens, ttft_s, latency_s, first_chunk_tokens = 8, 0.5, 1.0, 1
+        meta_info = {"finish_reason": {"type": "length"}, "prompt_tokens": 4000, "spec_verify_ct": 4}
+
+    class Server:
+        config = type("C", (), {"spec": "ngram", "enable_metrics": False})()
+
+        def flush_cache(self):
+            pass
+
+        def generate(self, ids, n):
+            return Res()
+
+    with pytest.raises(service.ServerError, match=r"^/generate took 4000 prompt tokens, not the 4096 sent"):
+        decode_bench.measure_decode(Server(), 4096, 8, 1000, 0)
+
+
 def test_a_recorder_that_did_not_start_leaves_no_empty_expert_record(monkeypatch):
     """A failed /start_expert_distribution_record used to be swallowed: the dump of the idle
     recorder then made a record of zero passes. Now the point says why and claims no recorder."""
@@ -827,7 +859,8 @@ def test_a_recorder_that_did_not_start_leaves_no_empty_expert_record(monkeypatch
 
     monkeypatch.setattr(decode_bench, "measure_decode", lambda *a: {"tok_s": 1.0})
     row, nv, ex = decode_bench._measure_point(Server(), 4096, 8, {"vocab_size": 100}, 0, False, 0.2, True, 1)
-    assert ex is None and row["expert_record"] is False
+    # expert_record stays the server's flag: its hook runs in every captured graph, started or not
+    assert ex is None and row["expert_recording"] is False and "expert_record" not in row
     assert row["expert_error"].startswith("start_expert_distribution_record: ServerError('HTTP 500'")
 
 
@@ -1213,6 +1246,8 @@ def test_run_matrix_ep_size_is_checked_and_recorded(fake, tmp_path):
                                   spec=["none"], decode_tokens=8, tp=1, ep_size=1, nvml=False,
                                   progress=False, launcher=fake, log_dir=tmp_path, log=lambda s: None)
     assert [r["ep_size"] for r in res.decode] == [1]
+    # one id for the call (pairs within it are one run), the prompt as the server took it
+    assert res.decode[0]["invocation"] and res.decode[0]["prompt_tokens"] == res.decode[0]["ctx"]
 
 
 def test_configs_are_separate_points_and_never_paired_across():

@@ -176,6 +176,17 @@ def test_recorder_cost_pairs_on_and_off_at_one_commit():
     assert sc.recorder_cost(sc.decode_points(pd.DataFrame(unknown), every_run=True)).empty
 
 
+def test_recorder_cost_pairs_within_one_invocation_first():
+    """One commit, two decode_bench calls: the first measured the recorder on and off, a later one
+    on alone. The pair is the first call's (one machine, one session), not the newest of each side."""
+    recs = [_rec("sm120_mla", 4096, 1000.0, "same", "2026-12-01T04:48", layers=16, invocation="i1"),
+            _rec("sm120_mla", 4096, 1100.0, "same", "2026-12-01T04:51", layers=16, invocation="i1",
+                 expert_record=False),
+            _rec("sm120_mla", 4096, 700.0, "same", "2026-12-01T09:00", layers=16, invocation="i2")]
+    c = sc.recorder_cost(sc.decode_points(pd.DataFrame(recs), every_run=True))
+    assert list(c["on_tok_s"]) == [1000.0] and list(c["recorder_off_gain"]) == [1.1]
+
+
 def test_startup_summary_counts_each_server_once():
     recs = pd.DataFrame({"run_id": ["a", "a", "a", "b", "c"], "startup_s": [46.2, 46.2, 46.2, 98.3, 259.8]})
     assert sc.startup_summary(recs) == "3 server starts: 46-260 s (median 98 s)"

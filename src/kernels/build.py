@@ -108,8 +108,9 @@ def _nvcc_identity(cuda_home: str | None) -> str:
 
 
 # The oldest nvcc release that knows each target _arch_flags asks for: the arch-specific ones,
-# and sm_103 and sm_121 (GB10), which came in 12.9.
-MIN_NVCC = {(12, 0): (12, 8), (12, 1): (12, 9), (10, 0): (12, 8), (10, 3): (12, 9), (9, 0): (12, 0)}
+# and sm_103 and sm_121 (GB10), which came in 12.9, and sm_110 (Thor), in 13.0.
+MIN_NVCC = {(12, 0): (12, 8), (12, 1): (12, 9), (11, 0): (13, 0), (10, 0): (12, 8), (10, 3): (12, 9),
+            (9, 0): (12, 0)}
 
 
 def nvcc_release(identity: str) -> tuple[int, int] | None:

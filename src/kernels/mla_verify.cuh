@@ -331,7 +331,7 @@ struct Params {
   const void* mask_indptr;         // int32 or int64, [B+1]
   float* ws_o;                     // [B*num_splits*max_q_len*H, 512] (partial_slot): each split's
                                    // normalised output, fp32, or
-                                   // bf16 in the first half of the same buffer (WIDE_BF16_PARTIALS,
+                                   // bf16 in a buffer of half that size (WIDE_BF16_PARTIALS,
                                    // SPLIT_BF16_PARTIALS; the combine step's kBf16Partials)
   float* ws_lse;                   // [B*num_splits*max_q_len*H]: each split's LSE (log2 domain)
   __nv_bfloat16* out;              // [T, H, 512]
