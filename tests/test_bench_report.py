@@ -649,6 +649,63 @@ def test_bench_run_reports_a_library_with_no_kernel_for_the_gpu_without_calling_
     assert ceilings["copy_gbps"] == 1792.0
 
 
+def test_bench_run_records_gbps_and_both_rooflines_by_hand(monkeypatch):
+    """The numbers every record carries, against hand arithmetic: q16 h8 at 4,096 + 16 keys, 10 us.
+    KV 4,112 x 576 x 2 B; Q 16 x 8 x 576 x 2, O 16 x 8 x 512 x 2; FLOPs 2 x 8 x 16 x 4,112 x
+    (576 + 512). A unit or formula slip in run(), step_cost or the roofline fails here (no GPU:
+    the inputs are built on the CPU and the timing is a stand-in)."""
+    from sm120_workbook import hardware, provenance
+    from sm120_workbook.kernels import bench
+
+    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda n: {"copy_gbps": 4000.0})
+    monkeypatch.setattr(hardware, "measure_bf16_matmul_tflops", lambda n: {"bf16_tflops": 800.0})
+    monkeypatch.setattr(bench, "measure_mma_sync_tflops", lambda **kw: 500.0)
+    monkeypatch.setattr(provenance, "provenance", lambda *a: {"gpu": "stand-in", "command": "x"})
+    monkeypatch.setattr(bench.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    real_inputs = bench.Inputs
+    monkeypatch.setattr(bench, "Inputs", lambda s: real_inputs(s, device="cpu"))
+    monkeypatch.setitem(bench.BUILDERS, "sm120_mla", lambda x, **kw: (lambda: None))
+    monkeypatch.setattr(bench, "time_graph_us", lambda fn, reps: {"time_us": 10.0, "reps": reps})
+    (rec,), ceilings = bench.run([("sm120_mla", bench.Shape(1, 8, 16, 4096), {})], progress=False)
+    assert rec["status"] == "ok", rec.get("error")
+    kv = 4112 * 576 * 2
+    total = kv + 16 * 8 * 576 * 2 + 16 * 8 * 512 * 2
+    flops = 2 * 8 * 16 * 4112 * (576 + 512)
+    assert rec["gbps"] == pytest.approx(kv / 10.0 / 1e3)                      # bytes / ns = GB/s
+    assert rec["roofline_us"] == pytest.approx(max(total / 4000e3, flops / 800e6))
+    assert rec["roofline_mma_us"] == pytest.approx(max(total / 4000e3, flops / 500e6))
+    assert rec["roofline_mma_us"] > rec["roofline_us"] > total / 4000e3       # compute-bound at q16 h8
+
+
+def test_each_replay_is_timed_after_its_flush_and_nothing_else(monkeypatch):
+    """The flush runs before the start event of every replay, and only the replay sits between
+    the two events (a stand-in for torch's events and graph records the order)."""
+    from sm120_workbook.kernels import bench
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            log.append("new")
+
+        def record(self):
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return 0.002
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+
+    monkeypatch.setattr(bench.torch.cuda, "Event", Event)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: log.append("sync"))
+    times = bench.replay_times_us(Graph(), lambda: log.append("flush"), 3)
+    assert [e for e in log if e != "new"] == ["flush", "record", "replay", "record"] * 3 + ["sync"]
+    assert times == pytest.approx([2.0] * 3)
+
+
 @pytest.mark.parametrize("heads", [8, 16])
 def test_each_target_is_judged_at_its_own_threshold(heads):
     """Each target just met and just missed: <= FlashMLA, >= 100x Triton verify, within 1.3x of

@@ -31,6 +31,16 @@ def test_ab_table_pairs_each_round():
     assert row["ratio_max"] == 1.05 and row["max_abs_diff"] == 0.0
 
 
+def test_ab_table_says_whether_the_builds_outputs_agree():
+    """A baseline build that computes something else would still be timed: the table says so
+    (outputs_agree), and keeps its columns as before for records from before the check."""
+    recs = [dict(_rec("full", 0, 100.0, diff=0.3), outputs_agree=False),
+            dict(_rec("src_v25", 0, 101.0, diff=0.3), outputs_agree=False)]
+    assert ab.ab_table(recs, "src_v25")["outputs_agree"].tolist() == [False]
+    assert "outputs_agree" not in ab.ab_table([_rec("full", 0, 100.0), _rec("src_v25", 0, 101.0)], "src_v25")
+    assert not 0.3 <= ab.AB_MAX_ABS_DIFF and 1e-2 <= ab.AB_MAX_ABS_DIFF
+
+
 def test_ab_table_keeps_masked_shapes_apart():
     """A shape timed with SGLang's custom mask (--masked-shape) is its own row, labelled "mask";
     records from before the field (NaN in a loaded table) count as unmasked."""

@@ -1683,8 +1683,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_verify_split_kernel(const Par
 // kPreload (COMBINE_PRELOAD, v18f): each thread's partials (at most kMaxSplitsPerGroup) are loaded
 // right after griddepcontrol.wait, beside the LSE pass, and held raw until the weights are in, so
 // that the two round trips to L2 overlap (v18b: ~1.9 us for the LSE pass, then ~1.6 for the
-// merge, in series). The held loads take registers: 56 (bf16) or 64 (fp32) a thread on sm_90 and
-// 72 on sm_120a, against 32-40 without. With v18c's 2,048 CTAs at q16 h8 that meant two waves
+// merge, in series). The held loads take registers: 64 (bf16) or 72 (fp32) a thread on sm_90 and
+// 64-80 on sm_120a (kernel_resources.json), against 32-40 without. With v18c's 2,048 CTAs at q16 h8 that meant two waves
 // (NOTES.md session 10), so the launcher uses it only where the grid stays within one wave, with
 // fewer, wider CTAs where needed (kGroups == 8: 64 columns a CTA; v18f, session 11).
 // kMaxSplitsPerGroup = 12 rather than 16 (v18h): at 16 the kernel took 96 registers on sm_120a,
