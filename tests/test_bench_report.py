@@ -657,9 +657,11 @@ def test_bench_run_records_gbps_and_both_rooflines_by_hand(monkeypatch):
     from sm120_workbook import hardware, provenance
     from sm120_workbook.kernels import bench
 
-    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda n: {"copy_gbps": 4000.0})
+    # rates that make the cuBLAS roofline memory-bound and the mma.sync one compute-bound: each
+    # term of the max decides one of them
+    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda n: {"copy_gbps": 1000.0})
     monkeypatch.setattr(hardware, "measure_bf16_matmul_tflops", lambda n: {"bf16_tflops": 800.0})
-    monkeypatch.setattr(bench, "measure_mma_sync_tflops", lambda **kw: 500.0)
+    monkeypatch.setattr(bench, "measure_mma_sync_tflops", lambda **kw: 100.0)
     monkeypatch.setattr(provenance, "provenance", lambda *a: {"gpu": "stand-in", "command": "x"})
     monkeypatch.setattr(bench.torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
@@ -673,9 +675,8 @@ def test_bench_run_records_gbps_and_both_rooflines_by_hand(monkeypatch):
     total = kv + 16 * 8 * 576 * 2 + 16 * 8 * 512 * 2
     flops = 2 * 8 * 16 * 4112 * (576 + 512)
     assert rec["gbps"] == pytest.approx(kv / 10.0 / 1e3)                      # bytes / ns = GB/s
-    assert rec["roofline_us"] == pytest.approx(max(total / 4000e3, flops / 800e6))
-    assert rec["roofline_mma_us"] == pytest.approx(max(total / 4000e3, flops / 500e6))
-    assert rec["roofline_mma_us"] > rec["roofline_us"] > total / 4000e3       # compute-bound at q16 h8
+    assert rec["roofline_us"] == pytest.approx(total / 1000e3) and total / 1000e3 > flops / 800e6
+    assert rec["roofline_mma_us"] == pytest.approx(flops / 100e6) and flops / 100e6 > total / 1000e3
 
 
 def test_each_replay_is_timed_after_its_flush_and_nothing_else(monkeypatch):
@@ -685,12 +686,15 @@ def test_each_replay_is_timed_after_its_flush_and_nothing_else(monkeypatch):
 
     log = []
 
-    class Event:
+    class Event:   # replay_times_us makes every start event, then every end event
+        made = 0
+
         def __init__(self, enable_timing):
-            log.append("new")
+            self.kind = "start" if Event.made < 3 else "end"
+            Event.made += 1
 
         def record(self):
-            log.append("record")
+            log.append(self.kind)
 
         def elapsed_time(self, end):
             return 0.002
@@ -702,7 +706,7 @@ def test_each_replay_is_timed_after_its_flush_and_nothing_else(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "Event", Event)
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: log.append("sync"))
     times = bench.replay_times_us(Graph(), lambda: log.append("flush"), 3)
-    assert [e for e in log if e != "new"] == ["flush", "record", "replay", "record"] * 3 + ["sync"]
+    assert log == ["flush", "start", "replay", "end"] * 3 + ["sync"]
     assert times == pytest.approx([2.0] * 3)
 
 

@@ -41,6 +41,30 @@ def test_ab_table_says_whether_the_builds_outputs_agree():
     assert not 0.3 <= ab.AB_MAX_ABS_DIFF and 1e-2 <= ab.AB_MAX_ABS_DIFF
 
 
+@pytest.mark.parametrize("baseline_out, agree", [(0.0, True), (0.3, False), (float("nan"), False)])
+def test_run_ab_checks_that_the_builds_compute_the_same(monkeypatch, capsys, baseline_out, agree):
+    """Round 0 compares the two builds' outputs: past AB_MAX_ABS_DIFF (or NaN) the records say
+    outputs_agree False and a warning names the shape (no GPU: the builds and timing are stand-ins)."""
+    import torch
+
+    class Fn:
+        tile_keys, cta_rows, num_splits = 16, 64, 66
+
+        def __init__(self, value):
+            self.value = value
+
+        def __call__(self):
+            return torch.full((16, 8, 512), self.value)
+
+    monkeypatch.setattr(ab, "Inputs", lambda s: s)
+    monkeypatch.setattr(ab, "build_sm120_mla", lambda x, kernel_source, custom_mask:
+                        Fn(0.0 if kernel_source is None else baseline_out))
+    monkeypatch.setattr(ab, "time_graph_us", lambda fn, reps: {"time_us": 1.0, "reps": reps})
+    recs = ab.run_ab([ab.Shape(1, 8, 16, 4096)], "/baseline", "src_v30", rounds=2, reps=2)
+    assert len(recs) == 4 and [r.get("outputs_agree") for r in recs] == [agree, agree, None, None]
+    assert ("the builds' outputs differ" in capsys.readouterr().err) is not agree
+
+
 def test_ab_table_keeps_masked_shapes_apart():
     """A shape timed with SGLang's custom mask (--masked-shape) is its own row, labelled "mask";
     records from before the field (NaN in a loaded table) count as unmasked."""

@@ -8,7 +8,7 @@ both builds in interleaved rounds, the order alternating from shape to shape and
 round. Each timing is a CUDA-graph replay after an L2 flush (bench.time_graph_us). The
 table gives, per shape, each build's median and the shipped build's time over the baseline's
 (the median of the rounds' ratios, and their range). Round 0 also checks that the two builds
-give the same output (`max_abs_diff`).
+give the same output (`max_abs_diff`; `outputs_agree` False, and a warning, past AB_MAX_ABS_DIFF).
 
 The records go to data/results/kernel_ablation.jsonl, as variant `full` (the shipped sources)
 and `src_<name>` (the baseline), both under the run's --tag and with a `baseline` field;

@@ -287,8 +287,8 @@ def triton_decode_cap(keys: list[int], sm_count: int) -> int:
     """max_kv_splits as SGLang 0.5.17's Triton backend sets it for an MLA model: the server
     default of 8 raised by `_mla_decode_kv_splits_cap` to the SM count's and the context's power
     of two (TritonAttnBackend.__init__; a server whose context length is this step's longest
-    request). That is Triton's best case: a server launched with K2's 131,072-token context caps
-    at 256 everywhere, 1.36-1.40x slower at 1k and 1.15-1.18x at 2k, the same from 4k
+    request). That is Triton's best case: a server launched with K2's 131,072-token context
+    caps at 256 everywhere, 1.36-1.40x slower at 1k and 1.15-1.18x at 2k, the same from 4k
     (probes/triton_decode_cap.jsonl, session 56). Until session 22 the benchmark ran 8 splits without the MLA path, 1.7-18x slower
     than a server's decode at batch 1 (12x at 64k); those records load as
     `triton_decode_8splits` (bench_report)."""

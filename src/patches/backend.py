@@ -13,7 +13,7 @@ attention call of three phases of an MLA model changes:
   kernel as `k_extend`, beside the prefix rows, with SGLang's tree mask as it is;
 - draft extend (`forward_extend` in DRAFT_EXTEND_V2, an EAGLE/MTP draft model's backend): the
   same call without a mask, as the parent runs it (prefix rows, then a causal chain over the
-  extended tokens).
+  extended tokens); a window wider than the kernel's queries stays on the parent's Triton path.
 
 `Sm120MlaMultiStepDraftBackend` runs an MLA draft model's EAGLE draft-decode steps on the kernel
 too (one query per request and branch). Prefill, extend and every non-MLA model run the parent's
