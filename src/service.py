@@ -27,7 +27,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 from . import project_root
 from .dummy_models import EAGLE3_HEADS, eagle3_aux_layers, heads_per_rank, max_context
@@ -674,6 +674,22 @@ def port_listeners(port: int) -> set[int | None]:
     return {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
 
 
+def settled_files(find: Callable[[], Iterable[Path]], count: int, timeout_s: float,
+                  poll_s: float) -> tuple[dict[Path, int], bool]:
+    """Wait until `find()` gives at least `count` files, none empty and none grown since the look
+    before (another process may still be writing them), polling every poll_s for at most
+    timeout_s. Returns the files last seen, with their sizes, and whether they settled."""
+    deadline = time.monotonic() + timeout_s
+    sizes: dict[Path, int] = {}
+    while time.monotonic() < deadline:
+        now = {p: p.stat().st_size for p in find()}
+        if len(now) >= count and now == sizes and all(now.values()):
+            return now, True
+        sizes = now
+        time.sleep(poll_s)
+    return sizes, False
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (children may leave the group with setsid)."""
     if not Path("/proc").is_dir():
@@ -1161,15 +1177,10 @@ class SGLangServer:
     def wait_profile_traces(output_dir: str | Path, profile_id: str, ranks: int = 1,
                             timeout_s: float = 120.0) -> list[Path]:
         """The trace files of a profile, once all `ranks` exist and stopped growing."""
-        deadline = time.monotonic() + timeout_s
-        sizes: dict[Path, int] = {}
-        while time.monotonic() < deadline:
-            found = sorted(Path(output_dir).glob(f"{profile_id}*.trace.json.gz"))
-            now = {p: p.stat().st_size for p in found}
-            if len(found) >= ranks and now == sizes and all(now.values()):
-                return found
-            sizes = now
-            time.sleep(0.5)
+        sizes, settled = settled_files(lambda: Path(output_dir).glob(f"{profile_id}*.trace.json.gz"), ranks,
+                                       timeout_s, poll_s=0.5)
+        if settled:
+            return sorted(sizes)
         raise ServerError(f"profile {profile_id}: {len(sizes)} of {ranks} traces in {output_dir} "
                           f"after {timeout_s:.0f} s")
 
@@ -1195,14 +1206,10 @@ class SGLangServer:
         check_int("expected", expected)
         before = set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB))
         self._post("/dump_expert_distribution_record")
-        deadline = time.monotonic() + timeout_s
-        sizes: dict[Path, int] = {}
-        while time.monotonic() < deadline:
-            now = {p: p.stat().st_size for p in set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB)) - before}
-            if len(now) >= expected and now == sizes and all(now.values()):
-                return sorted(now, key=lambda p: p.stat().st_mtime)
-            sizes = now
-            time.sleep(0.2)
+        sizes, settled = settled_files(lambda: set(self.expert_dump_dir.glob(EXPERT_DUMP_GLOB)) - before, expected,
+                                       timeout_s, poll_s=0.2)
+        if settled:
+            return sorted(sizes, key=lambda p: p.stat().st_mtime)
         for p in sizes:
             p.unlink(missing_ok=True)
         raise ServerError(f"expert distribution dump: {len(sizes)} of {expected} files in "
