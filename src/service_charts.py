@@ -338,11 +338,11 @@ def pair_points(mine, base, keys, value: str = "tok_s", also=()):
     their commit at best). Runs differ in code and in load (another job on the machine), so a
     pair within one run is the fair one. `also`: more base columns to carry, as base_<name>."""
     cols = [value, *also]
-    b = base.assign(**{INVOCATION_KEY: base.get(INVOCATION_KEY, "")})[keys + cols + ["commit", INVOCATION_KEY, "date"]]
+    b = _with_invocation(base)[keys + cols + ["commit", INVOCATION_KEY, "date"]]
     b = b.rename(columns={c: f"base_{c}" for c in cols + ["commit", INVOCATION_KEY, "date"]})
-    m = mine.assign(**{INVOCATION_KEY: mine.get(INVOCATION_KEY, "")}).merge(b, on=keys, how="left")
+    m = _with_invocation(mine).merge(b, on=keys, how="left")
     m["same_commit"] = (m["commit"] == m["base_commit"]) & (m["commit"] != "?")
-    m["same_run"] = (m[INVOCATION_KEY] == m[f"base_{INVOCATION_KEY}"]) & (m[INVOCATION_KEY] != "")
+    m["same_run"] = _one_invocation(m[INVOCATION_KEY], m[f"base_{INVOCATION_KEY}"])
     m = m.sort_values(["same_run", "same_commit", "date", "base_date"], na_position="first")
     return m.groupby(POINT_KEYS, dropna=False).tail(1).reset_index(drop=True)
 
@@ -353,11 +353,10 @@ def same_commit_ratios(mine, base, keys, value: str = "tok_s") -> pd.DataFrame:
     of them `same_runs` within one invocation, each commit's pair within a run where it has one)
     and the lowest and highest ratio of `value` among them (`ratio_min`, `ratio_max`), so that a
     verdict shows whether it held in each."""
-    b = base.assign(**{INVOCATION_KEY: base.get(INVOCATION_KEY, "")})[keys + [value, "commit", INVOCATION_KEY]]
+    b = _with_invocation(base)[keys + [value, "commit", INVOCATION_KEY]]
     b = b.rename(columns={value: f"base_{value}", INVOCATION_KEY: f"base_{INVOCATION_KEY}"})
-    m = mine[mine["commit"] != "?"].assign(**{INVOCATION_KEY: mine.get(INVOCATION_KEY, "")}).merge(
-        b, on=keys + ["commit"])
-    m["same_run"] = (m[INVOCATION_KEY] == m[f"base_{INVOCATION_KEY}"]) & (m[INVOCATION_KEY] != "")
+    m = _with_invocation(mine[mine["commit"] != "?"]).merge(b, on=keys + ["commit"])
+    m["same_run"] = _one_invocation(m[INVOCATION_KEY], m[f"base_{INVOCATION_KEY}"])
     m["pair_ratio"] = m[value] / m[f"base_{value}"]
     m = m.sort_values(["same_run", "date"]).groupby(POINT_KEYS + ["commit"], dropna=False).tail(1)   # a pair per commit
     return (m.groupby(POINT_KEYS, dropna=False)
@@ -365,10 +364,20 @@ def same_commit_ratios(mine, base, keys, value: str = "tok_s") -> pd.DataFrame:
                   ratio_max=("pair_ratio", "max")).reset_index())
 
 
+def _with_invocation(points):
+    """points with the invocation column ("" for records from before the key)."""
+    return points if INVOCATION_KEY in points else points.assign(**{INVOCATION_KEY: ""})
+
+
+def _one_invocation(a, b):
+    """Whether paired rows come from one decode_bench call: one machine, one session ("" is none)."""
+    return (a == b) & (a != "")
+
+
 def _need_runs(points, name="points"):
     _need(points, POINT_KEYS + ["tok_s"], name)
     points = points if {"commit", "date"} <= set(points) else points.assign(commit="?", date="")
-    return points if INVOCATION_KEY in points else points.assign(**{INVOCATION_KEY: ""})
+    return _with_invocation(points)
 
 
 def _with_base_draft(points, baseline: str):
@@ -558,8 +567,7 @@ def _pairs_in_one_commit(points, key: str, first, second, suffixes) -> pd.DataFr
     m = d[first(d)].merge(d[second(d)], on=same, suffixes=suffixes)
     # a commit's several runs (invocations) of a side: a pair within one invocation first (one
     # machine, one session), then the newest
-    inv = [f"{INVOCATION_KEY}{s}" for s in suffixes]
-    m = m.assign(_one_run=(m[inv[0]] == m[inv[1]]) & (m[inv[0]] != ""))
+    m = m.assign(_one_run=_one_invocation(*(m[f"{INVOCATION_KEY}{s}"] for s in suffixes)))
     return (m.sort_values(["_one_run", f"date{suffixes[0]}", f"date{suffixes[1]}"])
              .drop_duplicates(same, keep="last").drop(columns="_one_run"))
 
