@@ -7,7 +7,6 @@ Predicted: random operands 0-10% slower.
 
     python3 data/results/probes/mma_operands_probe.py OUT.jsonl
 """
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import sm120_workbook.kernels as kernels
 from sm120_workbook.hardware import _time_ms
 from sm120_workbook.kernels.bench import MMA_FLOPS, MMA_PEAK_CHAINS, measure_mma_sync_tflops
 from sm120_workbook.kernels.build import NVCC_FLAGS, _arch_flags
-from sm120_workbook.provenance import provenance
+from sm120_workbook.results import append_records
 
 SRC = r"""
 #include <torch/extension.h>
@@ -63,7 +62,6 @@ def main(out_path):
                       extra_cuda_cflags=NVCC_FLAGS + _arch_flags(torch.cuda.get_device_capability()))   # the kernel's own flags
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     data = (torch.randn(1 << 21, device="cuda") * 0.05).to(torch.bfloat16)   # small: fp32 sums stay finite
-    prov = provenance(" ".join(["python3"] + sys.argv))
     rows = []
     for blocks_per_sm in (4, 1):
         out = torch.empty(sms * blocks_per_sm * 256, device="cuda")
@@ -75,14 +73,13 @@ def main(out_path):
                 got.setdefault(form, []).append(flops / (statistics.median(ms) * 1e9))
             got.setdefault("shipped", []).append(measure_mma_sync_tflops(blocks_per_sm=blocks_per_sm))
         for form, v in got.items():
-            rows.append({**prov, "probe": "mma_operands", "form": form, "blocks_per_sm": blocks_per_sm,
+            rows.append({"probe": "mma_operands", "form": form, "blocks_per_sm": blocks_per_sm,
                          "tflops": round(statistics.median(v), 1), "rounds_tflops": [round(x, 1) for x in v]})
         c, r, s = (statistics.median(got[k]) for k in ("constant", "random", "shipped"))
         print(f"{blocks_per_sm} blocks an SM: constant {c:.1f}, random {r:.1f} ({r / c:.3f}x), shipped {s:.1f} TFLOP/s",
               flush=True)
-    with open(out_path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    # each record stamped with its provenance (GPU, driver, versions, commit, date, this command)
+    append_records("probe", rows, command=" ".join(["python3"] + sys.argv), path=out_path)
 
 
 if __name__ == "__main__":

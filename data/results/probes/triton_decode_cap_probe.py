@@ -9,14 +9,13 @@ Predicted: within 15% either way at 1k and 2k, unchanged from 4k.
 
     python3 data/results/probes/triton_decode_cap_probe.py OUT.jsonl
 """
-import json
 import statistics
 import sys
 
 import torch
 
 from sm120_workbook.kernels import bench
-from sm120_workbook.provenance import provenance
+from sm120_workbook.results import append_records
 
 SERVER_CONTEXT = 131072   # Kimi K2's context_length: a server launched without --context-length
 SHAPES = [(h, ctx) for h in (8, 16) for ctx in (1024, 2048, 4096, 16384)]
@@ -34,7 +33,6 @@ def triton_decode_with_context(x, context_len):
 
 
 def main(out_path):
-    prov = provenance(" ".join(["python3"] + sys.argv))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for h, ctx in SHAPES:
@@ -50,16 +48,15 @@ def main(out_path):
         caps = {"step": bench.triton_decode_cap(x.keys, sms),
                 "server": bench.triton_decode_cap([max(max(x.keys), SERVER_CONTEXT)], sms)}
         for k, v in times.items():
-            rows.append({**prov, "probe": "triton_decode_cap", "impl": k, "heads": h, "ctx": ctx, "q_len": 1,
+            rows.append({"probe": "triton_decode_cap", "impl": k, "heads": h, "ctx": ctx, "q_len": 1,
                          "batch": 1, "time_us": round(statistics.median(v), 2), "rounds_us": [round(t, 2) for t in v],
                          "cap_step": caps["step"], "cap_server": caps["server"]})
         a, b, m = (statistics.median(times[k]) for k in list(fns)[1:] + list(fns)[:1])
         print(f"h{h:<3d} {ctx:6d}: sm120_mla {m:7.1f} us | triton cap {caps['step']:3d}: {a:7.1f} us "
               f"({a / m:.2f}x) | cap {caps['server']:3d}: {b:7.1f} us ({b / m:.2f}x) | server/step {b / a:.2f}",
               flush=True)
-    with open(out_path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    # each record stamped with its provenance (GPU, driver, versions, commit, date, this command)
+    append_records("probe", rows, command=" ".join(["python3"] + sys.argv), path=out_path)
 
 
 if __name__ == "__main__":
