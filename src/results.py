@@ -21,6 +21,8 @@ from . import project_root
 from .provenance import provenance
 
 PROVENANCE_KEYS = ("gpu", "driver", "torch", "sglang", "triton", "commit", "date", "command")
+# what a record may not blank (the others are None where there is no GPU, driver or SGLang)
+REQUIRED_KEYS = ("commit", "date", "command")
 
 
 def results_dir() -> Path:
@@ -41,11 +43,22 @@ def append_records(name: str, records: Iterable[dict], command: str | None = Non
     machine and merged here keeps its own GPU and date).
     """
     path = Path(path) if path else results_dir() / f"{name}.jsonl"   # a tool's --out comes as a str
-    path.parent.mkdir(parents=True, exist_ok=True)
     prov = provenance(command)
+    records = list(records)
+    for i, r in enumerate(records):
+        # a record's own None would replace the stamp: a number nobody could trace
+        blanked = [k for k in REQUIRED_KEYS if k in r and r[k] in (None, "")]
+        if blanked:
+            raise ValueError(f"records[{i}]: {', '.join(blanked)} set empty; a stored record names its commit, "
+                             "date and command (nothing was written)")
+    if not prov.get("commit"):   # written all the same: a long run's numbers are not thrown away
+        print(f"WARNING: {path}: these records name no commit (not a git checkout, and no $SM120_COMMIT)",
+              file=sys.stderr)
+    stamped = [{**prov, **r} for r in records]
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
-        for r in records:
-            f.write(json.dumps({**prov, **r}, sort_keys=True) + "\n")
+        for r in stamped:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
     return path
 
 

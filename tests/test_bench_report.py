@@ -181,6 +181,17 @@ def test_the_batch32_target_says_what_it_asks_of_the_mma_sync_ceiling():
     assert (t.drop(index="b32 q16 h8 16k: within 10% of FlashMLA")["note"] == "").all()
 
 
+def test_the_roofline_targets_say_what_they_ask_of_the_mma_sync_ceiling():
+    # The roofline takes cuBLAS's (wgmma) rate, 1.24x mma.sync's on the H200: 1.3x of it leaves an
+    # mma.sync kernel 29.9 of 31.4 us, 95% of its ceiling with no fixed part at all.
+    rec = dict(_rec("r", "v", "sm120_mla", 85.2), roofline_us=24.14, roofline_mma_us=29.87)
+    row = br.targets_table(pd.DataFrame([rec])).set_index("target").loc["q16 h8 64k: within 1.3x roofline"]
+    assert not row["met"] and row["note"] == "needs 95% of this run's mma.sync ceiling (30 us)"
+    # a run that did not measure the mma.sync rate says nothing rather than a wrong share
+    row = br.targets_table(pd.DataFrame([_rec("r", "v", "sm120_mla", 85.2)])).set_index("target")
+    assert row.loc["q16 h8 64k: within 1.3x roofline", "note"] == ""
+
+
 def test_cta_rows_table_pairs_the_two_kernels():
     import pandas as pd
 

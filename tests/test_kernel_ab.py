@@ -291,6 +291,36 @@ def test_interleaved_medians_alternate_the_order_and_take_medians(monkeypatch):
     assert med == {"a": 3.0, "b": 7.0}   # a: medians 2, 3, 5; b: 7, 5, 8
 
 
+def test_the_nsplit_explorer_times_what_a_user_lets_go_of_once(monkeypatch):
+    """Notebook 03's NSPLIT widget: the workspace's choice timed once at build (not again by the
+    controls), the slider timed on release rather than at every value a drag passes, and a
+    64-row pick offers (and resets to) the 16-key tile, timed once."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from sm120_workbook.kernels import bench
+
+    monkeypatch.setattr(bench, "kernel_available", lambda: (False, "no CUDA GPU is visible to torch"))
+    with pytest.raises(RuntimeError, match="needs a GPU that runs the kernel .no CUDA GPU"):
+        bench.nsplit_explorer()
+    timings, retimed = [], []
+    monkeypatch.setattr(bench, "kernel_available", lambda: (True, "sm_120"))
+    monkeypatch.setattr(bench, "Inputs", lambda shape: shape)
+    monkeypatch.setattr(bench, "build_sm120_mla", lambda x: SimpleNamespace(num_splits=94, cta_rows=32, tile_keys=32))
+    monkeypatch.setattr(bench, "time_graph_us", lambda fn, reps: timings.append(fn) or {"time_us": 80.0})
+    monkeypatch.setattr(bench, "nsplit_retime", lambda x, *setting, auto_us, reps: retimed.append(setting) or "")
+    ui = bench.nsplit_explorer()
+    splits, cta_rows, tile_keys = ui.children[1].children
+    assert len(timings) == 1 and retimed == [] and not splits.continuous_update
+    assert (splits.value, splits.min, splits.max) == (94, 1, bench.MAX_SPLITS)
+    splits.value = 66
+    cta_rows.value = 64
+    assert tuple(tile_keys.options) == (16,) and retimed == [(66, 32, 32), (66, 64, 16)]
+    cta_rows.value = 32
+    assert tuple(tile_keys.options) == (16, 32) and retimed[-1] == (66, 32, 16) and len(retimed) == 3
+
+
 def test_the_nsplit_explorer_times_a_forced_schedule_and_names_a_refused_one(monkeypatch):
     """Notebook 03's explorer line (bench.nsplit_retime): the forced schedule timed against the
     workspace's choice; a schedule the workspace refuses is shown in its words, not raised."""

@@ -32,7 +32,8 @@ import torch
 from ..mla import DIM_QK, DIM_V, SM_SCALE
 from ..results import add_record_args
 from ..roofline import verify_cost
-from .verify_attention import MAX_SPLITS, MlaVerifyWorkspace, mla_verify_attention
+from .verify_attention import (CTA_ROWS, MAX_SPLITS, TILE_KEYS, MlaVerifyWorkspace, kernel_available,
+                               mla_verify_attention)
 
 L2_FLUSH_BYTES = 256 << 20
 # How L2 is emptied before each timing: by reading a buffer larger than any L2 (the H200's 50 MB, an
@@ -485,26 +486,48 @@ def nsplit_retime(x: Inputs, splits: int, cta_rows: int, tile_keys: int, auto_us
 
 def nsplit_explorer(heads: int = 8, ctx: int = 65536, reps: int = 50):
     """Notebook 03's NSPLIT explorer (needs a GPU): the workspace's choice at batch 1, q_len 16,
-    `heads` and `ctx` timed once, then sliders for the split count, the kernel (32 or 64 rows)
-    and the tile, each setting timed live by nsplit_retime. Returns the widget."""
+    `heads` and `ctx` timed once, then a slider for the split count and dropdowns for the kernel
+    (32 or 64 rows) and the tile; each setting a user lets go of is timed live by nsplit_retime.
+    Returns the widget."""
     import ipywidgets as W
 
+    ok, why = kernel_available()
+    if not ok:
+        raise RuntimeError(f"nsplit_explorer: needs a GPU that runs the kernel ({why})")
     x = Inputs(Shape(1, heads, 16, ctx))
     auto = build_sm120_mla(x)
     auto_us = time_graph_us(auto, reps=reps)["time_us"]
-    out = W.Output()
 
-    def retime(splits, cta_rows, tile_keys):
+    def tiles_for(rows):   # the 64-row kernel has 16-key tiles only (MlaVerifyWorkspace refuses 32)
+        return list(TILE_KEYS) if rows == 32 else [16]
+
+    # continuous_update off: a drag would otherwise queue a capture and 50 replays per value passed
+    splits = W.IntSlider(value=auto.num_splits, min=1, max=MAX_SPLITS, description="splits",
+                         continuous_update=False)
+    cta_rows = W.Dropdown(options=list(CTA_ROWS), value=auto.cta_rows, description="cta_rows")
+    tile_keys = W.Dropdown(options=tiles_for(auto.cta_rows), value=auto.tile_keys, description="tile_keys")
+    out = W.Output()
+    timed = [(auto.num_splits, auto.cta_rows, auto.tile_keys)]
+    with out:
+        print(f"splits {auto.num_splits:3d}, {auto.cta_rows}-row kernel, {auto.tile_keys}-key tiles: "
+              f"{auto_us:.1f} µs (the workspace's choice)")
+
+    def retime(_change=None):
+        setting = (splits.value, cta_rows.value, tile_keys.value)
+        if setting == timed[0]:   # a kernel change that also reset the tile fires twice
+            return
+        timed[0] = setting
         with out:
             out.clear_output()
-            print(nsplit_retime(x, splits, cta_rows, tile_keys, auto_us, reps))
+            print(nsplit_retime(x, *setting, auto_us=auto_us, reps=reps))
 
-    controls = W.interactive(retime, splits=W.IntSlider(value=auto.num_splits, min=1, max=MAX_SPLITS),
-                             cta_rows=W.Dropdown(options=[32, 64], value=auto.cta_rows),
-                             tile_keys=W.Dropdown(options=[16, 32], value=auto.tile_keys))
+    # first, so that a 64-row pick resets the tile before the setting is timed
+    cta_rows.observe(lambda change: setattr(tile_keys, "options", tiles_for(change["new"])), "value")
+    for control in (splits, cta_rows, tile_keys):
+        control.observe(retime, "value")
     chosen = W.HTML(f"the workspace's choice: {auto.num_splits} splits, {auto.cta_rows}-row kernel, "
                     f"{auto.tile_keys}-key tiles: {auto_us:.1f} µs")
-    return W.VBox([chosen, controls, out])
+    return W.VBox([chosen, W.HBox([splits, cta_rows, tile_keys]), out])
 
 
 def diagnostic_and_shipped(x: "Inputs", defines=(), diagnostic: str = "", cta_rows: int = 64):

@@ -412,19 +412,24 @@ def _select(df: pd.DataFrame, impl: str, **shape) -> pd.DataFrame:
     return sel
 
 
-def _mma_share_note(df: pd.DataFrame, baseline_us: float, **shape) -> str:
-    """What a "within 10% of the baseline" target asks of an mma.sync kernel: the share of the
-    run's own mma.sync ceiling (the FLOPs over the measured mma.sync rate, `roofline_mma_us`)
-    that 1.1x the baseline's time leaves. Above ~90% no mma.sync kernel gets there, softmax and
-    loads included; the baseline (FlashMLA, wgmma on Hopper) is not bound by it."""
-    if "roofline_mma_us" not in df or baseline_us != baseline_us:
+def _mma_share_note(df: pd.DataFrame, allowed_us: float, baseline: tuple[str, float] | None = None,
+                    **shape) -> str:
+    """What a target that allows `allowed_us` asks of an mma.sync kernel: the share of the run's
+    own mma.sync ceiling (the FLOPs over the measured mma.sync rate, `roofline_mma_us`) that it
+    leaves, with no fixed part at all (launch, prologue, combine). Above ~90% no mma.sync kernel
+    gets there, softmax and loads included. `baseline` (name, time in us), an impl that ceiling
+    does not bind (FlashMLA: wgmma on Hopper), adds the share it runs at."""
+    if "roofline_mma_us" not in df or allowed_us != allowed_us:
         return ""
     mma_us = _select(df, "sm120_mla", **shape)["roofline_mma_us"].dropna()
     if len(mma_us) == 0:
         return ""
     floor = float(mma_us.iloc[0])
-    return (f"needs {floor / (1.1 * baseline_us):.0%} of this run's mma.sync ceiling ({floor:.0f} us); "
-            f"FlashMLA runs at {floor / baseline_us:.0%} of it")
+    note = f"needs {floor / allowed_us:.0%} of this run's mma.sync ceiling ({floor:.0f} us)"
+    if baseline is not None:
+        name, base_us = baseline
+        note += f"; {name} runs at {floor / base_us:.0%} of it"
+    return note
 
 
 def targets_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -454,11 +459,13 @@ def targets_table(df: pd.DataFrame) -> pd.DataFrame:
             rows.append({"target": f"q16 h{heads} {r.ctx // 1024}k: within 1.3x roofline",
                          "measured": f"{r.time_us:.1f} vs {r.roofline_us:.1f} us",
                          "ratio": round(r.time_us / r.roofline_us, 2), "ratio_is": "ours / roofline",
-                         "met": bool(r.time_us <= 1.3 * r.roofline_us)})
+                         "met": bool(r.time_us <= 1.3 * r.roofline_us),
+                         # the roofline takes cuBLAS's (wgmma) rate: what 1.3x of it leaves mma.sync
+                         "note": _mma_share_note(df, 1.3 * r.roofline_us, batch=1, heads=heads, q_len=16, ctx=r.ctx)})
         ours, fm = t("sm120_mla", batch=32, heads=heads, q_len=16, ctx=16384), t("flashmla", batch=32, heads=heads, q_len=16, ctx=16384)
         rows.append({"target": f"b32 q16 h{heads} 16k: within 10% of FlashMLA", "measured": f"{ours:.1f} vs {fm:.1f} us",
                      "ratio": round(ours / fm, 2), "ratio_is": "ours / FlashMLA", "met": bool(ours <= 1.1 * fm),
-                     "note": _mma_share_note(df, fm, batch=32, heads=heads, q_len=16, ctx=16384)})
+                     "note": _mma_share_note(df, 1.1 * fm, ("FlashMLA", fm), batch=32, heads=heads, q_len=16, ctx=16384)})
     dec = df[(df["q_len"] == 1) & (df["batch"] == 1)]
     for heads in sorted(dec["heads"].unique()):
         for ctx in sorted(dec["ctx"].unique()):
