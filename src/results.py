@@ -195,6 +195,14 @@ def source_label(df, live: bool) -> str:
     return f"{where}: {'; '.join(p for p in parts if p)}"
 
 
+def table_text(t, **to_string) -> str:
+    """A recorded table as a notebook prints it: its rows, then the records' provenance where the
+    reader left it in `t.attrs["source"]` (source_label: GPU, commits, dates)."""
+    text = t.to_string(index=False, **to_string)
+    source = t.attrs.get("source", "")
+    return f"{text}\n({source})" if source else text
+
+
 def describe_provenance(df) -> str:
     """One line naming where recorded results came from, for a notebook to print."""
     if df is None or len(df) == 0:

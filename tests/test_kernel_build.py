@@ -588,6 +588,7 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     import pandas as pd
 
     from sm120_workbook.kernels.ablation import recorded_table
+    from sm120_workbook.results import table_text
 
     def rec(variant, defines, q_len, heads, t, version, date, batch=1):
         return {"variant": variant, "defines": defines, "q_len": q_len, "heads": heads, "ctx": 65536,
@@ -602,6 +603,10 @@ def test_recorded_ablation_table_is_one_version_in_variant_order():
     ])
     t = recorded_table(df)   # the newest version, v2
     assert list(t["variant"]) == ["full", "loads_only", "loads_only_splits16"]
+    # where the numbers come from, for the notebook's line under the table (v2's records only)
+    assert t.attrs["source"] == "recorded: NVIDIA H200; 2026-11-29"
+    assert table_text(t).splitlines()[-1] == "(recorded: NVIDIA H200; 2026-11-29)"
+    assert table_text(recorded_table(df.assign(commit="abc1234def"))).endswith("commit abc1234; 2026-11-29)")
     assert list(t.columns) == ["variant", "changes", "q16 h8", "q1 h8"]
     assert t.loc[0, "q16 h8"] == 109.0 and t.loc[0, "changes"] == "(shipped build)"
     assert t.loc[2, "changes"] == "ABLATE_NO_QK, 16 splits"

@@ -63,6 +63,7 @@ def test_recorded_table_keeps_the_newest_trace_of_each_build():
     t = recorded_table(pd.DataFrame(rows))
     assert t["build"].tolist() == ["(shipped build)", "ABLATE_NO_LOADS"]
     assert t["QK"].tolist() == [700.0, 800.0]   # cycles at another GPU's clock stay apart
+    assert t.attrs["source"] == "recorded: NVIDIA H200; 2026-01-01..2026-01-02"
     assert recorded_table(pd.DataFrame(rows), gpu="RTX PRO 6000")["QK"].tolist() == [1500.0]
     assert recorded_table(pd.DataFrame()).empty
 

@@ -116,7 +116,7 @@ def recorded_ab_table(version: str, baseline: str, df=None, gpu: str = "H200"):
     """A recorded A/B run as `ab_table`: the newest run in data/results/kernel_ablation.jsonl
     tagged `version` whose baseline is `baseline` (its --baseline-name), on a GPU whose name
     contains `gpu`."""
-    from ..results import load_records, on_gpu
+    from ..results import load_records, on_gpu, source_label
 
     df = load_records("kernel_ablation") if df is None else df
     variant = "src_" + baseline
@@ -129,7 +129,9 @@ def recorded_ab_table(version: str, baseline: str, df=None, gpu: str = "H200"):
         raise NotRecorded(f"version, baseline: no A/B run of {version!r} against {baseline!r} on {gpu}; "
                           f"recorded on any GPU: {recorded}")
     newest = runs[runs["date"] == runs["date"].max()]   # one append, one date: the newest run
-    return ab_table(newest.to_dict("records"), variant)
+    table = ab_table(newest.to_dict("records"), variant)
+    table.attrs["source"] = source_label(newest, live=False)   # printed by results.table_text
+    return table
 
 
 def main(argv=None):

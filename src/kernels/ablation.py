@@ -192,7 +192,7 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     the build defines (and a fixed split count) say what the variant changed."""
     import pandas as pd
 
-    from ..results import load_records, on_gpu
+    from ..results import load_records, on_gpu, source_label
     from .bench_report import short_ctx_of
 
     df = load_records("kernel_ablation") if df is None else df
@@ -237,7 +237,9 @@ def recorded_table(df=None, version: str | None = None, ctx: int = 65536, varian
     what = newest.drop_duplicates("variant").set_index("variant").apply(changes, axis=1)
     t.insert(0, "changes", what.reindex(rows))
     t.columns.name = None
-    return pd.DataFrame(t).reset_index()
+    t = pd.DataFrame(t).reset_index()
+    t.attrs["source"] = source_label(newest, live=False)   # printed by results.table_text
+    return t
 
 
 def recorded_tables_by_run(versions, df=None, gpu: str = "H200", **kw) -> list[tuple[str, object]]:

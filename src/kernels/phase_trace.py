@@ -87,7 +87,7 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536, g
     """The recorded phase traces of one shape on a GPU whose name contains `gpu` (cycles at its
     clock: another GPU's traces are not comparable), from data/results/kernel_phase_trace.jsonl:
     the newest of each build and row pair, the shipped build first; cycles of each phase and the round."""
-    from ..results import load_records, on_gpu
+    from ..results import load_records, on_gpu, source_label
 
     df = load_records("kernel_phase_trace") if df is None else df
     if len(df) == 0:
@@ -101,8 +101,10 @@ def recorded_table(df=None, heads: int = 8, q_len: int = 16, ctx: int = 65536, g
             "untraced_us"]
     builds = list(df.drop_duplicates("build")["build"])   # the shipped build first, the others as recorded
     order = {b: (b != "(shipped build)", i) for i, b in enumerate(builds)}
-    return (df.assign(_o=df["build"].map(order)).sort_values(["_o", "row pair"]).reindex(columns=cols)
-            .rename(columns={"untraced_us": "us untraced"}).reset_index(drop=True))
+    t = (df.assign(_o=df["build"].map(order)).sort_values(["_o", "row pair"]).reindex(columns=cols)
+         .rename(columns={"untraced_us": "us untraced"}).reset_index(drop=True))
+    t.attrs["source"] = source_label(df, live=False)   # printed by results.table_text
+    return t
 
 
 def main(argv=None) -> None:
