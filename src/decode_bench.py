@@ -1041,6 +1041,8 @@ def _run_matrix_cli(p: argparse.ArgumentParser, a: argparse.Namespace, command: 
                           eagle3_head=a.eagle3_head, dflash_host_plan=a.dflash_host_plan)
     except MatrixArgumentError as e:   # refused by the validation step, before any launch: a usage error
         p.error(str(e))
+    except ServerError as e:   # no GPU for tp -1, or a server that failed (its log tail is in the message)
+        sys.exit(f"{p.prog}: {e}")
 
 
 def describe_plan(plans: Sequence[ServerPlan], decode_tokens: int, contexts: Sequence[int] = ()) -> str:

@@ -35,6 +35,7 @@ on a GPU server the free list lives on the device), and an `alloc` that triggere
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -630,6 +631,14 @@ def main(argv=None) -> int:
                              probe_output_len=args.probe_output_len, seed=args.seed)
     except ValueError as e:
         ap.error(str(e))
+    for flag, value, most in (("--batch", args.batch, None), ("--heads", args.heads, 128), ("--q-len", args.q_len, 16)):
+        if value < 1 or (most is not None and value > most):
+            ap.error(f"{flag}: must be 1..{most or 'any'}, got {value}")
+    from .kernels import kernel_available
+
+    ok, why = kernel_available()   # before the churn simulation's seconds, not after them
+    if not ok:
+        sys.exit(f"kv_fragmentation times the sm120 kernel, which cannot run here: {why}")
     times = kernel_layout_timing(probe_layouts(config), batch=args.batch, heads=args.heads,
                                  q_len=args.q_len, reps=args.reps)
     print(times.round(1).to_string(index=False))

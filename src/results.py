@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable
@@ -64,18 +65,41 @@ def append_records(name: str, records: Iterable[dict], command: str | None = Non
 
 def append_cli_records(name: str, records: Iterable[dict], module: str, argv=None, out: str | None = None) -> Path:
     """`append_records` for a `python -m module` tool: the records' command is the tool's own
-    command line, and `out` (its --out, if given) replaces data/results/<name>.jsonl."""
+    command line, and `out` (its --out, if given) replaces data/results/<name>.jsonl. A run with
+    nothing to record (every timing failed) exits 1 rather than say it appended."""
+    records = list(records)
+    if not records:
+        raise SystemExit(f"{module}: nothing to record (no measurement succeeded; see above); "
+                         f"{out or name + '.jsonl'} left as it was")
     return append_records(name, records, command=cli_command(module, argv), path=Path(out) if out else None)
 
 
-def add_record_args(ap, name: str, no_record: bool = True) -> None:
+def record_file(text: str) -> str:
+    """--out's argparse type: a jsonl this run can append to, checked when the flags are read,
+    since a bad path found after a GPU run loses its measurements."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name a .jsonl file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with path.open("a"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot append to {text} ({e.strerror or e})") from None
+    return text
+
+
+def add_record_args(ap, name: str) -> None:
     """The flags of a tool whose records go to data/results/<name>.jsonl: --out (another jsonl),
-    --tag (the kernel version label each record carries) and, unless no_record is False,
-    --no-record."""
-    ap.add_argument("--out", default=None, help=f"jsonl to append to (default data/results/{name}.jsonl)")
+    --tag (the kernel version label each record carries) and --no-record."""
+    ap.add_argument("--out", default=None, type=record_file,
+                    help=f"jsonl to append to (default data/results/{name}.jsonl)")
     ap.add_argument("--tag", default=None, help="kernel version label stored in each record (see NOTES.md)")
-    if no_record:
-        ap.add_argument("--no-record", action="store_true", help="print the results; append nothing")
+    ap.add_argument("--no-record", action="store_true", help="print the results; append nothing")
 
 
 def archive_path(name: str) -> Path:

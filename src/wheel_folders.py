@@ -23,6 +23,7 @@ the same way.)
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import subprocess
 import sys
@@ -208,14 +209,21 @@ def main(argv=None) -> int:
                     help="only say whether each folder still fits a call beside the tree and .whlp (exit 1 if not)")
     a = ap.parse_args(argv)
     root = a.root.resolve()
+    if a.check or a.limit_mib is None:   # both size the shipped tree: what `git ls-files` names there
+        try:
+            subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            ap.error(f"--root: {root} is not a git checkout of the project (run from its root, or name it)")
     if a.check:
         over = folders_over_a_call(root)
+        if not numbered_folders(root):
+            print(f"no .whl1, .whl2 ... folders under {root} (make wheelhouse makes them)")
         for name, extra in over:
             print(f"{name} no longer fits a device call beside the shipped tree and .whlp "
                   f"({extra / 2**20:.2f} MiB over 64 MiB): run `python -m sm120_workbook.wheel_folders` to repack")
         return 1 if over else 0
     if a.limit_mib is not None:
-        if a.limit_mib <= 0:
+        if not (math.isfinite(a.limit_mib) and a.limit_mib > 0):
             ap.error(f"--limit-mib: must be positive, got {a.limit_mib}")
         limit, where = int(a.limit_mib * 2**20), "given"
     else:

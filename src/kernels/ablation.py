@@ -309,7 +309,7 @@ def run(shapes=SHAPES, variants=VARIANTS, reps: int = 30) -> list[dict]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_record_args(ap, "kernel_ablation", no_record=False)
+    add_record_args(ap, "kernel_ablation")
     ap.add_argument("--reps", type=replays, default=30)
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                     help="run only these (default: all)")
@@ -332,6 +332,8 @@ def main(argv=None):
     records = [dict(r, kernel_version=args.tag)
                for r in run(shapes=shapes_at(args.ctx, args.batch, args.short_ctx), variants=variants,
                             reps=args.reps)]
+    if args.no_record:
+        return
     from ..results import append_cli_records
 
     path = append_cli_records("kernel_ablation", records, "sm120_workbook.kernels.ablation", argv, args.out)

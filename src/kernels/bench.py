@@ -173,13 +173,30 @@ class Shape:
         return f"b{self.batch} h{self.heads} q{self.q_len} {ctx_label(self.ctx)}{skew}"
 
 
+def int_in(least: int, most: int | None = None):
+    """An argparse type: an int from `least` to `most` (None: no bound), refused when the flags
+    are read, before any GPU check or build."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"an integer, got {text!r}") from None
+        if n < least or (most is not None and n > most):
+            raise argparse.ArgumentTypeError(f"must be {least}..{most}, got {n}" if most is not None
+                                             else f"must be at least {least}, got {n}")
+        return n
+    return parse
+
+
 def add_shape_args(ap) -> None:
     """--batch, --heads, --q-len and --ctx for a one-shape tool (profile, phase_trace); the
-    default is the workbook's headline shape, b1 h8 q16 at 64k."""
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--q-len", type=int, default=16)
-    ap.add_argument("--ctx", type=int, default=65536)
+    default is the workbook's headline shape, b1 h8 q16 at 64k. The bounds are the kernel's."""
+    ap.add_argument("--batch", type=int_in(1), default=1)
+    ap.add_argument("--heads", type=int_in(1, 128), default=8)
+    ap.add_argument("--q-len", type=int_in(1, 16), default=16)
+    ap.add_argument("--ctx", type=int_in(1), default=65536)
 
 
 def shape_from_args(a) -> Shape:
@@ -703,13 +720,13 @@ def main(argv=None):
     add_l2_flush_arg(ap)
     add_record_args(ap, "kernel_bench")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("kernel bench needs a CUDA GPU; none is visible to torch")
-    use_l2_flush(args.l2_flush)
     impls = set(args.impls.split(","))
     unknown = impls - set(BUILDERS)
     if unknown:
-        sys.exit(f"--impls: unknown {sorted(unknown)}; choose from {list(BUILDERS)}")
+        ap.error(f"--impls: unknown {sorted(unknown)}; choose from {list(BUILDERS)}")
+    if not torch.cuda.is_available():
+        sys.exit("kernel bench needs a CUDA GPU; none is visible to torch")
+    use_l2_flush(args.l2_flush)
     records, ceil = run([g for g in default_grid(args.quick) if g[0] in impls], reps=args.reps)
     print(f"copy {ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s, "
           f"mma.sync {ceil['mma_sync_tflops']:.0f} TFLOP/s ({ceil['mma_sync_tflops_8warps']:.0f} with 8 warps/SM)")

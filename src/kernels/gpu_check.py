@@ -136,15 +136,15 @@ def main(argv=None) -> int:
                     help="run only these jobs (tests sanitizer backend bench ablation phase_trace cta_timeline "
                          "targets, profile with --ncu); default: all")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check needs a CUDA GPU; none is visible to torch")
     ncu = ncu_path() if a.ncu else None
     if a.ncu and not ncu:
         sys.exit("--ncu: Nsight Compute (ncu) is not on PATH nor in /usr/local/cuda*/bin")
-    try:   # before anything is built: a misspelt name should cost no device time
+    try:   # before anything else: a misspelt name is refused on any machine, at no device time
         job_list = select(jobs(a.out, a.tag, ncu), a.jobs)
     except ValueError as e:
         ap.error(str(e))
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check needs a CUDA GPU; none is visible to torch")
     a.out.mkdir(parents=True, exist_ok=True)
     logs = a.out / "logs"   # one per job while they run; merged into gpu_check.log at the end
     logs.mkdir(exist_ok=True)

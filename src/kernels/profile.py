@@ -16,13 +16,15 @@ import argparse
 import torch
 
 from .bench import Inputs, add_shape_args, build_sm120_mla, shape_from_args
+from .verify_attention import CTA_ROWS, TILE_KEYS
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(ap)
-    ap.add_argument("--tile-keys", type=int, default=None)
-    ap.add_argument("--cta-rows", type=int, choices=(32, 64), default=None,
+    ap.add_argument("--tile-keys", type=int, choices=TILE_KEYS, default=None,
+                    help="fix the tile (32 keys: the 32-row kernel only); default: the workspace's")
+    ap.add_argument("--cta-rows", type=int, choices=CTA_ROWS, default=None,
                     help="fix the kernel: 32 (split) or 64 (wide); default: the workspace's choice for the shape")
     ap.add_argument("--define", action="append", default=[], help="a build define, e.g. PREFETCH_AHEAD=8")
     a = ap.parse_args(argv)

@@ -199,9 +199,18 @@ def main(argv=None) -> int:
     ap.add_argument("--builds", nargs="+", choices=sorted(BUILDS), default=sorted(BUILDS))
     add_record_args(ap, "kernel_sanitizer")
     args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("the sanitizer runs need a CUDA GPU; none is visible to torch")
+    if shutil.which("compute-sanitizer") is None:   # found before the builds, not after them
+        sys.exit("compute-sanitizer is not on PATH (it ships with the CUDA toolkit, in its bin/)")
     records = []
     for name in args.builds:
-        build(BUILDS[name])
+        try:
+            build(BUILDS[name])
+        except subprocess.CalledProcessError as e:   # the build child printed its error above
+            sys.exit(f"the {name} build failed (exit {e.returncode}); see its output above")
         for tool in args.tools:
             r = {"build": name, **run_tool(tool, BUILDS[name]), "kernel_version": args.tag}
             records.append(r)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,10 @@ def main(argv=None) -> int:
         baseline = source_dir_of(args.baseline, "--baseline")
     except ValueError as e:
         ap.error(str(e))
-    rows = compare(Path(baseline), KERNEL_DIR, args.archs, tuple(args.define))
+    try:
+        rows = compare(Path(baseline), KERNEL_DIR, args.archs, tuple(args.define))
+    except RuntimeError as e:   # nvcc refused an arch or a build: its message, not a traceback
+        sys.exit(f"sass_compare: {e}")
     print(pd.DataFrame(rows).fillna("").to_string(index=False))
     changed = [r for r in rows if r["verdict"] not in ("identical", "loops identical")]
     print(f"{len(rows) - len(changed)} of {len(rows)} kernels keep the baseline's loops" +

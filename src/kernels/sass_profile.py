@@ -106,10 +106,15 @@ def hottest(df: pd.DataFrame, n: int = 15) -> pd.DataFrame:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
-    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--top", type=int, default=15, help="the hottest instructions to list (at least 1)")
     ap.add_argument("--kernel", default="split_kernel", help="which profiled kernel (a part of its name)")
     a = ap.parse_args(argv)
-    df = load(a.csv, a.kernel)
+    if a.top < 1:
+        ap.error(f"--top: at least 1, got {a.top}")
+    try:
+        df = load(a.csv, a.kernel)
+    except (OSError, ValueError) as e:   # no such file, a folder, an empty CSV, no such kernel in it
+        ap.error(f"{a.csv}: {e}")
     print(f"{len(df)} SASS instructions, {df['samples'].sum()} stall samples, "
           f"{df['executed'].sum():,} warp instructions executed")
     print("\nstall reasons, % of samples:\n" + stall_shares(df).head(10).to_string())
