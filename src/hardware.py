@@ -245,10 +245,14 @@ def ceilings_frame(records=None):
     return pd.DataFrame(rows)
 
 
-def ceilings_chart(frame):
+def ceilings_chart(frame, source: str = ""):
     """Altair bars: memory and bf16 ceilings per GPU, each bar labelled by its source (the
-    roofline's inputs by where they come from; the measured ones as recorded)."""
+    roofline's inputs by where they come from; the measured ones as recorded). `source`
+    (results.source_label of the ceilings records) names their GPUs, commits and dates in the
+    subtitle, so that the saved chart says it too."""
     import altair as alt
+
+    from .charts import chart_title
 
     return (
         alt.Chart(frame)
@@ -259,4 +263,5 @@ def ceilings_chart(frame):
         .properties(width=300, height=120)
         .facet(column=alt.Column("metric:N", title=None))
         .resolve_scale(x="independent")
+        .properties(title=chart_title("Memory and bf16 ceilings: roofline inputs and recorded measurements", source))
     )

@@ -183,6 +183,8 @@ def roofline_chart(df, heads: int | None = None):
     """
     import altair as alt
 
+    from .charts import chart_title
+
     if heads is not None:
         df = df[df["heads"] == heads]
     if df["heads"].nunique() != 1:
@@ -202,8 +204,22 @@ def roofline_chart(df, heads: int | None = None):
         )
         .properties(width=260, height=220)
         .facet(column=alt.Column("gpu:N", title=None))
-        .properties(title=f"MLA verify step floor: {h} heads, batch {int(df['batch'].iloc[0])}")
+        .properties(title=chart_title(f"MLA verify step floor: {h} heads, batch {int(df['batch'].iloc[0])}",
+                                      ceilings_source(data["gpu"].unique())))
     )
+
+
+def ceilings_source(gpus: Iterable[str]) -> str:
+    """Where each GPU's roofline ceilings come from (TARGET_GPUS' sources, without their
+    parentheses): a subtitle, so that a saved chart says which are recorded medians and which a spec."""
+    parts = []
+    for g in gpus:
+        t = TARGET_GPUS[g]
+        mem, flops = (t[k].split("(")[0].split(": ", 1)[-1].strip() for k in ("mem_source", "tflops_source"))
+        values = f"{t['mem_gbps']:,.0f} GB/s"
+        parts.append(f"{g}: {values} and {t['bf16_tflops']:,.0f} TFLOP/s, {mem}" if mem == flops else
+                     f"{g}: {values} ({mem}), {t['bf16_tflops']:,.0f} TFLOP/s ({flops})")
+    return "; ".join(parts)
 
 
 def intensity_chart(df):

@@ -107,6 +107,12 @@ def test_recorded_ceilings_one_median_per_gpu():
     assert inputs[("RTX PRO 6000 Blackwell", "bf16 TFLOP/s")] == "roofline input: measured by others"
     assert set(inputs[["H200"]]) == {"roofline input: recorded median"}
     assert len(recorded_ceilings(None)) == 0 and len(ceilings_frame(None)) == 2 * 2
+    # the saved chart names where its measured bars come from
+    from sm120_workbook.hardware import ceilings_chart
+    from sm120_workbook.results import source_label
+
+    title = ceilings_chart(f, source_label(rec.assign(commit="abc1234def"), live=False)).to_dict()["title"]
+    assert title["subtitle"] == "recorded: NVIDIA A100-SXM4-80GB, NVIDIA H200; commit abc1234; 2026-11-29..2026-11-30"
 
 
 def test_describe_provenance_counts_many_commits():

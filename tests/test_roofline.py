@@ -127,6 +127,9 @@ def test_charts_build_and_save(tmp_path):
     chart = roofline_chart(df)
     spec = chart.to_dict()
     assert spec["facet"]["column"]["field"] == "gpu"
+    # the saved chart says which ceilings are recorded medians and which a spec
+    assert "H200: 4,180 GB/s and 780 TFLOP/s, median of the first 36 runs" in spec["title"]["subtitle"]
+    assert "RTX PRO 6000 Blackwell: 1,792 GB/s (spec)" in spec["title"]["subtitle"]
     with pytest.raises(ValueError, match="heads"):
         roofline_chart(roofline_frame([1, 2], [1], [1024]))
     paths = save_chart(intensity_chart(roofline_frame([1, 16, 128], [1, 16], [4096])), "intensity", tmp_path)
