@@ -606,15 +606,15 @@ def main(argv=None) -> int:
     """
     import argparse
 
-    from .kernels.bench import replays
+    from .kernels.bench import int_in, replays
     from .results import add_record_args, append_records, cli_command
 
     defaults = ChurnConfig()
     ap = argparse.ArgumentParser(description="KV layout cost on the sm120 kernel (GPU)", epilog=main.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--q-len", type=int, default=4)
+    ap.add_argument("--batch", type=int_in(1), default=8)
+    ap.add_argument("--heads", type=int_in(1, 128), default=16)
+    ap.add_argument("--q-len", type=int_in(1, 16), default=4)
     ap.add_argument("--reps", type=replays, default=50)
     ap.add_argument("--tokens-per-step", type=int, default=4, help="churn scenario of the probe")
     ap.add_argument("--capacity-tokens", type=int, default=defaults.capacity_tokens)
@@ -631,9 +631,6 @@ def main(argv=None) -> int:
                              probe_output_len=args.probe_output_len, seed=args.seed)
     except ValueError as e:
         ap.error(str(e))
-    for flag, value, most in (("--batch", args.batch, None), ("--heads", args.heads, 128), ("--q-len", args.q_len, 16)):
-        if value < 1 or (most is not None and value > most):
-            ap.error(f"{flag}: must be 1..{most or 'any'}, got {value}")
     from .kernels import kernel_available
 
     ok, why = kernel_available()   # before the churn simulation's seconds, not after them

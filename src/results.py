@@ -75,18 +75,23 @@ def append_cli_records(name: str, records: Iterable[dict], module: str, argv=Non
 
 
 def record_file(text: str) -> str:
-    """--out's argparse type: a jsonl this run can append to, checked when the flags are read,
-    since a bad path found after a GPU run loses its measurements."""
+    """--out's argparse type: a jsonl this run can append to, checked when the flags are read
+    (found after a GPU run, a bad path would lose its measurements). Nothing is created: the
+    file, or else its nearest existing folder, is probed, and append_records makes the rest."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; name a .jsonl file")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             with path.open("a"):
                 pass
         else:
-            with tempfile.TemporaryFile(dir=path.parent):
+            folder = path.parent
+            while not folder.exists():
+                folder = folder.parent
+            if not folder.is_dir():
+                raise argparse.ArgumentTypeError(f"cannot append to {text}: {folder} is not a folder")
+            with tempfile.TemporaryFile(dir=folder):
                 pass
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot append to {text} ({e.strerror or e})") from None

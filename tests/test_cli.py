@@ -19,12 +19,13 @@ def _usage_error(main, argv, capsys) -> str:
 @pytest.mark.parametrize("module,argv,message", [
     ("profile", ["--heads", "0"], "argument --heads: must be 1..128, got 0"),
     ("profile", ["--tile-keys", "7"], "argument --tile-keys: invalid choice: 7"),
+    ("profile", ["--cta-rows", "64", "--tile-keys", "32"], "--tile-keys: the 64-row kernel has 16-key tiles only"),
     ("cta_timeline", ["--ctx", "-1"], "argument --ctx: must be at least 1, got -1"),
     ("phase_trace", ["--q-len", "99"], "argument --q-len: must be 1..16, got 99"),
     ("phase_trace", ["--batch", "two"], "argument --batch: an integer, got 'two'"),
     ("bench", ["--impls", "sm120_mla,flashmal"], "--impls: unknown ['flashmal']"),
-    ("gpu_check", ["--out", "x", "--jobs", "testz"], "testz"),
-], ids=["heads", "tile", "ctx", "q_len", "batch", "impls", "jobs"])
+    ("gpu_check", ["--out", "x", "--jobs", "testz"], "--jobs: no job named testz"),
+], ids=["heads", "tile", "tile_for_rows", "ctx", "q_len", "batch", "impls", "jobs"])
 def test_a_bad_flag_is_refused_before_any_gpu_check(module, argv, message, capsys):
     import importlib
 
@@ -39,11 +40,12 @@ def test_an_out_path_that_cannot_take_records_is_refused_when_the_flags_are_read
     assert f"argument --out: {tmp_path} is a folder" in _usage_error(bench.main, ["--out", str(tmp_path)], capsys)
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert "cannot append to" in _usage_error(bench.main, ["--out", str(blocked / "x.jsonl")], capsys)
+    assert f"{blocked} is not a folder" in _usage_error(bench.main, ["--out", str(blocked / "x.jsonl")], capsys)
     from sm120_workbook.results import record_file
 
-    new = tmp_path / "new" / "runs.jsonl"
-    assert record_file(str(new)) == str(new) and not new.exists()   # checked, nothing left behind
+    new = tmp_path / "new" / "deeper" / "runs.jsonl"
+    assert record_file(str(new)) == str(new)
+    assert not (tmp_path / "new").exists()   # checked, nothing made: a typo leaves no folders behind
 
 
 def test_a_run_that_measured_nothing_exits_rather_than_say_it_appended(tmp_path):
@@ -55,11 +57,21 @@ def test_a_run_that_measured_nothing_exits_rather_than_say_it_appended(tmp_path)
     assert not out.exists()
 
 
-def test_the_ablation_takes_no_record_as_every_timing_tool_does(capsys):
+def test_the_ablation_takes_no_record_as_every_timing_tool_does(monkeypatch, capsys):
+    from sm120_workbook import results
     from sm120_workbook.kernels import ablation
 
     # --no-record is taken; the next flag's error is the one said
     assert "--ctx: contexts must be positive" in _usage_error(ablation.main, ["--no-record", "--ctx", "0"], capsys)
+    monkeypatch.setattr(ablation.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ablation, "build_all", lambda variants: None)
+    monkeypatch.setattr(ablation, "run", lambda **kw: [{"variant": "full", "time_us": 80.0}])
+
+    def no_append(*a, **kw):
+        raise AssertionError("--no-record appended")
+
+    monkeypatch.setattr(results, "append_cli_records", no_append)
+    ablation.main(["--no-record", "--variants", "full"])
 
 
 @needs_no_gpu

@@ -142,6 +142,7 @@ def test_recorded_ab_table_takes_the_newest_run_of_a_pair():
                       + [{"variant": "full", "time_us": 1.0}])
     t = ab.recorded_ab_table("v27", "v25", df)
     assert t["ratio"].tolist() == [0.99] and t["rounds"].tolist() == [1]
+    assert t.attrs["source"] == "recorded: NVIDIA H200; 2026-12-01"   # that run's, for the notebook's line
     assert ab.recorded_ab_table("v27", "v25", df, gpu="RTX PRO 6000")["ratio"].tolist() == [0.02]
     with pytest.raises(NotRecorded, match=r"^version, baseline: no A/B run of 'v26' against 'v25' on H200; "
                                           r"recorded on any GPU: "

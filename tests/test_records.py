@@ -2,7 +2,7 @@
 commit in this repository's history, a readable past date with its offset, and a command that
 names code that exists. The notebooks plot these records on machines without a GPU, so a record
 that lost its commit or date would show a number nobody can trace; nbval would not notice, since
-`describe_provenance` leaves missing values out. data/results/probes/README.md lists the gaps
+`describe_provenance` leaves missing values out. README.md ("data/results/") lists the gaps
 allowed below and why."""
 import datetime as dt
 import json

@@ -536,7 +536,11 @@ def nsplit_explorer(heads: int = 8, ctx: int = 65536, reps: int = 50):
         timed[0] = setting
         with out:
             out.clear_output()
-            print(nsplit_retime(x, *setting, auto_us=auto_us, reps=reps))
+            try:
+                print(nsplit_retime(x, *setting, auto_us=auto_us, reps=reps))
+            except Exception:
+                timed[0] = None   # picked again, it is timed again
+                raise
 
     # first, so that a 64-row pick resets the tile before the setting is timed
     cta_rows.observe(lambda change: setattr(tile_keys, "options", tiles_for(change["new"])), "value")

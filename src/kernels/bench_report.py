@@ -434,7 +434,7 @@ def _mma_share_note(df: pd.DataFrame, allowed_us: float, baseline: tuple[str, fl
 
 def targets_table(df: pd.DataFrame) -> pd.DataFrame:
     """The kernel issue's targets, each with the measured value and whether it is met (and,
-    for the batch-32 target, what it asks of the mma.sync ceiling). `ratio_is` says which way
+    for the batch-32 and 1.3x-roofline targets, what they ask of the mma.sync ceiling). `ratio_is` says which way
     each ratio reads: a baseline over ours (higher is better) or ours over a bound (lower is)."""
     if df.empty:
         return pd.DataFrame(columns=["target", "measured", "ratio", "ratio_is", "met", "note"])
@@ -575,7 +575,7 @@ def targets_over_rounds(df: pd.DataFrame, with_counts: bool = False) -> pd.DataF
         df = df.assign(run_id="")
     per_round = pd.concat([targets_table(g).assign(run_id=run, round=f"{run}/{r}")
                            for (run, r), g in df.groupby(["run_id", "round"])], ignore_index=True)
-    # newest run first, so that a target's note (what b32 asks of the ceiling) is the newest run's
+    # newest run first, so that a target's note (what it asks of the ceiling) is the newest run's
     per_round = per_round.sort_values("run_id", ascending=False, kind="stable")
     measured = per_round[per_round["met"].notna()].astype({"met": bool})
     out = (measured.groupby("target", sort=False)

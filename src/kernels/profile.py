@@ -28,6 +28,8 @@ def main(argv=None) -> None:
                     help="fix the kernel: 32 (split) or 64 (wide); default: the workspace's choice for the shape")
     ap.add_argument("--define", action="append", default=[], help="a build define, e.g. PREFETCH_AHEAD=8")
     a = ap.parse_args(argv)
+    if a.cta_rows == 64 and a.tile_keys == 32:
+        ap.error("--tile-keys: the 64-row kernel has 16-key tiles only")
     if not torch.cuda.is_available():
         raise SystemExit("profiling needs a CUDA GPU; none is visible to torch")
     x = Inputs(shape_from_args(a))

@@ -205,12 +205,13 @@ def main(argv=None) -> int:
         sys.exit("the sanitizer runs need a CUDA GPU; none is visible to torch")
     if shutil.which("compute-sanitizer") is None:   # found before the builds, not after them
         sys.exit("compute-sanitizer is not on PATH (it ships with the CUDA toolkit, in its bin/)")
-    records = []
-    for name in args.builds:
+    for name in args.builds:   # all before any tool: a failed build then costs no sanitizer run
         try:
             build(BUILDS[name])
         except subprocess.CalledProcessError as e:   # the build child printed its error above
             sys.exit(f"the {name} build failed (exit {e.returncode}); see its output above")
+    records = []
+    for name in args.builds:
         for tool in args.tools:
             r = {"build": name, **run_tool(tool, BUILDS[name]), "kernel_version": args.tag}
             records.append(r)
