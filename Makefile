@@ -6,7 +6,9 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-VENV   := .venv
+# USE_ENV=<prefix>: an environment made elsewhere (`conda env create -f environment.yml`, then
+# `make run USE_ENV=$$CONDA_PREFIX`), used as it is: checked on every use, never made or installed into.
+VENV   := $(or $(USE_ENV),.venv)
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # One source of truth for the SGLang pin: the `gpu` extra in pyproject.toml.
@@ -58,6 +60,12 @@ setup: $(STAMP)
 venv-kind:
 	@case "$(VENV_KIND)" in ""|"$(TORCH)") ;; gpu|cpu) echo "error: $(VENV) was made for TORCH=$(VENV_KIND), not $(TORCH); rm -rf $(VENV) to switch"; exit 1;; esac
 
+ifdef USE_ENV
+$(STAMP):
+	@$(PY) -c "import torch, sglang, papermill, nbval, sm120_workbook" 2>/dev/null || { echo "error: \
+	$(PY) cannot import torch, sglang, papermill, nbval and sm120_workbook: set it up as environment.yml's \
+	header says (the --no-deps SGLang step and the ipykernel one included)"; exit 1; }
+else
 $(STAMP): pyproject.toml | venv-kind
 	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (the torch wheel on disk is for 3.11)"; exit 1; }
 	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), sys.version" 2>/dev/null \
@@ -84,6 +92,7 @@ $(STAMP): pyproject.toml | venv-kind
 	  'SGLang 0.5.17 pins a CUDA 13 torch, which needs NVIDIA driver 580 or newer; this one: $(or $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1),unknown). ' \
 	  'Update the driver, or rm -rf $(VENV) and make setup TORCH=cpu to work from the records')"; fi
 	@echo $(TORCH) > $@
+endif
 
 run: $(STAMP)
 	@mkdir -p $(RUN_DIR)

@@ -75,3 +75,19 @@ def test_a_venv_keeps_the_kind_it_was_made_with(tmp_path):
     ok = subprocess.run(["make", f"VENV={venv}", "TORCH=cpu", "setup"], cwd=ROOT, env=_env(),
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr   # its own kind: nothing to do
+
+
+def test_an_environment_made_elsewhere_is_used_as_it_is(tmp_path):
+    """`make run USE_ENV=$CONDA_PREFIX` (environment.yml's route): the environment is checked, never
+    made or installed into; one that lacks the workbook is refused, naming what to do."""
+    import sys
+
+    before = sorted(p.name for p in Path(sys.prefix).iterdir())
+    here = subprocess.run(["make", f"USE_ENV={sys.prefix}", "setup"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True)   # this test's own environment has everything
+    assert here.returncode == 0, here.stdout + here.stderr
+    assert "pip install" not in here.stdout and sorted(p.name for p in Path(sys.prefix).iterdir()) == before
+    empty = tmp_path / "env"
+    out = subprocess.run(["make", f"USE_ENV={empty}", "run"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert out.returncode != 0 and f"error: {empty}/bin/python cannot import torch" in out.stdout
+    assert "environment.yml" in out.stdout and not empty.exists()
