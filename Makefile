@@ -108,8 +108,15 @@ test: $(STAMP)
 	SM120_REQUIRE_SGLANG=1 $(VENV)/bin/python -m pytest tests
 	SM120_REQUIRE_SGLANG=1 $(VENV)/bin/python -m pytest --nbval-lax -p no:cacheprovider notebooks
 
-lab: $(STAMP)
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+lab: $(STAMP) $(if $(USE_ENV),,$(LAB_OVERRIDES))
 	$(VENV)/bin/jupyter lab notebooks
+
+# JupyterLab then saves widget state in the notebook (the widget manager's default is not to), so a
+# notebook re-run and saved in `make lab` reopens with its widgets, as papermill's runs do.
+$(LAB_OVERRIDES): | $(STAMP)
+	mkdir -p $(@D)
+	echo '{"@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": true}}' > $@
 
 kernel-resources: $(STAMP)
 	$(PY) -m sm120_workbook.kernels.resources --write

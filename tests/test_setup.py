@@ -91,3 +91,15 @@ def test_an_environment_made_elsewhere_is_used_as_it_is(tmp_path):
     out = subprocess.run(["make", f"USE_ENV={empty}", "run"], cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert out.returncode != 0 and f"error: {empty}/bin/python cannot import torch" in out.stdout
     assert "environment.yml" in out.stdout and not empty.exists()
+
+
+def test_lab_saves_widget_state_with_the_notebook(tmp_path):
+    """`make lab` sets JupyterLab's widget manager to save widget state (its default is not to), so
+    a notebook re-run and saved there reopens with its widgets."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").write_text("cpu\n")   # newer than pyproject.toml: set up already
+    out = subprocess.run(["make", "-n", f"VENV={venv}", "lab"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert f"> {venv}/share/jupyter/lab/settings/overrides.json" in out.stdout
+    assert '{"@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": true}}' in out.stdout
+    assert f"{venv}/bin/jupyter lab notebooks" in out.stdout
