@@ -7,7 +7,13 @@ SHELL := /bin/bash
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 # USE_ENV=<prefix>: an environment made elsewhere (`conda env create -f environment.yml`, then
-# `make run USE_ENV=$$CONDA_PREFIX`), used as it is: checked on every use, never made or installed into.
+# `make run USE_ENV=$CONDA_PREFIX`), used as it is: checked on every use, never made, installed
+# into or cleaned. Given empty (no env activated), it is refused rather than read as make's .venv.
+ifneq ($(origin USE_ENV),undefined)
+ifeq ($(strip $(USE_ENV)),)
+$(error USE_ENV is empty: activate the environment first (conda activate sm120-workbook), or leave USE_ENV out for make's own .venv)
+endif
+endif
 VENV   := $(or $(USE_ENV),.venv)
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -61,10 +67,12 @@ venv-kind:
 	@case "$(VENV_KIND)" in ""|"$(TORCH)") ;; gpu|cpu) echo "error: $(VENV) was made for TORCH=$(VENV_KIND), not $(TORCH); rm -rf $(VENV) to switch"; exit 1;; esac
 
 ifdef USE_ENV
+.PHONY: $(STAMP)
 $(STAMP):
-	@$(PY) -c "import torch, sglang, papermill, nbval, sm120_workbook" 2>/dev/null || { echo "error: \
-	$(PY) cannot import torch, sglang, papermill, nbval and sm120_workbook: set it up as environment.yml's \
-	header says (the --no-deps SGLang step and the ipykernel one included)"; exit 1; }
+	@$(PY) -c "import sys, pathlib, torch, sglang, papermill, nbval, sm120_workbook as w; \
+	there, here = pathlib.Path(w.__file__).resolve().parent, pathlib.Path('src').resolve(); \
+	there == here or sys.exit(f'sm120_workbook is imported from {there}, not this checkout: pip install -e . here')" \
+	  || { echo "error: $(PY) cannot run this workbook (above); set it up as environment.yml's header says"; exit 1; }
 else
 $(STAMP): pyproject.toml | venv-kind
 	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (the torch wheel on disk is for 3.11)"; exit 1; }
@@ -152,7 +160,7 @@ device-wheel: $(STAMP)
 	rm -rf .whlp && mkdir -p .whlp
 	commit=$$(git rev-parse HEAD) && tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  git archive "$$commit" | tar -x -C "$$tmp" && \
-	  (cd "$$tmp" && "$(CURDIR)/$(PY)" -m pip wheel -q --no-deps --no-build-isolation -w "$(CURDIR)/.whlp" .) && \
+	  (cd "$$tmp" && "$(abspath $(PY))" -m pip wheel -q --no-deps --no-build-isolation -w "$(CURDIR)/.whlp" .) && \
 	  (cd "$$tmp" && $(PYTHON) -c "import sys; sys.path.insert(0, 'src'); import wheel_folders as w; sys.stdout.write(w.INSTALL_SH)") > .whlp/install.sh && \
 	  echo "$$commit" > .whlp/COMMIT
 	@echo "made .whlp ($$(ls .whlp/*.whl | xargs -n1 basename), commit $$(cut -c1-7 .whlp/COMMIT))"
@@ -167,4 +175,4 @@ gpu-check:
 	$(GPU_PY) -m sm120_workbook.kernels.gpu_check --out $(OUT) $(if $(TAG),--tag $(TAG)) $(if $(NCU),--ncu) $(if $(JOBS),--jobs $(JOBS))
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(if $(USE_ENV),,$(VENV)) build *.egg-info runs

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 def _env(**extra) -> dict:
-    """This environment without a choice of TORCH, which a parent make also passes in MAKEFLAGS."""
-    return {**{k: v for k, v in os.environ.items() if k not in ("TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")},
+    """This environment without a choice of TORCH or USE_ENV, which a parent make also passes in MAKEFLAGS."""
+    return {**{k: v for k, v in os.environ.items()
+               if k not in ("TORCH", "USE_ENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")},
             **extra}
 
 
@@ -78,19 +79,27 @@ def test_a_venv_keeps_the_kind_it_was_made_with(tmp_path):
 
 
 def test_an_environment_made_elsewhere_is_used_as_it_is(tmp_path):
-    """`make run USE_ENV=$CONDA_PREFIX` (environment.yml's route): the environment is checked, never
-    made or installed into; one that lacks the workbook is refused, naming what to do."""
+    """`make run USE_ENV=$CONDA_PREFIX` (environment.yml's route): the environment is checked on every
+    use, never made, installed into or cleaned; one that lacks the workbook, or an empty USE_ENV
+    (no environment activated), is refused."""
     import sys
 
-    before = sorted(p.name for p in Path(sys.prefix).iterdir())
-    here = subprocess.run(["make", f"USE_ENV={sys.prefix}", "setup"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True)   # this test's own environment has everything
-    assert here.returncode == 0, here.stdout + here.stderr
-    assert "pip install" not in here.stdout and sorted(p.name for p in Path(sys.prefix).iterdir()) == before
+    env = tmp_path / "conda"   # a prefix whose python is this test's own, which has everything
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (env / "bin" / "python").chmod(0o755)
+    (env / ".installed").write_text("cpu\n")   # a stamp left there is no reason to skip the check
+    ok = subprocess.run(["make", f"USE_ENV={env}", "setup"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert ok.returncode == 0 and "Nothing to be done" not in ok.stdout, ok.stdout + ok.stderr
+    assert sorted(p.name for p in env.iterdir()) == [".installed", "bin"]   # nothing made or installed
+    assert subprocess.run(["make", "-n", f"USE_ENV={env}", "clean"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True).stdout.split() == ["rm", "-rf", "build", "*.egg-info", "runs"]
     empty = tmp_path / "env"
     out = subprocess.run(["make", f"USE_ENV={empty}", "run"], cwd=ROOT, env=_env(), capture_output=True, text=True)
-    assert out.returncode != 0 and f"error: {empty}/bin/python cannot import torch" in out.stdout
+    assert out.returncode != 0 and f"error: {empty}/bin/python cannot run this workbook" in out.stdout
     assert "environment.yml" in out.stdout and not empty.exists()
+    out = subprocess.run(["make", "USE_ENV=", "run"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert out.returncode != 0 and "USE_ENV is empty: activate the environment first" in out.stderr
 
 
 def test_lab_saves_widget_state_with_the_notebook(tmp_path):
