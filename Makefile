@@ -53,6 +53,7 @@ help:
 	@echo "make test     pytest + nbval over every notebook"
 	@echo "make lab      JupyterLab with widgets"
 	@echo "make setup [TORCH=cpu|gpu]   only the .venv (run and test make it on first use)"
+	@echo "make run|test|lab USE_ENV=\$$CONDA_PREFIX   use environment.yml's conda environment instead of .venv"
 	@echo "make clean    remove .venv, build folders and runs/ (the executed notebooks and server logs)"
 	@echo "make kernel-resources   nvcc resource report (sm_120a, sm_90) -> data/results/kernel_resources.json"
 	@echo "make wheelhouse         SGLang wheels for the offline GPU machine (.whl1, .whl2, ...: one device call each)"
