@@ -32,8 +32,8 @@ import torch
 from ..mla import DIM_QK, DIM_V, SM_SCALE
 from ..results import add_record_args
 from ..roofline import verify_cost
-from .verify_attention import (CTA_ROWS, MAX_SPLITS, TILE_KEYS, MlaVerifyWorkspace, kernel_available,
-                               mla_verify_attention)
+from .verify_attention import (CTA_ROWS, MAX_SPLITS, MlaVerifyWorkspace, kernel_available, mla_verify_attention,
+                               tile_keys_of)
 
 L2_FLUSH_BYTES = 256 << 20
 # How L2 is emptied before each timing: by reading a buffer larger than any L2 (the H200's 50 MB, an
@@ -515,14 +515,11 @@ def nsplit_explorer(heads: int = 8, ctx: int = 65536, reps: int = 50):
     auto = build_sm120_mla(x)
     auto_us = time_graph_us(auto, reps=reps)["time_us"]
 
-    def tiles_for(rows):   # the 64-row kernel has 16-key tiles only (MlaVerifyWorkspace refuses 32)
-        return list(TILE_KEYS) if rows == 32 else [16]
-
     # continuous_update off: a drag would otherwise queue a capture and 50 replays per value passed
     splits = W.IntSlider(value=auto.num_splits, min=1, max=MAX_SPLITS, description="splits",
                          continuous_update=False)
     cta_rows = W.Dropdown(options=list(CTA_ROWS), value=auto.cta_rows, description="cta_rows")
-    tile_keys = W.Dropdown(options=tiles_for(auto.cta_rows), value=auto.tile_keys, description="tile_keys")
+    tile_keys = W.Dropdown(options=tile_keys_of(auto.cta_rows), value=auto.tile_keys, description="tile_keys")
     out = W.Output()
     timed = [(auto.num_splits, auto.cta_rows, auto.tile_keys)]
     with out:
@@ -543,7 +540,7 @@ def nsplit_explorer(heads: int = 8, ctx: int = 65536, reps: int = 50):
                 raise
 
     # first, so that a 64-row pick resets the tile before the setting is timed
-    cta_rows.observe(lambda change: setattr(tile_keys, "options", tiles_for(change["new"])), "value")
+    cta_rows.observe(lambda change: setattr(tile_keys, "options", tile_keys_of(change["new"])), "value")
     for control in (splits, cta_rows, tile_keys):
         control.observe(retime, "value")
     chosen = W.HTML(f"the workspace's choice: {auto.num_splits} splits, {auto.cta_rows}-row kernel, "

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from .bench import Inputs, add_shape_args, build_sm120_mla, shape_from_args
-from .verify_attention import CTA_ROWS, TILE_KEYS
+from .verify_attention import CTA_ROWS, TILE_KEYS, tile_keys_of
 
 
 def main(argv=None) -> None:
@@ -28,7 +28,7 @@ def main(argv=None) -> None:
                     help="fix the kernel: 32 (split) or 64 (wide); default: the workspace's choice for the shape")
     ap.add_argument("--define", action="append", default=[], help="a build define, e.g. PREFETCH_AHEAD=8")
     a = ap.parse_args(argv)
-    if a.cta_rows == 64 and a.tile_keys == 32:
+    if a.cta_rows is not None and a.tile_keys is not None and a.tile_keys not in tile_keys_of(a.cta_rows):
         ap.error("--tile-keys: the 64-row kernel has 16-key tiles only")
     if not torch.cuda.is_available():
         raise SystemExit("profiling needs a CUDA GPU; none is visible to torch")

@@ -24,6 +24,13 @@ DEFAULT_TILE_KEYS = 16
 # 64 the wide kernel (every warp alike, 16-key tiles only, mla_verify_wide.cuh), which reads
 # each key half as often when a request has more than 32 rows.
 CTA_ROWS = (32, 64)
+
+
+def tile_keys_of(cta_rows: int) -> tuple[int, ...]:
+    """The key tiles a kernel is compiled with: both in the 32-row kernel, 16 in the 64-row one."""
+    return TILE_KEYS if cta_rows == 32 else (16,)
+
+
 ROWS_PER_CTA = 32           # the split kernel's, the default of choose_num_splits
 # (Where max_q_len * heads <= 16, decode at up to 16 heads, the launcher runs the split kernel on
 # one m16 tile of its 32 rows, since the other is padding: DECODE_ONE_MTILE, v18m. Where it is
@@ -203,7 +210,7 @@ class MlaVerifyWorkspace:
         if cta_rows is not None and (isinstance(cta_rows, bool) or not isinstance(cta_rows, int)
                                      or cta_rows not in CTA_ROWS):
             _fail("cta_rows", f"must be one of {CTA_ROWS} or None (by shape), got {cta_rows!r}")
-        if cta_rows == 64 and tile_keys != 16:
+        if cta_rows is not None and tile_keys not in tile_keys_of(cta_rows):
             _fail("tile_keys", f"the 64-row kernel has 16-key tiles only, got {tile_keys!r}")
         self.tile_keys, self.fixed_cta_rows = tile_keys, cta_rows
         if isinstance(kernel_defines, (str, bytes)):   # a str would become one define a character
