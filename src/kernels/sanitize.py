@@ -153,13 +153,18 @@ def sanitizer_env() -> dict:
     return {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
 
 
+def sanitizer_exe() -> str:
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        raise RuntimeError("compute-sanitizer is not on PATH (it ships with the CUDA toolkit, in its bin/)")
+    return exe
+
+
 def run_tool(tool: str, defines: tuple[str, ...] = (), timeout_s: float = 900) -> dict:
     """Run one sanitizer tool on the case under one build; clean means exit 0, 'ran' and a 0 count."""
     if tool not in TOOLS:
         raise ValueError(f"tool: expected one of {TOOLS}, got {tool!r}")
-    exe = shutil.which("compute-sanitizer")
-    if exe is None:
-        raise RuntimeError("compute-sanitizer is not on PATH")
+    exe = sanitizer_exe()
     proc = subprocess.run([exe, f"--tool={tool}", "--error-exitcode=3", sys.executable, "-c", case_script(defines)],
                           capture_output=True, text=True, timeout=timeout_s, env=sanitizer_env())
     report = proc.stdout + proc.stderr
@@ -203,8 +208,10 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         sys.exit("the sanitizer runs need a CUDA GPU; none is visible to torch")
-    if shutil.which("compute-sanitizer") is None:   # found before the builds, not after them
-        sys.exit("compute-sanitizer is not on PATH (it ships with the CUDA toolkit, in its bin/)")
+    try:   # found before the builds, not after them
+        sanitizer_exe()
+    except RuntimeError as e:
+        sys.exit(str(e))
     for name in args.builds:   # all before any tool: a failed build then costs no sanitizer run
         try:
             build(BUILDS[name])
